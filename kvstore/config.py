@@ -1,0 +1,262 @@
+"""Configuration: one frozen dataclass per concern, composed into KVStoreConfig.
+
+The TOML file, ``KVSTORE_*`` environment variables and ``kvstore serve`` flags all map onto these
+fields one way: ``[dram] capacity_bytes`` == ``KVSTORE_DRAM__CAPACITY_BYTES`` ==
+``--set dram.capacity_bytes=...``. Sizes accept suffixes (``4GiB``, ``512MB``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
+}
+FSYNC_POLICIES = ("always", "batch", "never")
+
+
+def parse_size(value: int | str, field_name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"4GiB"``; ConfigError names ``field_name``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match or (match.group(2) or "").lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{field_name}: cannot parse size {value!r} (try 512MiB, 4GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+
+
+def _runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.access(base, os.W_OK):
+        return Path(base) / "kvstore"
+    return Path(tempfile.gettempdir()) / f"kvstore-{os.getuid()}"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvstore"
+
+
+def _total_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _check_fraction(owner: str, name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{owner}.{name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    """The shared-memory DRAM tier."""
+
+    # Arena size; default 1/8 of physical RAM, at most 16 GiB, so a laptop stays usable.
+    capacity_bytes: int = field(default_factory=lambda: min(_total_ram_bytes() // 8, 16 << 30))
+    high_watermark: float = 0.95  # fraction of capacity that starts demotion
+    low_watermark: float = 0.85  # demotion stops below this fraction
+    codec: str = "raw"  # codec chain for pages in this tier
+    shm_dir: str = "/dev/shm"  # where the arena file lives (falls back to a temp dir)
+    chunk_bytes: int = 64 << 20  # the arena grows (and pre-faults) this much at a time
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"dram.capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        _check_fraction("dram", "high_watermark", self.high_watermark)
+        _check_fraction("dram", "low_watermark", self.low_watermark)
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError("dram.low_watermark must not exceed dram.high_watermark")
+        if self.chunk_bytes < 1 << 20:
+            raise ConfigError(f"dram.chunk_bytes must be >= 1 MiB, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class SsdConfig:
+    """The SSD tier: append-only segment files plus an LMDB index."""
+
+    enabled: bool = True
+    path: str = field(default_factory=lambda: str(_cache_dir() / "ssd"))
+    capacity_bytes: int = 16 << 30  # bytes of live + dead segment data on disk
+    codec: str = "raw"  # codec chain for pages in this tier
+    segment_bytes: int = 256 << 20  # a segment file is sealed at this size
+    fsync: str = "batch"  # "always": fsync before the index commit; "batch"; "never"
+    fsync_interval_s: float = 0.05  # how often "batch" flushes
+    o_direct: bool = True  # use O_DIRECT when the file system allows it
+    admit_after_accesses: int = 2  # frequency filter: accesses a block needs to reach SSD
+    compact_dead_fraction: float = 0.5  # a sealed segment this dead is rewritten
+    index_map_bytes: int = 1 << 30  # LMDB map size (virtual; grows nothing on disk)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"ssd.capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        if self.segment_bytes < 1 << 20:
+            raise ConfigError(f"ssd.segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"ssd.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
+        if self.fsync_interval_s <= 0:
+            raise ConfigError("ssd.fsync_interval_s must be > 0")
+        if self.admit_after_accesses < 1:
+            raise ConfigError("ssd.admit_after_accesses must be >= 1")
+        _check_fraction("ssd", "compact_dead_fraction", self.compact_dead_fraction)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The sidecar daemon: sockets, auth, limits."""
+
+    socket_path: str = field(default_factory=lambda: str(_runtime_dir() / "kvstore.sock"))
+    socket_mode: int = 0o600
+    tcp_address: str = ""  # "host:port" to also listen on TCP; "" for Unix socket only
+    metrics_port: int = 0  # Prometheus HTTP port; 0 disables
+    metrics_host: str = "127.0.0.1"
+    tenant_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token
+    admin_token: str = ""  # sees and manages every tenant
+    require_auth_on_unix: bool = False  # also demand tokens on the Unix socket
+    max_message_bytes: int = 256 << 20
+    lease_timeout_s: float = 30.0  # an Acquire lease expires after this
+    shutdown_grace_s: float = 10.0
+    log_level: str = "INFO"
+    log_json: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"server.metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.max_message_bytes < 1 << 20:
+            raise ConfigError("server.max_message_bytes must be >= 1 MiB")
+        if self.lease_timeout_s <= 0:
+            raise ConfigError("server.lease_timeout_s must be > 0")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"server.log_level must be DEBUG/INFO/WARNING/ERROR, "
+                              f"got {self.log_level!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreConfig:
+    """Everything kvstore reads from configuration."""
+
+    dram: DramConfig = field(default_factory=DramConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+_SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig}
+
+
+def _coerce(section: str, name: str, value: Any, current: Any) -> Any:
+    qual = f"{section}.{name}"
+    if name.endswith("_bytes"):
+        return parse_size(value, qual)
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{qual}: expected a boolean, got {value!r}")
+    if isinstance(current, int):
+        try:
+            return int(value, 0) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{qual}: expected an integer, got {value!r}") from None
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{qual}: expected a number, got {value!r}") from None
+    if isinstance(current, dict):
+        if isinstance(value, str):  # "tenantA=tok1,tenantB=tok2"
+            pairs = [p.split("=", 1) for p in value.split(",") if p]
+            if any(len(p) != 2 for p in pairs):
+                raise ConfigError(f"{qual}: expected name=value pairs, got {value!r}")
+            return {k.strip(): v.strip() for k, v in pairs}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{qual}: expected a table, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    return str(value)
+
+
+def config_from_mapping(data: Mapping[str, Any], base: KVStoreConfig | None = None) -> KVStoreConfig:
+    """Apply ``{"dram": {...}, "ssd": {...}, "server": {...}}`` on top of ``base``."""
+    base = base or KVStoreConfig()
+    sections: dict[str, Any] = {}
+    for section, values in data.items():
+        cls = _SECTIONS.get(section)
+        if cls is None:
+            raise ConfigError(f"unknown config section {section!r}; expected {sorted(_SECTIONS)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config section {section!r} must be a table")
+        current = getattr(base, section)
+        known = {f.name for f in dataclasses.fields(cls)}
+        changes = {}
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigError(f"unknown config field {section}.{name}; known: {sorted(known)}")
+            changes[name] = _coerce(section, name, value, getattr(current, name))
+        sections[section] = dataclasses.replace(current, **changes)
+    return dataclasses.replace(base, **sections)
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """``KVSTORE_<SECTION>__<FIELD>`` variables as a config mapping."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, dict[str, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith("KVSTORE_") or "__" not in name:
+            continue
+        section, _, field_name = name[len("KVSTORE_"):].partition("__")
+        out.setdefault(section.lower(), {})[field_name.lower()] = value
+    return out
+
+
+def parse_assignments(items: list[str]) -> dict[str, dict[str, str]]:
+    """``["dram.capacity_bytes=1GiB", ...]`` as a config mapping."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, field_name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"expected section.field=value, got {item!r}")
+        out.setdefault(section, {})[field_name] = value
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> KVStoreConfig:
+    """Embedded defaults, then the TOML file, then the environment, then explicit overrides."""
+    import tomllib
+
+    config = KVStoreConfig()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                config = config_from_mapping(tomllib.load(f), config)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    config = config_from_mapping(env_overrides(environ), config)
+    if overrides:
+        config = config_from_mapping(overrides, config)
+    return config

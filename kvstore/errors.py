@@ -1,0 +1,54 @@
+"""The one exception tree of kvstore; every edge (gRPC, client, CLI) translates from it."""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Root of every error kvstore raises on purpose."""
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    """The caller passed something malformed: wrong shape, dtype, tokens, key or option."""
+
+
+class ConfigError(InvalidArgument):
+    """A configuration field is out of range or unparsable; the message names the field."""
+
+
+class NotFound(KVStoreError, KeyError):
+    """A named object (block, lease, tenant) does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseNotFound(NotFound):
+    """A lease id that was never issued, already released or already expired."""
+
+
+class CapacityError(KVStoreError):
+    """A tier or request is over its configured bound (RESOURCE_EXHAUSTED at the edge)."""
+
+
+class CorruptPage(KVStoreError):
+    """A stored page failed its magic, version, key or checksum check; it is never served."""
+
+
+class CodecError(KVStoreError, ValueError):
+    """A codec cannot encode this input, or a blob is truncated, damaged or foreign."""
+
+
+class PermissionDenied(KVStoreError):
+    """The caller's tenant may not touch this namespace or block."""
+
+
+class Unauthenticated(KVStoreError):
+    """No bearer token, or one that matches no tenant."""
+
+
+class Unavailable(KVStoreError):
+    """The daemon cannot be reached or is shutting down; safe to retry."""
+
+
+class AlreadyRunning(KVStoreError):
+    """Another daemon already serves this socket."""

@@ -1,0 +1,143 @@
+"""Namespaces and chained 128-bit block keys.
+
+A namespace fingerprint hashes everything that changes the stored K/V (model and revision,
+adapter, tenant, KV spec, tensor-parallel shard, extra salt). Block i's key hashes block i-1's
+key with block i's tokens, so a key names a whole prefix, not just its own tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+import numpy as np
+import torch
+
+from kvstore.errors import InvalidArgument
+from kvstore.spec import KVSpec
+
+BlockKey = NewType("BlockKey", bytes)
+"""16 bytes: blake2b-128 of (parent key or namespace fingerprint, the block's tokens)."""
+
+KEY_BYTES = 16
+_KEY_PERSON = b"kvstore.key.v1"  # blake2b personalisation: domain-separates from other uses
+_NS_PERSON = b"kvstore.ns.v1"
+MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must match for two requests to share K/V blocks."""
+
+    model_id: str
+    spec: KVSpec
+    revision: str = "main"  # weights revision / checkpoint hash
+    adapter_id: str = ""  # LoRA or other adapter; "" for the base model
+    tenant: str = "default"
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra_salt: str = ""  # e.g. a hash of multimodal inputs
+    fingerprint: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "tenant"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InvalidArgument(f"Namespace.{name} must be a non-empty string, got {value!r}")
+        for name in ("revision", "adapter_id", "extra_salt"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidArgument(f"Namespace.{name} must be a string")
+        if not isinstance(self.spec, KVSpec):
+            raise InvalidArgument(f"Namespace.spec must be a KVSpec, got {type(self.spec).__name__}")
+        if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
+            raise InvalidArgument(f"Namespace.tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
+            raise InvalidArgument(
+                f"Namespace.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
+            )
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        digest = hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES, person=_NS_PERSON)
+        object.__setattr__(self, "fingerprint", digest.digest())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "adapter_id": self.adapter_id,
+            "tenant": self.tenant,
+            "spec": self.spec.to_dict(),
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "extra_salt": self.extra_salt,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Namespace:
+        data = dict(data)
+        spec = data.pop("spec", None)
+        if not isinstance(spec, dict):
+            raise InvalidArgument("Namespace needs a 'spec' mapping")
+        unknown = set(data) - (set(cls.__dataclass_fields__) - {"fingerprint"})
+        if unknown:
+            raise InvalidArgument(f"unknown Namespace fields: {sorted(unknown)}")
+        return cls(spec=KVSpec.from_dict(spec), **data)
+
+
+def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """Validate token ids and return them as little-endian uint32 (the hashed byte form)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise InvalidArgument(f"tokens must be a 1-D integer tensor, got {tokens.dtype} "
+                                  f"with shape {tuple(tokens.shape)}")
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (list, tuple, range)):
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+            raise InvalidArgument("tokens must be a sequence of ints")
+        arr = np.asarray(tokens, dtype=np.int64)
+    else:
+        raise InvalidArgument(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"tokens must be a 1-D array of ints, got {arr.dtype} {arr.shape}")
+    if arr.size == 0:
+        raise InvalidArgument("tokens is empty")
+    if arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
+        raise InvalidArgument(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+    return arr.astype("<u4", copy=False)
+
+
+def chain_key(parent: bytes, block_tokens: np.ndarray) -> BlockKey:
+    """The key of one block given its parent key (or the namespace fingerprint)."""
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_KEY_PERSON)
+    h.update(block_tokens.tobytes())
+    return BlockKey(h.digest())
+
+
+def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[BlockKey]:
+    """Chained keys of every full block of ``tokens`` under ``ns``; a trailing partial block
+    has no key."""
+    arr = token_array(tokens)
+    bt = ns.spec.block_tokens
+    keys: list[BlockKey] = []
+    parent = ns.fingerprint
+    for start in range(0, arr.size - bt + 1, bt):
+        parent = chain_key(parent, arr[start : start + bt])
+        keys.append(BlockKey(parent))
+    return keys
+
+
+def parse_key(text: str | bytes) -> BlockKey:
+    """A BlockKey from 32 hex characters or 16 raw bytes; InvalidArgument otherwise."""
+    if isinstance(text, bytes) and len(text) == KEY_BYTES:
+        return BlockKey(text)
+    try:
+        raw = bytes.fromhex(text if isinstance(text, str) else text.decode())
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument(f"malformed block key {text!r}: expected 32 hex digits") from None
+    if len(raw) != KEY_BYTES:
+        raise InvalidArgument(f"malformed block key {text!r}: expected 32 hex digits")
+    return BlockKey(raw)

@@ -1,0 +1,144 @@
+"""The self-describing stored page: a fixed header, a small JSON meta section and the payload.
+
+Layout (little-endian)::
+
+    magic "KVPG" | version u16 | codec_id u16 | block_index u32 | namespace fingerprint 16B |
+    key 16B | parent key 16B (zeros for a first block) | meta_len u32 | payload_len u64 |
+    checksum u64 | meta (JSON: tenant, model, codec chain) | payload (codec blob)
+
+The checksum is xxh3-64 over the header (with the checksum field zero), meta and payload.
+Any reader can verify and decode a page without outside state.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.errors import CorruptPage
+from kvstore.keys import KEY_BYTES, BlockKey
+
+PAGE_MAGIC = b"KVPG"
+PAGE_VERSION = 1
+_HEADER = struct.Struct("<4sHHI16s16s16sIQQ")
+HEADER_BYTES = _HEADER.size
+_CHECKSUM_OFFSET = HEADER_BYTES - 8
+_NO_PARENT = bytes(KEY_BYTES)
+MAX_META_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    """What a page says about its block besides the payload."""
+
+    key: BlockKey
+    namespace: bytes  # namespace fingerprint
+    parent: BlockKey | None  # None for the first block of a prefix
+    block_index: int  # position of the block in its prefix (0-based)
+    tenant: str
+    model_id: str
+    codec: str  # codec chain name, e.g. "fp8_e4m3+zstd"
+    codec_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """A verified page: its meta and a view of its payload."""
+
+    meta: PageMeta
+    payload: memoryview
+
+
+def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> bytes:
+    """Serialise ``payload`` with its header and checksum."""
+    meta_bytes = json.dumps(
+        {"tenant": meta.tenant, "model": meta.model_id, "codec": meta.codec},
+        separators=(",", ":"),
+    ).encode()
+    header = bytearray(
+        _HEADER.pack(
+            PAGE_MAGIC,
+            PAGE_VERSION,
+            meta.codec_id,
+            meta.block_index,
+            meta.namespace,
+            meta.key,
+            meta.parent or _NO_PARENT,
+            len(meta_bytes),
+            len(payload),
+            0,
+        )
+    )
+    h = xxhash.xxh3_64()
+    h.update(header)
+    h.update(meta_bytes)
+    h.update(payload)
+    struct.pack_into("<Q", header, _CHECKSUM_OFFSET, h.intdigest())
+    return b"".join((header, meta_bytes, payload))
+
+
+def page_bytes(payload_len: int, meta: PageMeta) -> int:
+    """Size of the encoded page (header + meta + payload) for sizing slots."""
+    meta_len = len(
+        json.dumps({"tenant": meta.tenant, "model": meta.model_id, "codec": meta.codec},
+                   separators=(",", ":")).encode()
+    )
+    return HEADER_BYTES + meta_len + payload_len
+
+
+def page_length(buf: bytes | bytearray | memoryview) -> int:
+    """Total length of the page that starts at ``buf`` (from its header alone)."""
+    view = memoryview(buf)
+    if len(view) < HEADER_BYTES:
+        raise CorruptPage(f"page truncated: {len(view)} bytes, header needs {HEADER_BYTES}")
+    fields = _HEADER.unpack_from(view)
+    if fields[0] != PAGE_MAGIC:
+        raise CorruptPage(f"bad page magic {bytes(fields[0])!r}")
+    return HEADER_BYTES + fields[7] + fields[8]
+
+
+def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None) -> Page:
+    """Verify and parse a page; raise CorruptPage naming the first fault found.
+
+    The returned payload is a view into ``buf`` (no copy).
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_BYTES:
+        raise CorruptPage(f"page truncated: {len(view)} bytes, header needs {HEADER_BYTES}")
+    (magic, version, codec_id, block_index, namespace, key, parent, meta_len, payload_len,
+     checksum) = _HEADER.unpack_from(view)
+    if magic != PAGE_MAGIC:
+        raise CorruptPage(f"bad page magic {bytes(magic)!r}, expected {PAGE_MAGIC!r}")
+    if version != PAGE_VERSION:
+        raise CorruptPage(f"unsupported page version {version}, this build reads {PAGE_VERSION}")
+    if meta_len > MAX_META_BYTES:
+        raise CorruptPage(f"page meta length {meta_len} exceeds {MAX_META_BYTES}")
+    end = HEADER_BYTES + meta_len + payload_len
+    if len(view) < end:
+        raise CorruptPage(f"page truncated: {len(view)} bytes, header says {end}")
+    if expected_key is not None and key != expected_key:
+        raise CorruptPage(f"page holds key {key.hex()}, expected {bytes(expected_key).hex()}")
+    h = xxhash.xxh3_64()
+    h.update(view[:_CHECKSUM_OFFSET])
+    h.update(b"\0" * 8)
+    h.update(view[HEADER_BYTES:end])
+    if h.intdigest() != checksum:
+        raise CorruptPage(f"page checksum mismatch for key {key.hex()}")
+    try:
+        info = json.loads(bytes(view[HEADER_BYTES : HEADER_BYTES + meta_len]))
+        meta = PageMeta(
+            key=BlockKey(key),
+            namespace=namespace,
+            parent=None if parent == _NO_PARENT else BlockKey(parent),
+            block_index=block_index,
+            tenant=info["tenant"],
+            model_id=info["model"],
+            codec=info["codec"],
+            codec_id=codec_id,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptPage(f"page meta unreadable for key {key.hex()}: {exc}") from None
+    return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end])

@@ -1,0 +1,115 @@
+"""The Tier contract: where encoded pages live (HBM, DRAM, SSD, remote).
+
+A tier stores whole encoded pages (``kvstore.page``) by ``BlockKey``. It knows nothing about
+prefixes, namespaces or policy: the store (``kvstore.store``) decides what goes where, and a tier
+only admits, holds, returns and forgets pages within its capacity.
+
+Threading: every method is called from the store's event loop. Async methods may await file or
+device I/O (through threads); sync methods must return quickly and never block on I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvstore.keys import BlockKey
+from kvstore.page import Page, PageMeta
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters a tier keeps; ``used_bytes`` and ``num_blocks`` are current values."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    num_blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # pages removed to make room (demoted or dropped)
+    corrupt: int = 0  # pages that failed verification on read and were removed
+    rejected: int = 0  # writes refused (admission filter, page larger than a slot, full)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict[str, float] = field(default_factory=dict)  # tier-specific gauges
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "num_blocks": self.num_blocks,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "corrupt": self.corrupt,
+            "rejected": self.rejected,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            **self.extra,
+        }
+
+
+class Tier(ABC):
+    """One storage tier. Implementations own their memory or files and their counters.
+
+    Contract:
+    - ``write`` stores a complete encoded page under ``key`` or returns False (not admitted,
+      no room); it never leaves a partial page readable. Writing a key already present is a
+      no-op that returns True.
+    - ``read`` returns the verified, parsed page, or None on a miss. A page that fails
+      verification is removed, counted in ``stats().corrupt`` and reported as a miss: a tier
+      never returns bytes that fail their checksum.
+    - ``delete`` forgets a key (idempotent). ``close`` flushes what must persist.
+    - ``used_bytes`` never exceeds ``capacity_bytes``.
+    """
+
+    name: str = "tier"
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """Configured bound on stored bytes."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes currently charged against capacity (slot or segment space)."""
+
+    @abstractmethod
+    def contains(self, key: BlockKey) -> bool:
+        """Whether ``key`` is stored (no I/O)."""
+
+    @abstractmethod
+    def can_write(self, nbytes: int) -> bool:
+        """Whether a page of ``nbytes`` fits now without evicting anything."""
+
+    @abstractmethod
+    async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
+        """Store an encoded page; True if stored (or already present)."""
+
+    @abstractmethod
+    async def read(self, key: BlockKey) -> Page | None:
+        """The verified page for ``key`` (``kvstore.page.decode_page``), or None (miss or
+        corrupt). The payload may be a view into tier memory: it stays valid until the key is
+        deleted, and the store never deletes a block while a reader holds it."""
+
+    @abstractmethod
+    async def delete(self, key: BlockKey) -> bool:
+        """Forget ``key``; True if it was stored."""
+
+    @abstractmethod
+    def entries(self) -> Iterator[PageMeta]:
+        """Meta of every stored page (for rebuilding the directory after a restart)."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+
+    async def open(self) -> None:
+        """Acquire files, memory and indexes. Called once before use."""
+
+    async def close(self) -> None:
+        """Flush what must persist and release resources."""

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (seeing system packages, so a GPU machine's own torch is kept), installs the
+# local CPU build of torch only where no torch is importable, then kvstore with its extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-test}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv --system-site-packages .venv
+fi
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+    # The CPU wheel on the machine's local index; a bare `torch` would fetch a multi-GB CUDA build.
+    python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q -e ".[${EXTRAS}]"

@@ -1,0 +1,52 @@
+import pytest
+
+from kvstore.config import KVStoreConfig, load_config, parse_assignments, parse_size
+from kvstore.errors import ConfigError
+
+
+def test_parse_size():
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512MB") == 512_000_000
+    assert parse_size(123) == 123
+    with pytest.raises(ConfigError, match="dram.capacity_bytes"):
+        parse_size("lots", "dram.capacity_bytes")
+
+
+def test_defaults_are_valid():
+    cfg = KVStoreConfig()
+    assert cfg.dram.capacity_bytes > 0 and cfg.ssd.fsync == "batch"
+
+
+def test_layering_file_env_overrides(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[dram]\ncapacity_bytes = "1GiB"\n[ssd]\nfsync = "always"\n'
+                    '[server]\ntenant_tokens = { acme = "s3cret" }\n')
+    cfg = load_config(path, environ={"KVSTORE_SSD__FSYNC": "never",
+                                     "KVSTORE_DRAM__HIGH_WATERMARK": "0.9"},
+                      overrides=parse_assignments(["dram.capacity_bytes=2GiB"]))
+    assert cfg.dram.capacity_bytes == 2 << 30
+    assert cfg.ssd.fsync == "never"
+    assert cfg.dram.high_watermark == 0.9
+    assert cfg.server.tenant_tokens == {"acme": "s3cret"}
+
+
+@pytest.mark.parametrize(
+    "environ, match",
+    [
+        ({"KVSTORE_SSD__FSYNC": "sometimes"}, "ssd.fsync"),
+        ({"KVSTORE_DRAM__HIGH_WATERMARK": "2"}, "dram.high_watermark"),
+        ({"KVSTORE_DRAM__NOPE": "1"}, "dram.nope"),
+        ({"KVSTORE_BOGUS__X": "1"}, "bogus"),
+        ({"KVSTORE_SSD__O_DIRECT": "maybe"}, "ssd.o_direct"),
+    ],
+)
+def test_bad_values_name_the_field(environ, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(environ=environ)
+
+
+def test_bad_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[dram\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path, environ={})
