@@ -46,10 +46,11 @@ class PageMeta:
 
 @dataclass(frozen=True, slots=True)
 class Page:
-    """A verified page: its meta and a view of its payload."""
+    """A verified page: its meta, a view of its payload and a view of the whole encoded page."""
 
     meta: PageMeta
     payload: memoryview
+    data: memoryview  # header + meta + payload, e.g. to copy the page to another tier as is
 
 
 def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> bytes:
@@ -141,4 +142,4 @@ def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None 
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptPage(f"page meta unreadable for key {key.hex()}: {exc}") from None
-    return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end])
+    return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end], data=view[:end])
