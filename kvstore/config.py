@@ -102,6 +102,7 @@ class SsdConfig:
     admit_after_accesses: int = 2  # frequency filter: accesses a block needs to reach SSD
     compact_dead_fraction: float = 0.5  # a sealed segment this dead is rewritten
     index_map_bytes: int = 1 << 30  # LMDB map size (virtual; grows nothing on disk)
+    persist_on_close: bool = True  # on shutdown, write DRAM-only blocks to SSD (bypasses the filter)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:

@@ -26,6 +26,7 @@ KEY_BYTES = 16
 _KEY_PERSON = b"kvstore.key.v1"  # blake2b personalisation: domain-separates from other uses
 _NS_PERSON = b"kvstore.ns.v1"
 MAX_TOKEN_ID = 2**32 - 1
+MAX_NAME_CHARS = 256  # model ids, tenants, revisions: bounded so page meta stays small
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +48,11 @@ class Namespace:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise InvalidArgument(f"Namespace.{name} must be a non-empty string, got {value!r}")
-        for name in ("revision", "adapter_id", "extra_salt"):
-            if not isinstance(getattr(self, name), str):
-                raise InvalidArgument(f"Namespace.{name} must be a string")
+        for name in ("model_id", "tenant", "revision", "adapter_id", "extra_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
+                raise InvalidArgument(
+                    f"Namespace.{name} must be a string of at most {MAX_NAME_CHARS} characters")
         if not isinstance(self.spec, KVSpec):
             raise InvalidArgument(f"Namespace.spec must be a KVSpec, got {type(self.spec).__name__}")
         if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
