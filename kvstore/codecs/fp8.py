@@ -1,0 +1,159 @@
+"""fp8_e4m3: K and V as float8 e4m3 codes with one bf16 scale per (token, kv head)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.codecs.base import (
+    Codec,
+    check_kv_input,
+    check_out,
+    framing_bytes,
+    pack_blob,
+    section_tensor,
+    unpack_blob,
+)
+from kvstore.codecs.triton.common import (
+    check_finite,
+    check_paged_target,
+    scatter_pages_reference,
+    use_triton,
+)
+from kvstore.errors import CodecError
+
+E4M3_MAX = 448.0  # largest finite float8 e4m3fn value; codes saturate here, never NaN
+# Scales are clamped up to the smallest normal float32 so 1/scale stays finite on all-zero rows.
+MIN_SCALE = 2.0**-126
+FORMAT_VERSION = 1
+# Scale layout 1 = per (token, kv head) for both K and V. Chosen by measurement on K with
+# outlier channels (x20): relative L2 error 0.0171 against 0.0240 for per (channel, 32-token
+# group) scales, attention-output error 0.050 against 0.067, at a quarter of the scale bytes.
+SCALE_PER_TOKEN_HEAD = 1
+_PARAMS = struct.Struct("<BB")  # format version, scale layout
+PARAMS = _PARAMS.pack(FORMAT_VERSION, SCALE_PER_TOKEN_HEAD)
+NUM_SECTIONS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Parts:
+    """The quantised sections of one run.
+
+    ``codes``: uint8 ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``, e4m3fn bit patterns.
+    ``scales``: bf16 ``[num_layers, 2, num_tokens, num_kv_heads]``; value = code * scale.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def to(self, device: torch.device) -> Fp8Parts:
+        return Fp8Parts(self.codes.to(device), self.scales.to(device))
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """bf16 scale per row of the last dim: amax / 448 rounded to nearest even bf16.
+
+    bf16 rather than float32 halves the scale bytes; measured on K with outlier channels and
+    on Gaussian V the error differs from float32 scales by under 0.5% (relative L2 0.01719 vs
+    0.01715). Division by a tensor (not a Python scalar) keeps it IEEE-rounded on CUDA too.
+    """
+    amax = x.float().abs().amax(dim=-1)
+    scales = (amax / torch.full_like(amax, E4M3_MAX)).to(torch.bfloat16)
+    return scales.clamp_min(MIN_SCALE)
+
+
+def encode_fp8_reference(kv: torch.Tensor) -> Fp8Parts:
+    """Torch reference of the encode kernel, bit for bit: codes of clamp(x / scale, +-448)."""
+    x = kv.float()
+    scales = row_scales(x)
+    inv = torch.reciprocal(scales.float())
+    # Clamp first: torch turns values beyond +-448 into NaN where Triton saturates.
+    y = (x * inv.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    return Fp8Parts(y.to(torch.float8_e4m3fn).view(torch.uint8), scales)
+
+
+def decode_fp8_reference(parts: Fp8Parts, dtype: torch.dtype) -> torch.Tensor:
+    """Torch reference of the decode kernel: code * scale in float32, then cast to ``dtype``."""
+    values = parts.codes.view(torch.float8_e4m3fn).float()
+    return (values * parts.scales.float().unsqueeze(-1)).to(dtype)
+
+
+def decode_paged_fp8_reference(
+    parts: Fp8Parts, kv_cache: torch.Tensor, block_table: torch.Tensor
+) -> None:
+    """Torch reference of ``decode_paged_fp8``: decode the run into the pages of ``kv_cache``.
+
+    Token t lands in ``kv_cache[:, :, block_table[t // page_tokens], t % page_tokens]``.
+    """
+    check_paged_target(kv_cache, block_table, tuple(parts.codes.shape))
+    scatter_pages_reference(decode_fp8_reference(parts, kv_cache.dtype), kv_cache, block_table)
+
+
+class Fp8E4M3Codec(Codec):
+    """float8 e4m3 with a bf16 scale per (token, kv head): about 1 + 2/head_dim bytes/element.
+
+    Inputs holding NaN or Inf are rejected with CodecError. CUDA tensors run the Triton kernels,
+    CPU tensors the torch reference; both produce the same blob bytes.
+    """
+
+    name = "fp8_e4m3"
+    codec_id = 2
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        kv = check_kv_input(kv, self.name)
+        if kv.shape[-1] == 0:
+            raise CodecError(f"{self.name}: head_dim must be positive, got shape {tuple(kv.shape)}")
+        kv = check_finite(kv, self.name).contiguous()
+        if use_triton(kv):
+            from kvstore.codecs.triton.fp8 import encode_fp8
+
+            parts = encode_fp8(kv)
+        else:
+            parts = encode_fp8_reference(kv)
+        sections = [parts.codes, parts.scales]
+        return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), PARAMS, sections)
+
+    def decode(self, blob, out: torch.Tensor | None = None) -> torch.Tensor:
+        parts, dtype, shape = self.parse(blob)
+        out = check_out(out, dtype, shape)
+        if use_triton(out) and out.is_contiguous():
+            from kvstore.codecs.triton.fp8 import decode_fp8
+
+            decode_fp8(parts.to(out.device), out)
+        else:
+            out.copy_(decode_fp8_reference(parts, dtype))
+        return out
+
+    def decode_paged(self, blob, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
+        """Decode a blob straight into an engine's paged cache (see ``decode_paged_fp8``)."""
+        parts, _, _ = self.parse(blob)
+        if use_triton(kv_cache):
+            from kvstore.codecs.triton.fp8 import decode_paged_fp8
+
+            decode_paged_fp8(parts.to(kv_cache.device), kv_cache, block_table)
+        else:
+            decode_paged_fp8_reference(parts, kv_cache, block_table)
+
+    def parse(self, blob) -> tuple[Fp8Parts, torch.dtype, tuple[int, ...]]:
+        """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""
+        parts = unpack_blob(blob)
+        if parts.codec_id != self.codec_id:
+            raise CodecError(f"blob was written by codec id {parts.codec_id}, not {self.name}")
+        if parts.params != PARAMS:
+            raise CodecError(f"{self.name}: unsupported blob params {parts.params.hex()}")
+        shape = parts.shape
+        if len(shape) != 5 or shape[1] != 2 or len(parts.sections) != NUM_SECTIONS:
+            raise CodecError(
+                f"{self.name}: blob holds shape {shape} with {len(parts.sections)} sections"
+            )
+        codes = section_tensor(parts.sections[0], torch.uint8, shape)
+        scales = section_tensor(parts.sections[1], torch.bfloat16, shape[:-1])
+        return Fp8Parts(codes, scales), parts.dtype, shape
+
+    def bytes_per_element(self, spec) -> float:
+        numel = spec.num_layers * 2 * spec.block_tokens * spec.num_kv_heads * spec.head_dim
+        num_scales = numel // spec.head_dim
+        total = numel + 2 * num_scales + framing_bytes(5, NUM_SECTIONS, len(PARAMS))
+        return total / numel
