@@ -1,0 +1,7 @@
+"""Clients of the kvstore daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio)."""
+
+from kvstore.client.aio import AsyncClient
+from kvstore.client.base import NO_RETRY, HealthInfo, RetryPolicy, default_address
+from kvstore.client.sync import Client
+
+__all__ = ["NO_RETRY", "AsyncClient", "Client", "HealthInfo", "RetryPolicy", "default_address"]

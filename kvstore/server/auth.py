@@ -1,0 +1,164 @@
+"""Bearer-token authentication (an interceptor) and the tenant rules every RPC applies.
+
+Who a caller is:
+- a valid ``authorization: Bearer <token>`` names a tenant (``server.tenant_tokens``) or the
+  admin (``server.admin_token``); a token that matches nothing, or malformed metadata, is
+  UNAUTHENTICATED on every transport;
+- without a token, TCP callers are UNAUTHENTICATED; Unix-socket callers are too when
+  ``server.require_auth_on_unix`` is set, and otherwise run under local trust: as the tenant
+  their namespace names, with admin rights for calls that name no namespace.
+
+The file mode of the Unix socket (0600 in a 0700 directory) is what makes local trust safe.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.config import ServerConfig
+from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.server.base import Behavior, error_metadata, wrap_handler
+
+_BEARER = "bearer "
+_UNIX_PEER_PREFIX = "unix:"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """The identity a call runs under."""
+
+    tenant: str | None  # None: the admin or a local-trust caller
+    is_admin: bool
+    local_trust: bool = False  # Unix socket without a token
+
+    def check_namespace_tenant(self, tenant: str, action: str) -> None:
+        """PermissionDenied unless this caller may ``action`` blocks of ``tenant``."""
+        if self.tenant is not None and tenant != self.tenant:
+            raise PermissionDenied(
+                f"tenant {self.tenant!r} may not {action} namespaces of tenant {tenant!r}"
+            )
+
+    def scope(self, requested: str, action: str) -> str | None:
+        """The tenant filter for a listing call: the caller's own tenant for tenant callers
+        (PermissionDenied if they ask for another one), the requested one (or all) otherwise."""
+        if self.tenant is None:
+            return requested or None
+        if requested and requested != self.tenant:
+            raise PermissionDenied(
+                f"tenant {self.tenant!r} may not {action} of tenant {requested!r}"
+            )
+        return self.tenant
+
+
+ADMIN = Caller(tenant=None, is_admin=True)
+LOCAL = Caller(tenant=None, is_admin=True, local_trust=True)
+
+_current_caller: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvstore_caller")
+
+
+def current_caller() -> Caller:
+    """The caller of the RPC running in this task (set by :class:`AuthInterceptor`)."""
+    caller = _current_caller.get(None)
+    if caller is None:
+        raise Unauthenticated("no authenticated caller for this call")
+    return caller
+
+
+class TokenTable:
+    """Bearer tokens of the tenants and the admin, compared in constant time."""
+
+    def __init__(self, tenant_tokens: dict[str, str], admin_token: str) -> None:
+        self._tenants = [(tenant, token.encode()) for tenant, token in tenant_tokens.items()]
+        self._admin = admin_token.encode()
+
+    @property
+    def empty(self) -> bool:
+        return not self._tenants and not self._admin
+
+    def resolve(self, token: str) -> Caller:
+        """The caller a token names; Unauthenticated if it names nobody."""
+        raw = token.encode()
+        found: Caller | None = None
+        if self._admin and hmac.compare_digest(raw, self._admin):
+            found = ADMIN
+        for tenant, expected in self._tenants:  # no early exit: timing says nothing
+            if hmac.compare_digest(raw, expected) and found is None:
+                found = Caller(tenant=tenant, is_admin=False)
+        if found is None:
+            raise Unauthenticated("bearer token matches no tenant")
+        return found
+
+
+def bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+    """The bearer token in call metadata, None if absent; Unauthenticated if malformed."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Unauthenticated("more than one authorization header")
+    value = values[0] if isinstance(values[0], str) else values[0].decode("latin-1")
+    if not value.lower().startswith(_BEARER) or not value[len(_BEARER):].strip():
+        raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")
+    return value[len(_BEARER):].strip()
+
+
+def authenticate(
+    tokens: TokenTable, metadata: tuple[tuple[str, str | bytes], ...] | None, peer: str,
+    require_auth_on_unix: bool,
+) -> Caller:
+    """Who is calling, from the call's metadata and peer address (see the module docstring)."""
+    token = bearer_token(metadata)
+    if token is not None:
+        return tokens.resolve(token)
+    on_unix = peer.startswith(_UNIX_PEER_PREFIX)
+    if on_unix and not require_auth_on_unix:
+        return LOCAL
+    where = "on the Unix socket (server.require_auth_on_unix)" if on_unix else "over TCP"
+    raise Unauthenticated(f"a bearer token is required {where}")
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call before its handler runs and publishes the caller."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
+        self._require_on_unix = config.require_auth_on_unix
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
+        return authenticate(self._tokens, context.invocation_metadata(), context.peer(),
+                            self._require_on_unix)
+
+    async def _reject(self, context: grpc.aio.ServicerContext, exc: Unauthenticated) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc),
+                            trailing_metadata=error_metadata(exc))
+
+    def _unary(self, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            try:
+                _current_caller.set(self._authenticate(context))
+            except Unauthenticated as exc:
+                await self._reject(context, exc)
+            return await behavior(request, context)
+
+        return run
+
+    def _streaming(self, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            try:
+                _current_caller.set(self._authenticate(context))
+            except Unauthenticated as exc:
+                await self._reject(context, exc)
+            async for response in behavior(request, context):
+                yield response
+
+        return run
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return wrap_handler(handler, self._unary, self._streaming)

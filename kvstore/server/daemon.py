@@ -1,0 +1,262 @@
+"""The sidecar daemon: sockets, the grpc.aio server over one Store, signals, logging.
+
+``run_daemon(config)`` blocks until SIGTERM/SIGINT, drains in-flight calls, closes the store
+(flushing SSD) and returns 0. ``await serve(config)`` starts the same daemon inside a running
+event loop and returns a :class:`Daemon` handle (TCP port 0 picks a free port), for tests and
+benchmarks. ``python -m kvstore.server.daemon [--config FILE] [--set section.field=value]``
+runs it without the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from kvstore.config import KVStoreConfig, load_config, parse_assignments
+from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
+from kvstore.server.auth import AuthInterceptor, TokenTable
+from kvstore.server.base import ErrorInterceptor
+from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
+from kvstore.server.service import KVStoreService, add_to_server
+from kvstore.store import Store
+
+_log = logging.getLogger("kvstore.server.daemon")
+_PROBE_TIMEOUT_S = 1.0  # how long a connect to an existing socket may take to count as live
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the record's extra fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 6), "level": record.levelname,
+                 "logger": record.name, "msg": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in _RESERVED})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(log_level: str, log_json: bool, stream: IO[str] | None = None) -> None:
+    """Route the ``kvstore`` loggers to stderr (or ``stream``), as JSON lines if asked."""
+    logger = logging.getLogger("kvstore")
+    for handler in [h for h in logger.handlers if getattr(h, "_kvstore_daemon", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_json else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler._kvstore_daemon = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(log_level.upper())
+    logger.propagate = False
+
+
+def _socket_is_live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_TIMEOUT_S)
+    try:
+        probe.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError as exc:
+        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        probe.close()
+
+
+def claim_socket_path(path: str) -> IO[str]:
+    """Lock ``path`` for this process and clear a stale socket file; return the held lock.
+
+    AlreadyRunning if another daemon holds the lock or a process answers on the socket.
+    """
+    parent = Path(path).parent
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the daemon's lifetime
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise AlreadyRunning(f"another kvstore daemon already serves {path} (it holds "
+                             f"{path}.lock); stop it or choose another server.socket_path")
+    try:
+        _clear_stale_socket(path)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _clear_stale_socket(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"server.socket_path {path} exists and is not a socket; "
+                          "refusing to replace it")
+    if _socket_is_live(path):
+        raise AlreadyRunning(f"a process already answers on {path}; stop it or choose "
+                             "another server.socket_path")
+    os.unlink(path)
+    _log.warning("removed stale socket %s left by a previous daemon", path,
+                 extra={"socket": path})
+
+
+class Daemon:
+    """A running daemon: its store, gRPC server, bound addresses and metrics endpoint."""
+
+    def __init__(self, config: KVStoreConfig, store: Store, lock: IO[str]) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = Metrics()
+        self.socket_path = config.server.socket_path
+        self.tcp_port: int | None = None
+        self.metrics_port: int | None = None
+        self.draining = False
+        self._lock = lock
+        self._stopped = asyncio.Event()
+        self.server = grpc.aio.server(
+            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(config.server),
+                          ErrorInterceptor()],
+            options=[("grpc.max_receive_message_length", config.server.max_message_bytes),
+                     ("grpc.max_send_message_length", config.server.max_message_bytes),
+                     ("grpc.so_reuseport", 0)],
+        )
+        add_to_server(KVStoreService(store, config, lambda: self.draining), self.server)
+
+    @property
+    def unix_address(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def tcp_address(self) -> str | None:
+        if self.tcp_port is None:
+            return None
+        host = self.config.server.tcp_address.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.tcp_port}"
+
+    def _bind(self) -> None:
+        # The socket file is created by the bind inside add_insecure_port: the umask makes it
+        # 0600 from its first instant, the chmod applies a configured mode.
+        old = os.umask(0o177)
+        try:
+            self.server.add_insecure_port(self.unix_address)
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, self.config.server.socket_mode)
+        address = self.config.server.tcp_address
+        if address:
+            try:
+                self.tcp_port = self.server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise ConfigError(f"server.tcp_address {address!r}: cannot bind: {exc}") from None
+
+    async def start(self) -> None:
+        self._bind()
+        await self.server.start()
+        server = self.config.server
+        if server.metrics_port:
+            self.metrics.watch_store(loop_snapshot(self.store.stats, asyncio.get_running_loop()))
+            self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port)
+        _log.info("serving", extra={"socket": self.socket_path, "tcp_port": self.tcp_port,
+                                    "metrics_port": self.metrics_port, "pid": os.getpid()})
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, give in-flight ones ``grace_s``, close the store. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self.draining = True
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        started = time.monotonic()
+        try:
+            await self.server.stop(grace)
+            self.metrics.stop_http()
+            await self.store.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            self._lock.close()
+            self._stopped.set()
+        _log.info("stopped", extra={"drain_s": round(time.monotonic() - started, 3)})
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: KVStoreConfig) -> Daemon:
+    """Open the store and start serving; the caller owns ``await daemon.stop()``."""
+    server = config.server
+    if server.tcp_address and TokenTable(server.tenant_tokens, server.admin_token).empty:
+        raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
+                          "server.admin_token: TCP is never served without tokens")
+    lock = claim_socket_path(server.socket_path)
+    store = Store(config)
+    try:
+        await store.open()
+    except BaseException:
+        lock.close()
+        raise
+    daemon = Daemon(config, store, lock)
+    try:
+        await daemon.start()
+    except BaseException:
+        await daemon.stop(0)
+        raise
+    return daemon
+
+
+async def _run(config: KVStoreConfig) -> int:
+    daemon = await serve(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+        _log.info("draining", extra={"grace_s": config.server.shutdown_grace_s})
+    finally:
+        await daemon.stop()
+    return 0
+
+
+def run_daemon(config: KVStoreConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then drain, flush and return 0 (the exit code).
+
+    Raises:
+        AlreadyRunning: another daemon serves ``config.server.socket_path``.
+        ConfigError: the sockets cannot be set up as configured.
+    """
+    configure_logging(config.server.log_level, config.server.log_json)
+    return asyncio.run(_run(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server.daemon")
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        return run_daemon(load_config(args.config, overrides=parse_assignments(args.set)))
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVSpec(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "dtype", "position_scheme")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: str
+    position_scheme: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., position_scheme: _Optional[str] = ...) -> None: ...
+
+class Namespace(_message.Message):
+    __slots__ = ("model_id", "revision", "adapter_id", "tenant", "spec", "tp_rank", "tp_size", "extra_salt")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_SALT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    revision: str
+    adapter_id: str
+    tenant: str
+    spec: KVSpec
+    tp_rank: int
+    tp_size: int
+    extra_salt: str
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., extra_salt: _Optional[str] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("dtype", "shape", "total_bytes")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    total_bytes: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys")
+    class TokensPerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    matched_tokens: int
+    tokens_per_tier: _containers.ScalarMap[str, int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "tokens", "tensor")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    tensor: TensorHeader
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("tokens_written",)
+    TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    tokens_written: int
+    def __init__(self, tokens_written: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "chunk_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    chunk_bytes: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetHeader(_message.Message):
+    __slots__ = ("found", "matched_tokens", "tensor")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    matched_tokens: int
+    tensor: TensorHeader
+    def __init__(self, found: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: GetHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("tenant", "model_id", "keys", "everything")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    everything: bool
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., everything: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "corrupt", "rejected", "bytes_read", "bytes_written", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int
+    rejected: int
+    bytes_read: int
+    bytes_written: int
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "counters", "active_leases", "active_reservations", "num_blocks")
+    class TiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TierStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.MessageMap[str, TierStats]
+    counters: _containers.ScalarMap[str, int]
+    active_leases: int
+    active_reservations: int
+    num_blocks: int
+    def __init__(self, tiers: _Optional[_Mapping[str, TierStats]] = ..., counters: _Optional[_Mapping[str, int]] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "version", "uptime_s", "pid", "tenant", "is_admin")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    version: str
+    uptime_s: float
+    pid: int
+    tenant: str
+    is_admin: bool
+    def __init__(self, status: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., is_admin: _Optional[bool] = ...) -> None: ...
+
+class ListBlocksRequest(_message.Message):
+    __slots__ = ("tenant", "model_id", "tier", "limit")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    tier: str
+    limit: int
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., tier: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class BlockInfo(_message.Message):
+    __slots__ = ("key", "tenant", "model_id", "tiers", "size_bytes", "age_s", "hits", "block_index", "parent")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    tenant: str
+    model_id: str
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    size_bytes: int
+    age_s: float
+    hits: int
+    block_index: int
+    parent: bytes
+    def __init__(self, key: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., age_s: _Optional[float] = ..., hits: _Optional[int] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class ListBlocksResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "lease_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    lease_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class SlotGrant(_message.Message):
+    __slots__ = ("key", "block_index", "parent", "arena_path", "offset", "capacity_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    block_index: int
+    parent: bytes
+    arena_path: str
+    offset: int
+    capacity_bytes: int
+    def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., arena_path: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "deadline", "codec", "blocks")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    deadline: float
+    codec: str
+    blocks: _containers.RepeatedCompositeFieldContainer[SlotGrant]
+    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("tokens_published",)
+    TOKENS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    tokens_published: int
+    def __init__(self, tokens_published: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "lease_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    lease_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("key", "arena_path", "offset", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    arena_path: str
+    offset: int
+    length: int
+    def __init__(self, key: _Optional[bytes] = ..., arena_path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    deadline: float
+    matched_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HintRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "deadline_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    deadline_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...

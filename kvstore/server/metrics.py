@@ -1,0 +1,209 @@
+"""Prometheus metrics: per-RPC latency and errors (an interceptor) and store gauges per tier.
+
+Everything lives on one private ``CollectorRegistry`` served by prometheus_client's HTTP server
+on ``server.metrics_port``. Store numbers are read at scrape time from ``Store.stats()``, run on
+the daemon's event loop (the store is not thread-safe), so a scrape never sees a torn snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.server.base import Behavior, method_name, wrap_handler
+
+_log = logging.getLogger("kvstore.server.metrics")
+# From 100 us (a Lookup on a warm loop) to 30 s (a multi-GiB streamed Get).
+LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SCRAPE_TIMEOUT_S = 2.0  # how long a scrape waits for the event loop before skipping store stats
+
+# TierStats field -> (metric suffix, kind, help)
+_TIER_FIELDS = {
+    "capacity_bytes": ("capacity_bytes", "gauge", "configured capacity of the tier"),
+    "used_bytes": ("used_bytes", "gauge", "bytes stored in the tier"),
+    "num_blocks": ("blocks", "gauge", "blocks stored in the tier"),
+    "hits": ("hits", "counter", "reads served by the tier"),
+    "misses": ("misses", "counter", "reads the tier could not serve"),
+    "evictions": ("evictions", "counter", "pages removed from the tier to make room"),
+    "corrupt": ("corrupt_pages", "counter", "pages that failed verification and were dropped"),
+    "rejected": ("rejected_writes", "counter", "writes the tier refused"),
+    "bytes_read": ("read_bytes", "counter", "bytes read from the tier"),
+    "bytes_written": ("written_bytes", "counter", "bytes written to the tier"),
+}
+# Counters field -> help; exported as kvstore_<name>_total
+_COUNTER_HELP = {
+    "lookups": "Lookup calls",
+    "lookup_hit_tokens": "tokens found by lookups",
+    "lookup_miss_tokens": "tokens lookups missed",
+    "puts": "Put calls",
+    "put_tokens": "tokens newly written by puts",
+    "gets": "Get calls",
+    "get_tokens": "tokens returned by gets",
+    "demotions": "blocks moved to a slower tier",
+    "promotions": "blocks moved to a faster tier",
+    "dropped": "blocks that left the last tier holding them",
+}
+# StoreStats gauge field -> help
+_GAUGE_HELP = {
+    "active_leases": "leases pinning blocks now",
+    "active_reservations": "reservations holding DRAM slots now",
+    "num_blocks": "blocks stored in any tier",
+}
+
+def _family(kind: str, name: str, doc: str, labels: list[str] | None = None) -> Metric:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(name, doc, labels=labels)
+
+
+class StoreCollector(Collector):
+    """Reads a stats snapshot at scrape time and yields it as metric families."""
+
+    def __init__(self, snapshot: Callable[[], Any | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        if stats is None:
+            return
+        for field, (suffix, kind, doc) in _TIER_FIELDS.items():
+            family = _family(kind, f"kvstore_tier_{suffix}", f"Per tier: {doc}.", ["tier"])
+            for tier, tier_stats in stats.tiers.items():
+                family.add_metric([tier], float(getattr(tier_stats, field)))
+            yield family
+        for name, value in stats.counters.as_dict().items():
+            doc = _COUNTER_HELP.get(name, name.replace("_", " "))
+            family = CounterMetricFamily(f"kvstore_{name}", f"Store: {doc}.")
+            family.add_metric([], float(value))
+            yield family
+        for name, doc in _GAUGE_HELP.items():
+            yield GaugeMetricFamily(f"kvstore_{name}", f"Store: {doc}.",
+                                    value=float(getattr(stats, name)))
+
+
+def loop_snapshot(stats: Callable[[], Any], loop: asyncio.AbstractEventLoop
+                  ) -> Callable[[], Any | None]:
+    """A thread-safe snapshot: runs ``stats()`` on ``loop`` and waits for it (None on timeout)."""
+
+    async def _read() -> Any:
+        return stats()
+
+    def snapshot() -> Any | None:
+        if loop.is_closed() or not loop.is_running():
+            return None
+        future = asyncio.run_coroutine_threadsafe(_read(), loop)
+        try:
+            return future.result(timeout=SCRAPE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a failed scrape must not kill the HTTP thread
+            future.cancel()
+            _log.warning("store stats unavailable for a scrape: %r", exc)
+            return None
+
+    return snapshot
+
+
+class Metrics:
+    """The daemon's metrics registry, its RPC instruments and its HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_latency = Histogram(
+            "kvstore_rpc_latency_seconds", "RPC handling time, by method.", ["method"],
+            registry=self.registry, buckets=LATENCY_BUCKETS_S,
+        )
+        self.rpc_errors = Counter(
+            "kvstore_rpc_errors", "RPCs that ended in a non-OK status, by method and code.",
+            ["method", "code"], registry=self.registry,
+        )
+        self._http: Any = None
+        self._store_collector: StoreCollector | None = None
+
+    def watch_store(self, snapshot: Callable[[], Any | None]) -> None:
+        """Export the store's stats (one collector; a second call replaces the first)."""
+        if self._store_collector is not None:
+            self.registry.unregister(self._store_collector)
+        self._store_collector = StoreCollector(snapshot)
+        self.registry.register(self._store_collector)
+
+    def observe(self, method: str, code: grpc.StatusCode, elapsed_s: float) -> None:
+        self.rpc_latency.labels(method).observe(elapsed_s)
+        if code != grpc.StatusCode.OK:
+            self.rpc_errors.labels(method, code.name).inc()
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 picks a port); return the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _final_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times every call and counts non-OK statuses; the outermost interceptor."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def _unary(self, method: str) -> Callable[[Behavior], Behavior]:
+        def wrap(behavior: Behavior) -> Behavior:
+            async def run(request, context):
+                start, failure = time.perf_counter(), None
+                try:
+                    return await behavior(request, context)
+                except BaseException as exc:
+                    failure = exc
+                    raise
+                finally:
+                    self._metrics.observe(method, _final_code(context, failure),
+                                          time.perf_counter() - start)
+
+            return run
+
+        return wrap
+
+    def _streaming(self, method: str) -> Callable[[Behavior], Behavior]:
+        def wrap(behavior: Behavior) -> Behavior:
+            async def run(request, context):
+                start, failure = time.perf_counter(), None
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except BaseException as exc:
+                    failure = exc
+                    raise
+                finally:
+                    self._metrics.observe(method, _final_code(context, failure),
+                                          time.perf_counter() - start)
+
+            return run
+
+        return wrap
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = method_name(handler_call_details.method)
+        return wrap_handler(handler, self._unary(method), self._streaming(method))

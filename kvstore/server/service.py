@@ -1,0 +1,207 @@
+"""The KVStore gRPC servicer: a thin layer that validates requests and calls the Store.
+
+Authentication, error translation and metrics are interceptors (auth.py, base.py,
+metrics.py); this module only parses each request, applies the tenant rules of the caller
+(``auth.current_caller()``) and converts values to and from their wire form.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from kvstore import __version__
+from kvstore.config import KVStoreConfig
+from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.keys import Namespace
+from kvstore.server import kvstore_pb2 as pb
+from kvstore.server import kvstore_pb2_grpc as pbg
+from kvstore.server.auth import Caller, current_caller
+from kvstore.server.base import (
+    ChunkAssembler,
+    block_info_to_proto,
+    chunk_limit,
+    expected_tensor,
+    iter_chunks,
+    key_from_bytes,
+    lease_to_proto,
+    lookup_to_proto,
+    namespace_from_proto,
+    reservation_to_proto,
+    stats_to_proto,
+    tensor_from_buffer,
+    tensor_header,
+    tensor_view,
+    tokens_from_bytes,
+)
+from kvstore.store import Store
+
+MAX_LEASE_S = 3600.0  # a lease pins DRAM; an hour is far beyond any prefill
+MAX_HINT_DEADLINE_S = 3600.0
+MAX_LIST_LIMIT = 100_000
+DEFAULT_LIST_LIMIT = 1000
+
+
+def _seconds(value: float, name: str, upper: float, allow_zero: bool) -> float:
+    if not math.isfinite(value) or value < 0 or value > upper or (value == 0 and not allow_zero):
+        raise InvalidArgument(f"{name} must be in {'[' if allow_zero else '('}0, {upper:g}] "
+                              f"seconds, got {value!r}")
+    return value
+
+
+class GrantBook:
+    """Which tenant holds each lease and reservation id, so nobody else can release or
+    commit it. Ids the book does not know are left to the store (LeaseNotFound)."""
+
+    _PRUNE_EVERY = 1024
+    _GRACE_S = 60.0  # keep expired ids this long so late calls still get the owner check
+
+    def __init__(self) -> None:
+        self._owners: dict[str, tuple[str | None, float]] = {}
+
+    def add(self, grant_id: str, caller: Caller, deadline: float) -> None:
+        if len(self._owners) >= self._PRUNE_EVERY:
+            cutoff = time.time() - self._GRACE_S
+            self._owners = {k: v for k, v in self._owners.items() if v[1] >= cutoff}
+        self._owners[grant_id] = (caller.tenant, deadline)
+
+    def check(self, grant_id: str, caller: Caller, what: str) -> None:
+        owner = self._owners.get(grant_id)
+        if owner is not None and caller.tenant is not None and owner[0] != caller.tenant:
+            raise PermissionDenied(f"{what} {grant_id!r} belongs to another tenant")
+
+    def discard(self, grant_id: str) -> None:
+        self._owners.pop(grant_id, None)
+
+
+class KVStoreService(pbg.KVStoreServicer):
+    """Serves one Store. Every handler raises kvstore exceptions; the interceptors map them."""
+
+    def __init__(self, store: Store, config: KVStoreConfig,
+                 is_draining: Callable[[], bool] = lambda: False) -> None:
+        self._store = store
+        self._config = config
+        self._is_draining = is_draining
+        self._chunk_bytes = chunk_limit(config.server.max_message_bytes)
+        # One Put is assembled in memory before the store sees it: bound it by what DRAM holds.
+        self._max_put_bytes = max(config.dram.capacity_bytes, config.server.max_message_bytes)
+        self._grants = GrantBook()
+        self._started = time.monotonic()
+
+    def _namespace(self, msg: pb.Namespace, action: str) -> Namespace:
+        ns = namespace_from_proto(msg)
+        current_caller().check_namespace_tenant(ns.tenant, action)
+        return ns
+
+    def _lease_s(self, value: float) -> float | None:
+        return _seconds(value, "lease_s", MAX_LEASE_S, allow_zero=True) or None
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        ns = self._namespace(request.namespace, "look up")
+        result = await self._store.lookup(ns, tokens_from_bytes(request.tokens))
+        return lookup_to_proto(result)
+
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
+        stream = request_iterator.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("Put stream is empty: expected a PutHeader first") from None
+        if first.WhichOneof("part") != "header":
+            raise InvalidArgument("Put stream must start with a PutHeader")
+        header = first.header
+        ns = self._namespace(header.namespace, "write")
+        tokens = tokens_from_bytes(header.tokens)
+        nbytes = expected_tensor(ns.spec, len(tokens), header.tensor)
+        assembler = ChunkAssembler(nbytes, self._max_put_bytes)
+        async for message in stream:
+            if message.WhichOneof("part") != "chunk":
+                raise InvalidArgument("only chunks may follow the PutHeader")
+            assembler.add(message.chunk)
+        kv = tensor_from_buffer(assembler.finish(), header.tensor)
+        written = await self._store.put(ns, tokens, kv)
+        return pb.PutResponse(tokens_written=written)
+
+    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
+        ns = self._namespace(request.namespace, "read")
+        kv = await self._store.get(ns, tokens_from_bytes(request.tokens))
+        if kv is None:
+            yield pb.GetResponse(header=pb.GetHeader(found=False))
+            return
+        yield pb.GetResponse(header=pb.GetHeader(found=True, matched_tokens=kv.shape[2],
+                                                 tensor=tensor_header(kv)))
+        chunk_bytes = min(request.chunk_bytes or self._chunk_bytes, self._chunk_bytes)
+        for chunk in iter_chunks(tensor_view(kv), chunk_bytes):
+            yield pb.GetResponse(chunk=chunk)
+
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        caller = current_caller()
+        tenant = caller.scope(request.tenant, "evict blocks")
+        keys = [key_from_bytes(k) for k in request.keys] or None
+        if not (request.everything or request.tenant or request.model_id or keys):
+            raise InvalidArgument("Evict needs tenant, model_id, keys or everything")
+        everything = request.everything and tenant is None  # a tenant's "everything" is its own
+        removed = await self._store.evict(tenant=tenant, model_id=request.model_id or None,
+                                          keys=keys, everything=everything)
+        return pb.EvictResponse(num_blocks=removed)
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        tenant = current_caller().scope(request.tenant, "read stats")
+        return stats_to_proto(self._store.stats(tenant=tenant))
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        caller = current_caller()
+        return pb.HealthResponse(
+            status="DRAINING" if self._is_draining() else "SERVING", version=__version__,
+            uptime_s=time.monotonic() - self._started, pid=os.getpid(),
+            tenant=caller.tenant or "", is_admin=caller.is_admin,
+        )
+
+    async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:
+        tenant = current_caller().scope(request.tenant, "list blocks")
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        if limit > MAX_LIST_LIMIT:
+            raise InvalidArgument(f"limit must be at most {MAX_LIST_LIMIT}, got {limit}")
+        blocks = self._store.list_blocks(tenant=tenant, model_id=request.model_id or None,
+                                         tier=request.tier or None, limit=limit)
+        return pb.ListBlocksResponse(blocks=[block_info_to_proto(b) for b in blocks])
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        ns = self._namespace(request.namespace, "write")
+        lease_s = self._lease_s(request.lease_s)
+        reservation = await self._store.reserve(ns, tokens_from_bytes(request.tokens), lease_s)
+        self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
+        return reservation_to_proto(reservation)
+
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        self._grants.check(request.reservation_id, current_caller(), "reservation")
+        published = await self._store.commit(request.reservation_id)
+        self._grants.discard(request.reservation_id)
+        return pb.CommitResponse(tokens_published=published)
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        ns = self._namespace(request.namespace, "read")
+        lease_s = self._lease_s(request.lease_s)
+        lease = await self._store.acquire(ns, tokens_from_bytes(request.tokens), lease_s)
+        self._grants.add(lease.lease_id, current_caller(), lease.deadline)
+        return lease_to_proto(lease)
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        self._grants.check(request.lease_id, current_caller(), "lease")
+        await self._store.release(request.lease_id)
+        self._grants.discard(request.lease_id)
+        return pb.ReleaseResponse()
+
+    async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
+        ns = self._namespace(request.namespace, "prefetch")
+        deadline_s = _seconds(request.deadline_s, "deadline_s", MAX_HINT_DEADLINE_S, False)
+        scheduled = await self._store.hint(ns, tokens_from_bytes(request.tokens), deadline_s)
+        return pb.HintResponse(num_blocks=scheduled)
+
+
+def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
+    pbg.add_KVStoreServicer_to_server(service, server)

@@ -1,0 +1,141 @@
+"""Daemons for tests: in-process (``serve``), in a thread (for the blocking client) and as a
+real subprocess (``python -m kvstore.server.daemon``), all on small configs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.client import NO_RETRY, Client
+from kvstore.config import DramConfig, KVStoreConfig, ServerConfig, SsdConfig
+from kvstore.errors import KVStoreError
+from kvstore.server.daemon import Daemon, serve
+
+MiB = 1 << 20
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def short_tmpdir() -> Path:
+    """A fresh directory with a short path: Unix socket paths are limited to 107 bytes."""
+    return Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+
+
+def small_config(root: Path, *, dram_bytes: int = 16 * MiB, ssd: dict[str, Any] | None = None,
+                 **server: Any) -> KVStoreConfig:
+    """DRAM and SSD small enough for tests; SSD admits on the first access."""
+    ssd_fields = {"path": str(root / "ssd"), "capacity_bytes": 64 * MiB,
+                  "segment_bytes": 1 * MiB, "admit_after_accesses": 1, "fsync": "never",
+                  **(ssd or {})}
+    server_fields = {"socket_path": str(root / "run" / "kv.sock"), "log_level": "WARNING",
+                     "shutdown_grace_s": 2.0, **server}
+    return KVStoreConfig(dram=DramConfig(capacity_bytes=dram_bytes, chunk_bytes=1 * MiB),
+                         ssd=SsdConfig(**ssd_fields), server=ServerConfig(**server_fields))
+
+
+class DaemonThread:
+    """``serve(config)`` on its own event loop in a thread, so a blocking client (or a test's
+    own loop) can call it without deadlocking."""
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        self.config = config
+        self.daemon: Daemon | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        try:
+            self.daemon = await serve(self.config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await self.daemon.stop(1.0)
+
+    def __enter__(self) -> Daemon:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        assert self.daemon is not None
+        return self.daemon
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'{k} = {_toml_value(v)}' for k, v in value.items()) + "}"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_toml(config: KVStoreConfig, path: Path) -> Path:
+    lines = []
+    for section in ("dram", "ssd", "server"):
+        lines.append(f"[{section}]")
+        for name, value in dataclasses.asdict(getattr(config, section)).items():
+            lines.append(f"{name} = {_toml_value(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProcess:
+    """The daemon as a real subprocess; its log lines go to ``log_path``."""
+
+    def __init__(self, config: KVStoreConfig, root: Path) -> None:
+        self.config = config
+        self.address = f"unix://{config.server.socket_path}"
+        self.log_path = root / f"daemon-{time.monotonic_ns()}.log"
+        config_path = write_toml(config, root / "kvstore.toml")
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config_path)],
+                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
+            try:
+                with Client(self.address, retry=NO_RETRY, timeout_s=2.0) as client:
+                    client.health()
+                return
+            except KVStoreError:
+                time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready after {timeout_s}s: {self.log()}")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
