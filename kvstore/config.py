@@ -100,6 +100,7 @@ class SsdConfig:
     fsync_interval_s: float = 0.05  # how often "batch" flushes
     o_direct: bool = True  # use O_DIRECT when the file system allows it
     admit_after_accesses: int = 2  # frequency filter: accesses a block needs to reach SSD
+    admit_expected_keys: int = 1 << 16  # distinct keys the frequency sketch is sized for
     compact_dead_fraction: float = 0.5  # a sealed segment this dead is rewritten
     index_map_bytes: int = 1 << 30  # LMDB map size (virtual; grows nothing on disk)
     persist_on_close: bool = True  # on shutdown, write DRAM-only blocks to SSD (bypasses the filter)
@@ -115,6 +116,9 @@ class SsdConfig:
             raise ConfigError("ssd.fsync_interval_s must be > 0")
         if self.admit_after_accesses < 1:
             raise ConfigError("ssd.admit_after_accesses must be >= 1")
+        if self.admit_expected_keys < 1:
+            raise ConfigError(
+                f"ssd.admit_expected_keys must be >= 1, got {self.admit_expected_keys}")
         _check_fraction("ssd", "compact_dead_fraction", self.compact_dead_fraction)
 
 

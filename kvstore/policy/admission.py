@@ -1,0 +1,98 @@
+"""Admission for cold tiers: a TinyLFU-style count-min frequency sketch with aging.
+
+A block earns a place on SSD by being seen often enough; one-off blocks would only wear the
+device. The sketch answers "about how often was this key seen lately" in constant memory: four
+rows of 8-bit saturating counters, each row indexed by its own 32 bits of a 128-bit hash. The
+estimate is the minimum over the rows, so before aging it never under-counts (collisions only
+add). Every ``sample_size`` increments all counters are halved, so old popularity fades
+(TinyLFU's reset, Einziger et al. 2017).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidArgument
+
+NUM_ROWS = 4
+MAX_COUNT = 255  # uint8 counters saturate here
+MIN_WIDTH = 64
+SAMPLE_FACTOR = 10  # TinyLFU ages after W = 10 x (sketch width) increments
+
+
+class FrequencySketch:
+    """Approximate access counts per key, with periodic halving.
+
+    Called from one event loop; every method is O(1) and does no I/O.
+
+    Args:
+        expected_keys: distinct keys the sketch should tell apart; each row is the next power
+            of two at or above this (at least 64 counters).
+        sample_size: increments between two agings; default ``10 * width``.
+    """
+
+    def __init__(self, expected_keys: int, sample_size: int | None = None) -> None:
+        if not isinstance(expected_keys, int) or expected_keys < 1:
+            raise InvalidArgument(f"expected_keys must be an int >= 1, got {expected_keys!r}")
+        width = max(MIN_WIDTH, 1 << (expected_keys - 1).bit_length())
+        if sample_size is None:
+            sample_size = SAMPLE_FACTOR * width
+        if not isinstance(sample_size, int) or sample_size < 1:
+            raise InvalidArgument(f"sample_size must be an int >= 1, got {sample_size!r}")
+        self._mask = np.uint32(width - 1)
+        self._table = np.zeros((NUM_ROWS, width), dtype=np.uint8)
+        self._rows = np.arange(NUM_ROWS)
+        self._sample_size = sample_size
+        self._num_additions = 0
+        self._num_agings = 0
+
+    @property
+    def width(self) -> int:
+        """Counters per row."""
+        return self._table.shape[1]
+
+    @property
+    def sample_size(self) -> int:
+        """Increments between two agings."""
+        return self._sample_size
+
+    @property
+    def num_agings(self) -> int:
+        """How many times the counters were halved."""
+        return self._num_agings
+
+    def _columns(self, key: bytes) -> np.ndarray:
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"sketch keys are bytes, got {type(key).__name__}")
+        lanes = np.frombuffer(xxhash.xxh3_128_digest(key), dtype=np.uint32)
+        return lanes & self._mask  # one independent 32-bit lane per row
+
+    def add(self, key: bytes) -> None:
+        """Record one sighting of ``key``."""
+        cols = self._columns(key)
+        counts = self._table[self._rows, cols]
+        low = counts.min()
+        if low < MAX_COUNT:
+            # Conservative update: raise only the rows at the minimum. The minimum still grows
+            # by one, so estimates never under-count, and collisions inflate other keys less.
+            at_min = counts == low
+            self._table[self._rows[at_min], cols[at_min]] += 1
+        self._num_additions += 1
+        if self._num_additions >= self._sample_size:
+            self._age()
+
+    def estimate(self, key: bytes) -> int:
+        """Estimated sightings of ``key`` since it was last aged out (never below the truth
+        until the counters are halved or saturate)."""
+        return int(self._table[self._rows, self._columns(key)].min())
+
+    def _age(self) -> None:
+        self._table >>= 1
+        self._num_additions = 0
+        self._num_agings += 1
+
+    def clear(self) -> None:
+        """Forget every sighting."""
+        self._table.fill(0)
+        self._num_additions = 0

@@ -1,0 +1,75 @@
+"""FrequencySketch: count-min bounds, saturation and TinyLFU aging."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.policy.admission import MAX_COUNT, FrequencySketch
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def test_width_is_a_power_of_two_sized_from_expected_keys():
+    assert FrequencySketch(1000).width == 1024
+    assert FrequencySketch(1024).width == 1024
+    assert FrequencySketch(1).width == 64
+    assert FrequencySketch(1000).sample_size == 10 * 1024
+    with pytest.raises(InvalidArgument):
+        FrequencySketch(0)
+    with pytest.raises(InvalidArgument):
+        FrequencySketch(10, sample_size=0)
+
+
+def test_estimates_never_under_count_before_aging():
+    sketch = FrequencySketch(512, sample_size=10**9)
+    rng = random.Random(1)
+    truth = {k: rng.randrange(1, 20) for k in keys(2000)}  # 4x more keys than counters
+    order = [k for k, n in truth.items() for _ in range(n)]
+    rng.shuffle(order)
+    for k in order:
+        sketch.add(k)
+    errors = [sketch.estimate(k) - n for k, n in truth.items()]
+    assert min(errors) >= 0
+    assert sum(errors) / len(errors) < 10  # overloaded on purpose, still a useful signal
+    assert sketch.estimate(b"never seen key!!") <= max(truth.values()) + max(errors)
+
+
+def test_estimates_are_exact_when_the_sketch_is_roomy():
+    sketch = FrequencySketch(1 << 14, sample_size=10**9)
+    truth = {k: i % 7 for i, k in enumerate(keys(300))}
+    for k, n in truth.items():
+        for _ in range(n):
+            sketch.add(k)
+    assert sum(sketch.estimate(k) != n for k, n in truth.items()) <= 3
+
+
+def test_counters_saturate():
+    sketch = FrequencySketch(64, sample_size=10**9)
+    for _ in range(MAX_COUNT + 50):
+        sketch.add(b"hot")
+    assert sketch.estimate(b"hot") == MAX_COUNT
+
+
+def test_aging_halves_every_sample_size_increments():
+    sketch = FrequencySketch(1024, sample_size=20)
+    for _ in range(13):
+        sketch.add(b"hot key")
+    others = keys(6, seed=5)
+    for k in others:
+        sketch.add(k)
+    assert sketch.num_agings == 0 and sketch.estimate(b"hot key") >= 13
+    sketch.add(b"one more")  # the 20th increment ages the sketch
+    assert sketch.num_agings == 1
+    assert sketch.estimate(b"hot key") == 6  # 13 // 2
+    assert all(sketch.estimate(k) == 0 for k in others)  # 1 // 2
+
+
+def test_rejects_non_bytes_keys():
+    with pytest.raises(InvalidArgument):
+        FrequencySketch(64).add("text")  # type: ignore[arg-type]
