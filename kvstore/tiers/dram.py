@@ -1,0 +1,324 @@
+"""The DRAM tier: encoded pages in fixed slots of a shared-memory arena other processes can map.
+
+Making room is the store's job: the tier never evicts on its own. When ``write`` returns False
+the store picks victims (LRU, children before parents), calls ``delete(key, evicted=True)`` and
+retries. Deleting a page frees space for a page of ``nbytes`` only if it was in the same size
+class (``slot_bytes_of(key) == victim_class_hint(nbytes)``) or if it empties its chunk
+(``chunk_of(key)``): an empty chunk returns to the free pool and any class can take it.
+``frees_room_for(key, nbytes)`` answers that question for one candidate directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.config import DramConfig
+from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
+from kvstore.keys import BlockKey
+from kvstore.page import Page, PageMeta, decode_page
+from kvstore.tiers.arena import ShmArena, Slot, SlabAllocator
+from kvstore.tiers.base import Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+# A hop through asyncio.to_thread costs ~100 us on the 2-core dev box, a 1 MiB copy ~50 us
+# (memoryview assignment, ~20 GB/s): below 1 MiB copy inline, above it copy in a thread with
+# numpy.copyto, which releases the GIL (a memoryview assignment holds it for the whole copy).
+THREAD_COPY_BYTES = 1 << 20
+# xxh3 verifies at ~30 GB/s (releasing the GIL): a 2 MiB page takes ~70 us inline, less than
+# the thread hop; only verify pages this large in a thread.
+THREAD_VERIFY_BYTES = 8 << 20
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, and addressable
+# from kernels through unified addressing.
+_CUDA_HOST_REGISTER_FLAGS = 1 | 2
+_arena_counter = itertools.count()
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: Slot
+    length: int  # page bytes (the slot may be longer)
+    meta: PageMeta
+
+
+def _shm_dir(configured: str) -> str:
+    return configured if os.path.isdir(configured) else tempfile.gettempdir()
+
+
+class DramTier(Tier):
+    """Pages in a slab-allocated shared-memory arena; reads are zero-copy views into it.
+
+    The arena grows in ``chunk_bytes`` steps, in a thread, one chunk ahead of demand, so the
+    request path rarely waits on page faults. ``arena_path`` and ``locate(key)`` let another
+    process on the host map the file and read a page in place.
+    """
+
+    name = "dram"
+
+    def __init__(self, config: DramConfig) -> None:
+        self.config = config
+        self._alloc = SlabAllocator(config.capacity_bytes, config.chunk_bytes)
+        path = os.path.join(_shm_dir(config.shm_dir),
+                            f"kvstore-dram-{os.getpid()}-{next(_arena_counter)}.arena")
+        self._arena = ShmArena(path, config.capacity_bytes)
+        self._entries: dict[BlockKey, _Entry] = {}
+        self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
+        self._grow_lock = asyncio.Lock()
+        self._grow_task: asyncio.Task[None] | None = None
+        self._pinned: list[int] = []  # registered host addresses, unregistered at close
+        self._pin_cuda = False
+        self._is_open = False
+        self._stats = TierStats(name=self.name)
+
+    @property
+    def arena_path(self) -> str:
+        """Path of the arena file (map it MAP_SHARED to read pages at ``locate`` offsets)."""
+        return self._arena.path
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    async def open(self) -> None:
+        """Create the arena file and reserve its mapping; no memory is grown yet."""
+        if not self._is_open:
+            self._arena.create()
+            self._is_open = True
+
+    async def close(self) -> None:
+        """Wait for growth in flight, unpin, unmap and unlink the arena. Pages are dropped."""
+        if not self._is_open:
+            return
+        self._is_open = False
+        if self._grow_task is not None:  # it takes the lock itself, then sees the tier closed
+            await asyncio.gather(self._grow_task, return_exceptions=True)
+        async with self._grow_lock:  # a write may still be growing the arena
+            self._unpin()
+            self._entries.clear()
+            self._arena.close()
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._entries
+
+    def can_write(self, nbytes: int) -> bool:
+        return self._is_open and self._alloc.plan_growth(nbytes) is not None
+
+    async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
+        """Copy ``page`` into a slot; False (counted ``rejected``) when there is no room."""
+        self._check_open()
+        if key in self._entries:
+            return True
+        if key in self._pending:
+            return await asyncio.shield(self._pending[key])
+        view = memoryview(page).cast("B")
+        if view.nbytes == 0 or meta.key != key:
+            raise InvalidArgument(
+                f"dram write of key {bytes(key).hex()}: page is empty or its meta names key "
+                f"{bytes(meta.key).hex()}"
+            )
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending[key] = done
+        try:
+            stored = await self._store(key, view, meta)
+        finally:
+            del self._pending[key]
+            done.set_result(key in self._entries)
+        return stored
+
+    async def read(self, key: BlockKey) -> Page | None:
+        """The verified page, its payload a view into the arena; None on a miss or corruption."""
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return None
+        offset = entry.slot.offset
+        view = self._arena.view[offset : offset + entry.length]
+        try:
+            if entry.length >= THREAD_VERIFY_BYTES:
+                page = await asyncio.to_thread(decode_page, view, key)
+            else:
+                page = decode_page(view, expected_key=key)
+        except CorruptPage as exc:
+            log.warning("dram: dropping corrupt page %s at offset %d: %s",
+                        bytes(key).hex(), offset, exc)
+            view.release()
+            if self._entries.get(key) is entry:
+                self._remove(key)
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        self._stats.bytes_read += entry.length
+        return page
+
+    async def delete(self, key: BlockKey, evicted: bool = False) -> bool:
+        """Forget ``key``; ``evicted=True`` counts it in ``stats().evictions``."""
+        if key not in self._entries:
+            return False
+        self._remove(key)
+        if evicted:
+            self._stats.evictions += 1
+        return True
+
+    def entries(self) -> Iterator[PageMeta]:
+        return iter([entry.meta for entry in self._entries.values()])
+
+    def locate(self, key: BlockKey) -> tuple[int, int] | None:
+        """``(offset, length)`` of the page of ``key`` in the arena file, or None.
+
+        Offsets are multiples of 4096, so a reader can mmap exactly the page.
+        """
+        entry = self._entries.get(key)
+        return None if entry is None else (entry.slot.offset, entry.length)
+
+    def victim_class_hint(self, nbytes: int) -> int:
+        """Slot size a page of ``nbytes`` needs: deleting a page of this class makes room."""
+        return SlabAllocator.slot_bytes_for(nbytes)
+
+    def slot_bytes_of(self, key: BlockKey) -> int | None:
+        """Slot size (size class) of a stored page, or None."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.slot.slot_bytes
+
+    def chunk_of(self, key: BlockKey) -> int | None:
+        """Arena offset of the chunk holding ``key``'s page; emptying a chunk frees it for any
+        size class."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.slot.chunk.offset
+
+    def frees_room_for(self, key: BlockKey, nbytes: int) -> bool:
+        """Whether deleting ``key`` alone would let a page of ``nbytes`` be written."""
+        entry = self._entries.get(key)
+        return entry is not None and self._alloc.frees_room(entry.slot, nbytes)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        return TierStats(
+            name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
+            num_blocks=len(self._entries), hits=s.hits, misses=s.misses, evictions=s.evictions,
+            corrupt=s.corrupt, rejected=s.rejected, bytes_read=s.bytes_read,
+            bytes_written=s.bytes_written,
+            extra={
+                "arena_bytes": self._arena.size_bytes,
+                "slot_classes": self._alloc.num_classes,
+                "free_slots": self._alloc.num_free_slots,
+            },
+        )
+
+    async def pin_cuda(self) -> bool:
+        """Register the arena as pinned host memory (cudaHostRegister), now and as it grows.
+
+        Costs about 0.5 s per GiB registered (DESIGN.md), paid in a thread: now for the part
+        already grown, later inside each growth step. Returns False, doing nothing, without CUDA.
+        """
+        self._check_open()
+        if not torch.cuda.is_available():
+            return False
+        async with self._grow_lock:
+            if not self._pin_cuda and self._arena.size_bytes:
+                await asyncio.to_thread(self._register, 0, self._arena.size_bytes)
+            self._pin_cuda = True
+        return True
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if not self._is_open:
+            raise Unavailable("dram tier is not open (call open() first, or it was closed)")
+
+    async def _store(self, key: BlockKey, view: memoryview, meta: PageMeta) -> bool:
+        slot = self._alloc.allocate(view.nbytes) or await self._allocate_slow(view.nbytes)
+        if slot is None:
+            self._stats.rejected += 1
+            return False
+        await self._copy_in(slot, view)
+        self._entries[key] = _Entry(slot, view.nbytes, meta)
+        self._stats.bytes_written += view.nbytes
+        self._grow_ahead()
+        return True
+
+    async def _allocate_slow(self, nbytes: int) -> Slot | None:
+        # Growth happens under the lock only, so a plan made under it cannot go stale.
+        async with self._grow_lock:
+            while self._is_open:
+                slot = self._alloc.allocate(nbytes)
+                if slot is not None:
+                    return slot
+                need = self._alloc.plan_growth(nbytes)
+                if not need or not await self._grow_locked(need):
+                    return None
+        return None
+
+    async def _copy_in(self, slot: Slot, view: memoryview) -> None:
+        """Copy a page into its slot; on failure the slot goes back once nothing writes to it."""
+        offset, nbytes = slot.offset, view.nbytes
+        if nbytes < THREAD_COPY_BYTES:
+            self._arena.view[offset : offset + nbytes] = view
+            return
+        dst = np.frombuffer(self._arena.view, dtype=np.uint8, count=nbytes, offset=offset)
+        src = np.frombuffer(view, dtype=np.uint8)
+        copy = asyncio.ensure_future(asyncio.to_thread(np.copyto, dst, src))
+        try:
+            await asyncio.shield(copy)
+        except BaseException:
+            # A cancelled wait leaves the thread writing: reuse the slot only after it ends.
+            copy.add_done_callback(lambda _: self._alloc.release(slot))
+            raise
+
+    def _grow_ahead(self) -> None:
+        if self._grow_task is None or self._grow_task.done():
+            if self._alloc.spare_growth() and not self._grow_lock.locked():
+                self._grow_task = asyncio.get_running_loop().create_task(self._spare())
+
+    async def _spare(self) -> None:
+        async with self._grow_lock:
+            need = self._alloc.spare_growth()
+            if need and self._is_open:
+                await self._grow_locked(need)
+
+    async def _grow_locked(self, nbytes: int) -> bool:
+        """Grow the arena by ``nbytes`` in a thread; False if shared memory ran out."""
+        try:
+            offset = await asyncio.to_thread(self._grow_blocking, nbytes)
+        except CapacityError as exc:
+            log.warning("dram: cannot grow the arena: %s", exc)
+            return False
+        self._alloc.add_grown(offset, nbytes)
+        return True
+
+    def _grow_blocking(self, nbytes: int) -> int:
+        offset = self._arena.grow(nbytes)
+        if self._pin_cuda:
+            self._register(offset, nbytes)
+        return offset
+
+    def _register(self, offset: int, nbytes: int) -> None:
+        address = self._arena.base_address() + offset
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_FLAGS))
+        if err != 0:
+            raise CapacityError(f"cudaHostRegister of {nbytes} arena bytes failed (cudaError {err})")
+        self._pinned.append(address)
+
+    def _unpin(self) -> None:
+        for address in self._pinned:
+            err = int(torch.cuda.cudart().cudaHostUnregister(address))
+            if err != 0:
+                log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
+        self._pinned.clear()
+
+    def _remove(self, key: BlockKey) -> None:
+        self._alloc.release(self._entries.pop(key).slot)

@@ -1,0 +1,329 @@
+"""DramTier: slots in a real /dev/shm arena, capacity, reuse, corruption, sharing, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.config import DramConfig
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.keys import BlockKey
+from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.tiers.arena import SlabAllocator
+from kvstore.tiers.dram import DramTier
+
+MiB = 1 << 20
+HAS_SHM = os.path.isdir("/dev/shm")
+needs_shm = pytest.mark.skipif(not HAS_SHM, reason="no /dev/shm on this host")
+
+
+def make_page(seed: int, payload_bytes: int) -> tuple[BlockKey, bytes, PageMeta]:
+    """An encoded page with a key and payload derived from ``seed``."""
+    key = BlockKey(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=16).digest())
+    meta = PageMeta(key=key, namespace=bytes(16), parent=None, block_index=seed % 1000,
+                    tenant="acme", model_id="test/model", codec="raw", codec_id=1)
+    payload = np.random.default_rng(seed).integers(0, 256, payload_bytes, dtype=np.uint8)
+    return key, encode_page(meta, payload.tobytes()), meta
+
+
+@pytest.fixture
+async def tier(tmp_path):
+    config = DramConfig(capacity_bytes=64 * MiB, chunk_bytes=MiB,
+                        shm_dir="/dev/shm" if HAS_SHM else str(tmp_path))
+    t = DramTier(config)
+    await t.open()
+    yield t
+    await t.close()
+
+
+async def test_write_read_delete_contains(tier: DramTier) -> None:
+    key, page, meta = make_page(1, 10_000)
+    assert not tier.contains(key)
+    assert await tier.write(key, page, meta)
+    assert tier.contains(key)
+    got = await tier.read(key)
+    assert got is not None and bytes(got.data) == page and got.meta == meta
+    assert await tier.write(key, page, meta)  # present already: a no-op that says True
+    assert tier.stats().num_blocks == 1
+    assert list(tier.entries()) == [meta]
+    assert await tier.delete(key)
+    assert not await tier.delete(key)
+    assert not tier.contains(key) and tier.used_bytes == 0
+    assert await tier.read(key) is None
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.bytes_read, stats.bytes_written) == (
+        1, 1, len(page), len(page))
+
+
+async def test_read_of_missing_key_counts_a_miss(tier: DramTier) -> None:
+    key, _, _ = make_page(2, 100)
+    assert await tier.read(key) is None
+    assert tier.stats().misses == 1 and tier.stats().hits == 0
+
+
+async def test_sizes_make_slot_classes_and_used_bytes_counts_slots(tier: DramTier) -> None:
+    sizes = [100, 5000, 5000, 20_000, 3 * MiB // 2]
+    for i, size in enumerate(sizes):
+        key, page, meta = make_page(10 + i, size)
+        assert await tier.write(key, page, meta)
+        assert tier.slot_bytes_of(key) == tier.victim_class_hint(len(page))
+        assert tier.locate(key)[0] % 4096 == 0
+    stats = tier.stats()
+    assert stats.extra["slot_classes"] == 4
+    expected = sum(SlabAllocator.slot_bytes_for(len(make_page(10 + i, s)[1]))
+                   for i, s in enumerate(sizes))
+    assert stats.used_bytes == expected
+    for i, size in enumerate(sizes):
+        key, page, _ = make_page(10 + i, size)
+        got = await tier.read(key)
+        assert got is not None and bytes(got.data) == page
+
+
+async def test_write_rejects_a_page_whose_meta_names_another_key(tier: DramTier) -> None:
+    key, page, _ = make_page(3, 100)
+    _, _, other_meta = make_page(4, 100)
+    with pytest.raises(InvalidArgument):
+        await tier.write(key, page, other_meta)
+
+
+@needs_shm
+async def test_arena_is_a_shm_file_another_process_reads(tier: DramTier) -> None:
+    key, page, _ = make_page(5, 300_000)
+    assert await tier.write(key, page, make_page(5, 300_000)[2])
+    path = tier.arena_path
+    assert path.startswith("/dev/shm/kvstore-dram-") and os.path.isfile(path)
+    offset, length = tier.locate(key)
+    script = textwrap.dedent(f"""
+        import mmap, os, hashlib
+        from kvstore.page import decode_page
+        fd = os.open({path!r}, os.O_RDONLY)
+        m = mmap.mmap(fd, {length}, mmap.MAP_SHARED, mmap.PROT_READ, offset={offset})
+        page = decode_page(memoryview(m), expected_key=bytes.fromhex({bytes(key).hex()!r}))
+        print(hashlib.sha256(page.payload).hexdigest(), page.meta.tenant)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60)
+    expected = hashlib.sha256(decode_page(page).payload).hexdigest()
+    assert out.stdout.split() == [expected, "acme"]
+
+
+async def test_capacity_bound_with_store_style_eviction(tmp_path) -> None:
+    config = DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB,
+                        shm_dir="/dev/shm" if HAS_SHM else str(tmp_path))
+    tier = DramTier(config)
+    await tier.open()
+    rng = np.random.default_rng(7)
+    sizes = [3000, 9000, 60_000, 200_000]
+    live: deque[tuple[BlockKey, bytes]] = deque()
+    try:
+        for i in range(2000):
+            key, page, meta = make_page(1000 + i, int(rng.choice(sizes)) + int(rng.integers(64)))
+            while not await tier.write(key, page, meta):
+                assert live, "an empty tier refused a page smaller than its capacity"
+                old_key, _ = live.popleft()
+                assert await tier.delete(old_key, evicted=True)
+            live.append((key, page))
+            assert tier.used_bytes <= tier.capacity_bytes
+            assert os.path.getsize(tier.arena_path) <= config.capacity_bytes
+        stats = tier.stats()
+        assert stats.evictions > 0 and stats.rejected > 0
+        assert stats.extra["arena_bytes"] <= config.capacity_bytes
+        assert stats.num_blocks == len(live)
+        for key, page in live:
+            got = await tier.read(key)
+            assert got is not None and bytes(got.data) == page
+    finally:
+        await tier.close()
+
+
+async def test_emptied_chunks_are_reassigned_to_another_class(tmp_path) -> None:
+    config = DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB,
+                        shm_dir="/dev/shm" if HAS_SHM else str(tmp_path))
+    tier = DramTier(config)
+    await tier.open()
+    try:
+        class_a = [make_page(2000 + i, 30_000) for i in range(400)]
+        stored_a = [k for k, p, m in class_a if await tier.write(k, p, m)]
+        assert 0 < len(stored_a) < len(class_a)  # filled up
+        slot_a = tier.slot_bytes_of(stored_a[0])
+        assert len(stored_a) == 4 * (MiB // slot_a)
+        # A page of another class does not fit until class A lets a chunk go.
+        key_b, page_b, meta_b = make_page(3000, 100_000)
+        assert not tier.can_write(len(page_b))
+        assert not await tier.write(key_b, page_b, meta_b)
+        assert not tier.frees_room_for(stored_a[0], len(page_b))
+        for key in stored_a:
+            await tier.delete(key)
+        assert tier.stats().extra["slot_classes"] == 0
+        class_b = [make_page(3000 + i, 100_000) for i in range(60)]
+        stored_b = [(k, p) for k, p, m in class_b if await tier.write(k, p, m)]
+        assert len(stored_b) == 4 * (MiB // tier.victim_class_hint(len(page_b)))
+        for key, page in stored_b:
+            assert bytes((await tier.read(key)).data) == page
+        # Freed chunks merge: after emptying, one page larger than a chunk fits.
+        for key, _ in stored_b:
+            await tier.delete(key)
+        key_c, page_c, meta_c = make_page(4000, 3 * MiB)
+        assert await tier.write(key_c, page_c, meta_c)
+        assert bytes((await tier.read(key_c)).data) == page_c
+    finally:
+        await tier.close()
+
+
+async def test_corrupt_page_is_dropped_and_counted(tier: DramTier) -> None:
+    key, page, meta = make_page(6, 50_000)
+    assert await tier.write(key, page, meta)
+    offset, length = tier.locate(key)
+    with open(tier.arena_path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), length, offset=offset)
+        m[length - 10] ^= 0xFF  # a payload byte, through an independent mapping
+        m.close()
+    assert await tier.read(key) is None
+    stats = tier.stats()
+    assert stats.corrupt == 1 and not tier.contains(key) and stats.used_bytes == 0
+
+
+async def test_close_unlinks_the_arena(tmp_path) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB))
+    await tier.open()
+    key, page, meta = make_page(7, 1000)
+    assert await tier.write(key, page, meta)
+    held = await tier.read(key)  # a reader still holding a view must not break close
+    path = tier.arena_path
+    assert os.path.exists(path)
+    await tier.close()
+    assert not os.path.exists(path)
+    assert bytes(held.data) == page
+    with pytest.raises(Unavailable):
+        await tier.read(key)
+
+
+async def test_missing_shm_dir_falls_back_to_tempdir(tmp_path) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=2 * MiB, chunk_bytes=MiB,
+                               shm_dir=str(tmp_path / "absent")))
+    await tier.open()
+    try:
+        assert os.path.dirname(tier.arena_path) == __import__("tempfile").gettempdir()
+    finally:
+        await tier.close()
+
+
+async def test_stale_arena_of_the_same_name_is_replaced(tmp_path) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=2 * MiB, chunk_bytes=MiB, shm_dir=str(tmp_path)))
+    with open(tier.arena_path, "wb") as f:
+        f.write(b"left by a crashed process")
+    await tier.open()
+    try:
+        assert os.path.getsize(tier.arena_path) == 0  # open() only creates the file
+        key, page, meta = make_page(8, 1000)
+        assert await tier.write(key, page, meta)
+        assert bytes((await tier.read(key)).data) == page
+    finally:
+        await tier.close()
+
+
+async def test_concurrent_writes_reads_deletes_stay_consistent(tier: DramTier) -> None:
+    pages = [make_page(5000 + i, [2000, 40_000, 1_100_000][i % 3]) for i in range(100)]
+
+    async def cycle(i: int) -> None:
+        key, page, meta = pages[i]
+        assert await tier.write(key, page, meta)
+        got = await tier.read(key)
+        assert got is not None and bytes(got.data) == page
+        if i % 2:
+            assert await tier.delete(key)
+
+    await asyncio.gather(*(cycle(i) for i in range(100)))
+    await asyncio.gather(*(tier.write(*pages[i]) for i in range(0, 100, 2)))  # rewrites: no-ops
+    remaining = {k for k, _, _ in pages[0::2]}
+    assert {m.key for m in tier.entries()} == remaining
+    expected = sum(tier.victim_class_hint(len(p)) for _, p, _ in pages[0::2])
+    assert tier.used_bytes == expected and tier.stats().num_blocks == 50
+
+
+async def test_pin_cuda_without_cuda_is_a_no_op(tier: DramTier) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU run")
+    assert await tier.pin_cuda() is False
+
+
+def test_allocator_merges_regions_and_plans_growth() -> None:
+    alloc = SlabAllocator(capacity_bytes=4 * MiB, chunk_bytes=MiB)
+    assert alloc.plan_growth(5000) == MiB - MiB % 8192  # a chunk trimmed to whole 8 KiB slots
+    assert alloc.plan_growth(5 * MiB) is None
+    alloc.add_grown(0, 4 * MiB)
+    slots = [alloc.allocate(MiB) for _ in range(4)]
+    assert alloc.allocate(MiB) is None and alloc.plan_growth(100) is None
+    for slot in slots:
+        alloc.release(slot)
+    assert alloc.free_region_bytes == 4 * MiB and alloc.plan_growth(4 * MiB) == 0
+
+
+def measure_dram_throughput(num_pages: int = 32, rounds: int = 3) -> dict[str, float]:
+    """GB/s of put and get of 2 MiB pages against a plain copy of the same bytes."""
+    payload_bytes = 2 * MiB
+
+    async def run() -> dict[str, float]:
+        tier = DramTier(DramConfig(capacity_bytes=(num_pages + 8) * 3 * MiB, chunk_bytes=64 * MiB))
+        await tier.open()
+        pages = [make_page(9000 + i, payload_bytes) for i in range(num_pages)]
+        out = torch.empty(payload_bytes, dtype=torch.uint8)
+        best = dict.fromkeys(("put", "put_gather", "get", "memcpy"), float("inf"))
+        try:
+            for _ in range(rounds):
+                for mode in ("put", "put_gather"):
+                    t0 = time.perf_counter()
+                    if mode == "put":
+                        for key, page, meta in pages:
+                            await tier.write(key, page, meta)
+                    else:
+                        await asyncio.gather(*(tier.write(*p) for p in pages))
+                    best[mode] = min(best[mode], time.perf_counter() - t0)
+                    if mode == "put":
+                        for key, _, _ in pages:
+                            await tier.delete(key)
+                t0 = time.perf_counter()
+                for key, _, _ in pages:
+                    page = await tier.read(key)
+                    out.copy_(torch.frombuffer(page.payload, dtype=torch.uint8))
+                best["get"] = min(best["get"], time.perf_counter() - t0)
+                views = [torch.frombuffer((await tier.read(k)).payload, dtype=torch.uint8)
+                         for k, _, _ in pages]
+                t0 = time.perf_counter()
+                for view in views:
+                    out.copy_(view)
+                best["memcpy"] = min(best["memcpy"], time.perf_counter() - t0)
+                del views
+                for key, _, _ in pages:
+                    await tier.delete(key)
+        finally:
+            await tier.close()
+        return {k: num_pages * payload_bytes / v / 1e9 for k, v in best.items()}
+
+    return asyncio.run(run())
+
+
+def test_throughput_of_2mib_pages_is_reported() -> None:
+    """Prints put/get GB/s against memcpy (no assertion on speed: numbers vary by machine)."""
+    gbps = measure_dram_throughput(num_pages=16, rounds=2)
+    print("\n2 MiB pages   GB/s   x memcpy")
+    for name in ("memcpy", "put", "put_gather", "get"):
+        print(f"{name:<12} {gbps[name]:6.2f}   {gbps[name] / gbps['memcpy']:.2f}")
+    assert all(v > 0 for v in gbps.values())
+
+
+if __name__ == "__main__":
+    result = measure_dram_throughput(num_pages=64, rounds=5)
+    print({k: round(v, 2) for k, v in result.items()},
+          {f"{k}/memcpy": round(v / result["memcpy"], 2) for k, v in result.items()})
