@@ -1,0 +1,6 @@
+"""``python -m kvstore``: the ``kvstore`` command."""
+
+from kvstore.cli import main
+
+if __name__ == "__main__":
+    main()

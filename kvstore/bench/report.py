@@ -1,0 +1,124 @@
+"""Benchmark reports: one rich table on the console and one JSON file per ``kvstore bench`` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+RESULTS_DIR = Path("bench") / "results"  # relative to where the command runs
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One table column: the row key it shows, its header, and how floats are rounded."""
+
+    key: str
+    header: str
+    digits: int = 2  # decimals for float cells
+    justify: str = "right"  # "left" for text columns
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    """The result of one benchmark run: parameters and rows of measurements."""
+
+    name: str  # "tiers", "rpc", "codecs": also the JSON file prefix
+    title: str
+    columns: tuple[Column, ...]
+    rows: tuple[Mapping[str, Any], ...]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # printed under the table and kept in the JSON
+
+    def as_dict(self, command: str | None = None) -> dict[str, Any]:
+        """The JSON document: what ran, where, when, with which parameters, and the rows."""
+        return {
+            "bench": self.name,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "command": command if command is not None else " ".join(sys.argv),
+            "environment": environment(),
+            "params": dict(self.params),
+            "rows": [dict(row) for row in self.rows],
+            "notes": list(self.notes),
+        }
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware facts that change what a number means."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+    if info["cuda"]:
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def default_path(name: str, now: datetime | None = None) -> Path:
+    """``bench/results/<name>-<YYYYmmdd-HHMMSS>.json`` (local time, one file per run)."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return RESULTS_DIR / f"{name}-{stamp}.json"
+
+
+def format_cell(value: Any, digits: int) -> str:
+    """Table text of one value: floats rounded, booleans as yes/no, None as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_table(report: BenchReport) -> Table:
+    """The report's rows as a rich table."""
+    table = Table(title=report.title)
+    for col in report.columns:
+        table.add_column(col.header, justify=col.justify)
+    for row in report.rows:
+        table.add_row(*(format_cell(row.get(col.key), col.digits) for col in report.columns))
+    return table
+
+
+def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None, *,
+                 console: Console | None = None, command: str | None = None) -> Path:
+    """Print ``report`` as a table and write it as JSON.
+
+    Args:
+        report: what to show and store.
+        path: JSON destination; None for ``default_path(report.name)``. Parents are created.
+        console: where the table goes (stdout by default).
+        command: the command line recorded in the JSON (default: ``sys.argv``).
+
+    Returns:
+        The path written.
+    """
+    console = console or Console()
+    console.print(render_table(report))
+    for note in report.notes:
+        console.print(note)
+    target = Path(path) if path is not None else default_path(report.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report.as_dict(command), indent=2) + "\n")
+    console.print(f"results written to {target}")
+    return target
+
+
+__all__ = ["BenchReport", "Column", "default_path", "environment", "format_cell", "render_table",
+           "write_report"]
