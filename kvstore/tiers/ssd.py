@@ -11,8 +11,9 @@ file system allows it, buffered otherwise).
 
 What ``write()`` returning True guarantees, per ``config.fsync``:
 
-- ``"always"``: the segment was fdatasync'ed, then the index entry committed (LMDB synced). The
-  page survives a process crash and a power loss.
+- ``"always"``: the segment was fdatasync'ed (and the directory fsync'ed when the segment was
+  created), then the index entry committed (LMDB synced). The page survives a process crash
+  and a power loss.
 - ``"batch"``: a background flusher runs every ``fsync_interval_s`` (sooner once
   ``GROUP_COMMIT_BYTES`` of appended data wait), fdatasyncs the segments written since, then
   commits all their index entries in one transaction; ``write()`` returns after that group
@@ -99,23 +100,19 @@ def _direct_opener(path: str, flags: int) -> int:
 
 def _probe_o_direct(directory: Path) -> bool:
     """Whether this file system takes O_DIRECT writes of aligned blocks (tmpfs refuses them)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
     probe = directory / ".o_direct_probe"
-    block = mmap.mmap(-1, ALIGN_BYTES)  # anonymous mappings are page-aligned
     try:
         fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            os.write(fd, block)
+            os.write(fd, mmap.mmap(-1, ALIGN_BYTES))  # anonymous mappings are page-aligned
         finally:
             os.close(fd)
         return True
-    except OSError as exc:
-        log.info("O_DIRECT refused in %s (%s); using buffered I/O", directory, exc.strerror)
+    except (OSError, AttributeError) as exc:  # AttributeError: no os.O_DIRECT on this OS
+        log.info("O_DIRECT refused in %s (%s); using buffered I/O", directory, exc)
         return False
     finally:
         probe.unlink(missing_ok=True)
-        block.close()
 
 
 def _lock_directory(directory: Path) -> int:
@@ -126,6 +123,14 @@ def _lock_directory(directory: Path) -> int:
         os.close(fd)
         raise AlreadyRunning(f"ssd directory {directory} is already open elsewhere") from None
     return fd
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # a new file's name is durable only once its directory is
+    finally:
+        os.close(fd)
 
 
 def _scan_segments(directory: Path) -> dict[int, int]:
@@ -311,9 +316,8 @@ class SsdTier(Tier):
         self._is_stopping = False  # compaction drained: the writer and flusher may exit
         self._o_direct = False
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected", "evictions",
-                                      "bytes_read", "bytes_written", "compactions"), 0)
+                                      "bytes_read", "bytes_written", "compactions", "appends"), 0)
 
-    # ----------------------------------------------------------------- Tier contract (sync)
 
     @property
     def capacity_bytes(self) -> int:
@@ -359,9 +363,8 @@ class SsdTier(Tier):
             bytes_read=c["bytes_read"], bytes_written=c["bytes_written"],
             extra={"segments": len(self._segments),
                    "dead_bytes": sum(s.dead_bytes for s in self._segments.values()),
-                   "o_direct": int(self._o_direct), "compactions": c["compactions"]})
-
-    # ----------------------------------------------------------------- Tier contract (async)
+                   "o_direct": int(self._o_direct), "compactions": c["compactions"],
+                   "appends": c["appends"]})
 
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta, *,
                     force: bool = False) -> bool:
@@ -469,8 +472,6 @@ class SsdTier(Tier):
         await self._remove_emptied()
         await self._release_resources()
 
-    # ----------------------------------------------------------------- open / recovery
-
     def _open_env(self) -> tuple[lmdb.Environment, Any]:
         try:
             env = lmdb.open(str(self._dir / "index"), map_size=self._config.index_map_bytes,
@@ -544,8 +545,6 @@ class SsdTier(Tier):
         if self._env is None or self._is_closing:
             raise Unavailable(f"ssd tier at {self._dir} is not open")
 
-    # ----------------------------------------------------------------- write path
-
     def _submit(self, key: BlockKey, data: memoryview, meta: PageMeta, checksum: int,
                 relocate_from: _Entry | None = None) -> _Pending:
         """Reserve space and queue a page for the writer (the caller checked that it fits)."""
@@ -605,6 +604,8 @@ class SsdTier(Tier):
         path = self._dir / f"seg-{segment_id:06d}.dat"
         opener = _direct_opener if self._o_direct else None
         handle = await aiofiles.open(path, "x+b", buffering=0, opener=opener)
+        if self._config.fsync != "never":
+            await asyncio.to_thread(_sync_directory, self._dir)
         seg = _Segment(segment_id, path, handle, 0)
         self._segments[segment_id] = seg
         self._active = seg
@@ -624,6 +625,7 @@ class SsdTier(Tier):
         finally:
             self._buffers.put_nowait(buffer)
         self._counts["bytes_written"] += nbytes
+        self._counts["appends"] += 1
         await self._after_append(seg, batch, nbytes)
 
     async def _after_append(self, seg: _Segment, batch: list[_Pending], nbytes: int) -> None:
@@ -645,8 +647,6 @@ class SsdTier(Tier):
         for p in batch:
             self._stage(p)
         await self._finish(batch)
-
-    # ----------------------------------------------------------------- commit
 
     def _stage(self, p: _Pending) -> None:
         """Enter an appended page in the in-memory index and the journal (or count it dead)."""
@@ -737,8 +737,7 @@ class SsdTier(Tier):
                 p.future.set_exception(exc)
 
     def _fail(self, batch: list[_Pending], exc: BaseException) -> None:
-        """Count the space of pages that never got staged as dead and raise ``exc`` in their
-        writers."""
+        """Count unstaged pages' space as dead and raise ``exc`` in their writers."""
         for p in batch:
             if p.segment is None:
                 self._used_bytes -= p.padded  # never placed in a segment
@@ -748,8 +747,6 @@ class SsdTier(Tier):
                 self._note_if_empty(p.segment)
         self._answer(batch, exc)
         self._spawn(self._remove_emptied())
-
-    # ----------------------------------------------------------------- space
 
     def _fits(self, padded: int) -> bool:
         """Whether a page fits beside the space held back for compaction."""
@@ -821,9 +818,10 @@ class SsdTier(Tier):
                 entry = self._index.get(key)
                 if entry is None or entry.segment_id != seg.segment_id or self._is_closing:
                     continue
-                if self._used_bytes + entry.padded > self.capacity_bytes:
+                moved = await self._move(entry)
+                if moved is None:
                     break  # concurrent writes took the free space; try again later
-                moves += await self._move(entry)
+                moves += moved
                 if sum(p.padded for p in moves) >= 4 * MAX_BATCH_BYTES:
                     await self._await_moves(moves)  # bounds the memory held by copies
                     moves = []
@@ -835,7 +833,8 @@ class SsdTier(Tier):
         log.info("ssd compaction of %s: %d bytes, %d still live", seg.path.name, before,
                  seg.live_bytes)
 
-    async def _move(self, entry: _Entry) -> list[_Pending]:
+    async def _move(self, entry: _Entry) -> list[_Pending] | None:
+        """Queue a copy of a committed page; None when there is no room for it."""
         try:
             page = await self._read_entry(entry)
         except CorruptPage as exc:
@@ -843,16 +842,15 @@ class SsdTier(Tier):
             return []
         if self._index.get(entry.meta.key) is not entry:
             return []  # deleted while we read it
+        if self._used_bytes + entry.padded > self.capacity_bytes:
+            return None
         return [self._submit(entry.meta.key, page.data, entry.meta, entry.checksum, entry)]
 
     async def _await_moves(self, moves: list[_Pending]) -> None:
         results = await asyncio.gather(*(p.future for p in moves), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
+        if failed := [r for r in results if isinstance(r, BaseException)]:
             log.error("ssd compaction: %d of %d copies failed: %s", len(failed), len(moves),
                       failed[0])
-
-    # ----------------------------------------------------------------- reads
 
     async def _read_entry(self, entry: _Entry) -> Page:
         """Read and verify a committed page; CorruptPage on any fault."""

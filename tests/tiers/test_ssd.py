@@ -371,6 +371,7 @@ async def test_concurrent_writes_and_reads_are_consistent(tmp_path, fsync):
         results = await asyncio.gather(
             *(tier.write(k, d, m, force=True) for k, m, d in pages + duplicate))
         assert all(results) and tier.stats().num_blocks == 100
+        assert tier.stats().extra["appends"] < 50  # queued pages were combined into appends
         more = [make_page(i, 4000, seed=1) for i in range(100)]
         reads, writes = await asyncio.gather(
             asyncio.gather(*(tier.read(k) for k, _, _ in pages)),
