@@ -114,8 +114,13 @@ def parse_address(address: str | None) -> Target:
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # Reconnect quickly: the daemon is local, and gRPC's default first reconnect waits 1 s,
+    # longer than a daemon restart, during which every call fails fast as UNAVAILABLE.
     return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -350,6 +350,11 @@ def reservation_from_proto(msg: pb.ReserveResponse) -> Reservation:
 # ------------------------------------------------------------------------------ error edge
 
 
+# Failures an operator should see in the log; the rest are a client's own mistakes (DEBUG).
+_NOTEWORTHY = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a handler into statuses; the innermost interceptor.
 
@@ -361,8 +366,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: Exception):
         if isinstance(exc, KVStoreError):
             code, meta = status_for(exc), error_metadata(exc)
-            _log.info("%s failed: %s", method, exc,
-                      extra={"rpc": method, "code": code.name, "error": type(exc).__name__})
+            _log.log(logging.WARNING if code in _NOTEWORTHY else logging.DEBUG,
+                     "%s failed: %s", method, exc,
+                     extra={"rpc": method, "code": code.name, "error": type(exc).__name__})
             await context.abort(code, str(exc) or type(exc).__name__, trailing_metadata=meta)
         _log.error("%s raised unexpectedly", method, exc_info=exc, extra={"rpc": method})
         await context.abort(grpc.StatusCode.INTERNAL,

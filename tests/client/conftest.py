@@ -8,7 +8,6 @@ import pytest
 
 from kvstore.client import AsyncClient
 from kvstore.server.daemon import serve
-
 from tests.server.helpers import short_tmpdir, small_config
 
 

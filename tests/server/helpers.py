@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -139,3 +140,12 @@ class DaemonProcess:
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log lines written so far."""
+        return [json.loads(line) for line in self.log().splitlines() if line.startswith("{")]
+
+    def tcp_address(self) -> str:
+        """The TCP address the daemon reported (``server.tcp_address`` with port 0)."""
+        serving = next(e for e in self.events() if e["msg"] == "serving")
+        return f"127.0.0.1:{serving['tcp_port']}"

@@ -1,0 +1,341 @@
+"""RPC benchmark: the daemon's Lookup latency, put/get GB/s through the socket and through shared
+memory, and small-call throughput, each against a bare grpc.aio echo of the same payload.
+
+The daemon and the echo server run as subprocesses on Unix sockets in a temp directory; the
+client side runs here. ``kvstore bench rpc`` prints the table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from kvstore.bench.report import BenchReport, Column, write_report
+from kvstore.client import NO_RETRY, AsyncClient, Client
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.server import kvstore_pb2 as pb
+from kvstore.server.base import chunk_limit, namespace_to_proto, tokens_to_bytes
+from kvstore.spec import KVSpec
+
+MiB = 1 << 20
+# 32 layers x 8 kv heads x 128 head dim x 16 tokens x K,V x bf16 = 2 MiB per block (a 7-8B model)
+BLOCK_SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)
+# Lookup cost depends on the number of blocks, not their size: tiny blocks keep setup cheap.
+LOOKUP_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16)
+PROMPT_BLOCKS = 16  # blocks per put/get call (32 MiB)
+LOOKUP_PREFIXES = (8192, 32768)
+MAX_MESSAGE_BYTES = 256 * MiB
+_ECHO = "/kvstore.bench.Echo/"
+_SERVER_START_S = 60.0
+
+
+# ------------------------------------------------------------------------------ echo server
+
+
+async def _echo_unary(request: bytes, context) -> bytes:
+    """Replies with as many bytes as the first 8 request bytes ask for."""
+    return bytes(int.from_bytes(request[:8], "little"))
+
+
+async def _echo_upload(request_iterator, context) -> bytes:
+    total = 0
+    async for chunk in request_iterator:
+        total += len(chunk)
+    return total.to_bytes(8, "little")
+
+
+async def _echo_download(request: bytes, context):
+    total, chunk_bytes = struct.unpack_from("<QQ", request)
+    block = bytes(chunk_bytes)
+    for start in range(0, total, chunk_bytes):
+        yield block if start + chunk_bytes <= total else block[: total - start]
+
+
+async def serve_echo(address: str) -> None:
+    """A bare grpc.aio server with identity (bytes) serialisers, until SIGTERM."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvstore.bench.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(_echo_unary),
+        "Upload": grpc.stream_unary_rpc_method_handler(_echo_upload),
+        "Download": grpc.unary_stream_rpc_method_handler(_echo_download),
+    }),))
+    server.add_insecure_port(address)
+    await server.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+@contextlib.contextmanager
+def _process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_until(ready: Callable[[], None], proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + _SERVER_START_S
+    while True:
+        if proc.poll() is not None:
+            raise KVStoreError(f"bench server exited: {log_path.read_text()[-2000:]}")
+        try:
+            ready()
+            return
+        except (KVStoreError, grpc.RpcError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+class Echo:
+    """Blocking calls to the echo server, shaped like the kvstore calls they stand beside."""
+
+    def __init__(self, address: str) -> None:
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.unary = self.channel.unary_unary(_ECHO + "Unary")
+        self.upload = self.channel.stream_unary(_ECHO + "Upload")
+        self.download = self.channel.unary_stream(_ECHO + "Download")
+
+    def call(self, request_bytes: int, response_bytes: int) -> Callable[[], object]:
+        request = response_bytes.to_bytes(8, "little") + bytes(max(0, request_bytes - 8))
+        return lambda: self.unary(request)
+
+    def put(self, view: memoryview, chunk_bytes: int) -> None:
+        self.upload(bytes(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes))
+
+    def get(self, total_bytes: int, chunk_bytes: int) -> bytearray:
+        out, pos = bytearray(total_bytes), 0
+        for chunk in self.download(struct.pack("<QQ", total_bytes, chunk_bytes)):
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return out
+
+
+def _latencies_ms(call: Callable[[], object], repeats: int) -> np.ndarray:
+    for _ in range(min(10, repeats)):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return np.array(times) * 1e3
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _row(measurement: str, value: float, unit: str, baseline: float, **extra) -> dict:
+    return {"measurement": measurement, "value": value, "unit": unit, "echo": baseline,
+            "vs_echo": value / baseline if baseline else None, **extra}
+
+
+def _lookup_rows(client: Client, echo: Echo, repeats: int) -> list[dict]:
+    rows = []
+    for num_tokens in LOOKUP_PREFIXES:
+        ns = Namespace(model_id="bench/lookup", spec=LOOKUP_SPEC, tenant="bench")
+        tokens = np.random.default_rng(num_tokens).integers(0, 50_000, num_tokens).tolist()
+        kv = torch.zeros(LOOKUP_SPEC.shape(num_tokens), dtype=torch.bfloat16)
+        client.put(ns, tokens, kv, zero_copy=False)
+        result = client.lookup(ns, tokens)
+        if result.matched_tokens != num_tokens:
+            raise KVStoreError(f"lookup bench: {result.matched_tokens} of {num_tokens} matched")
+        request = pb.LookupRequest(namespace=namespace_to_proto(ns),
+                                   tokens=tokens_to_bytes(tokens)).ByteSize()
+        response = pb.LookupResponse(keys=list(result.keys), matched_tokens=num_tokens,
+                                     num_tokens=num_tokens,
+                                     tokens_per_tier=result.tokens_per_tier).ByteSize()
+        ours = _latencies_ms(lambda ns=ns, tokens=tokens: client.lookup(ns, tokens), repeats)
+        bare = _latencies_ms(echo.call(request, response), repeats)
+        for q in (50, 99):
+            rows.append(_row(f"Lookup {num_tokens // 1024}k-token prefix p{q}",
+                             float(np.percentile(ours, q)), "ms", float(np.percentile(bare, q)),
+                             payload_bytes=request + response))
+    return rows
+
+
+def _transfer_rows(client: Client, echo: Echo, total_bytes: int) -> list[dict]:
+    ns = Namespace(model_id="bench/blocks", spec=BLOCK_SPEC, tenant="bench")
+    prompt_tokens = PROMPT_BLOCKS * BLOCK_SPEC.block_tokens
+    num_calls = max(1, total_bytes // (PROMPT_BLOCKS * BLOCK_SPEC.block_bytes))
+    kv = torch.randn(BLOCK_SPEC.shape(prompt_tokens)).to(torch.bfloat16)
+    nbytes = kv.numel() * kv.element_size()
+    moved = num_calls * nbytes / 1e9
+    chunk = chunk_limit(MAX_MESSAGE_BYTES)
+    view = memoryview(kv.view(-1).view(torch.uint8).numpy())
+
+    def prompts(base: int) -> list[list[int]]:
+        return [list(range(base + i * prompt_tokens, base + (i + 1) * prompt_tokens))
+                for i in range(num_calls)]
+
+    def put_all(batch: list[list[int]], zero_copy: bool) -> float:
+        return _seconds(lambda: [client.put(ns, t, kv, zero_copy=zero_copy) for t in batch])
+
+    put_all(prompts(10_000_000), False)  # warm-up: grows and pre-faults the DRAM arena
+    client.evict(model_id=ns.model_id)
+    put_socket = put_all(prompts(20_000_000), False)
+    client.evict(model_id=ns.model_id)
+    shared = prompts(30_000_000)
+    put_shm = put_all(shared, True)
+    get_socket = _seconds(lambda: [client.get(ns, t, zero_copy=False) for t in shared])
+    get_shm = _seconds(lambda: [client.get(ns, t, zero_copy=True) for t in shared])
+    echo_put = _seconds(lambda: [echo.put(view, chunk) for _ in range(num_calls)])
+    echo_get = _seconds(lambda: [echo.get(nbytes, chunk) for _ in range(num_calls)])
+    client.evict(model_id=ns.model_id)
+    extra = {"payload_bytes": nbytes}
+    return [
+        _row("put 2 MiB blocks, socket", moved / put_socket, "GB/s", moved / echo_put, **extra),
+        _row("put 2 MiB blocks, shared memory", moved / put_shm, "GB/s", moved / echo_put,
+             **extra),
+        _row("get 2 MiB blocks, socket", moved / get_socket, "GB/s", moved / echo_get, **extra),
+        _row("get 2 MiB blocks, shared memory", moved / get_shm, "GB/s", moved / echo_get,
+             **extra),
+    ]
+
+
+async def _calls_per_second(call: Callable[[], object], seconds: float, concurrency: int
+                            ) -> float:
+    done = 0
+    stop_at = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            await call()
+            done += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.monotonic() - start)
+
+
+async def _small_call_rows(address: str, echo_address: str, seconds: float,
+                           concurrency: int) -> list[dict]:
+    ns = Namespace(model_id="bench/small", spec=LOOKUP_SPEC, tenant="bench")
+    tokens = list(range(LOOKUP_SPEC.block_tokens))
+    request = pb.LookupRequest(namespace=namespace_to_proto(ns),
+                               tokens=tokens_to_bytes(tokens)).ByteSize()
+    response = pb.LookupResponse(num_tokens=len(tokens)).ByteSize()
+    async with AsyncClient(address, retry=NO_RETRY) as client, \
+            grpc.aio.insecure_channel(echo_address) as channel:
+        unary = channel.unary_unary(_ECHO + "Unary")
+        payload = response.to_bytes(8, "little") + bytes(max(0, request - 8))
+        ours = await _calls_per_second(lambda: client.lookup(ns, tokens), seconds, concurrency)
+        bare = await _calls_per_second(lambda: unary(payload), seconds, concurrency)
+    return [_row(f"small calls (Lookup, 1 block, {concurrency} in flight)", ours, "calls/s",
+                 bare, payload_bytes=request + response)]
+
+
+# ------------------------------------------------------------------------------------ entry
+
+
+def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
+                  small_call_s: float = 2.0, concurrency: int = 32) -> BenchReport:
+    """Start a daemon and an echo server, measure, stop them, and return the report.
+
+    Args:
+        total_bytes: bytes each put/get measurement moves (whole 32 MiB prompts of 2 MiB
+            blocks; at least one prompt).
+        lookup_repeats: timed Lookup calls per prefix length.
+        small_call_s: seconds each small-call throughput measurement runs.
+        concurrency: small calls in flight.
+
+    Returns:
+        Rows of (measurement, value, unit, echo, vs_echo): ``vs_echo`` is value / echo, so for
+        latency above 1 means slower than bare gRPC, for GB/s and calls/s above 1 means faster.
+    """
+    if total_bytes < 1 or lookup_repeats < 1 or small_call_s <= 0 or concurrency < 1:
+        raise InvalidArgument("total_bytes, lookup_repeats, small_call_s and concurrency must "
+                              "be positive")
+    with tempfile.TemporaryDirectory(prefix="kvsb", dir="/tmp") as tmp:
+        root = Path(tmp)
+        socket_path, echo_path = root / "kv.sock", root / "echo.sock"
+        prompt_bytes = PROMPT_BLOCKS * BLOCK_SPEC.block_bytes
+        dram_bytes = max(total_bytes, prompt_bytes) + 256 * MiB
+        daemon_args = ["-m", "kvstore.server.daemon", "--set", f"server.socket_path={socket_path}",
+                       "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "ssd.enabled=false",
+                       "--set", "server.log_level=WARNING", "--set", "server.metrics_port=0",
+                       "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
+        echo_args = ["-m", "kvstore.server.bench_rpc", "--echo-server", f"unix://{echo_path}"]
+        address, echo_address = f"unix://{socket_path}", f"unix://{echo_path}"
+        with _process(daemon_args, root / "daemon.log") as daemon, \
+                _process(echo_args, root / "echo.log") as echo_proc, \
+                Client(address, retry=NO_RETRY, max_message_bytes=MAX_MESSAGE_BYTES) as client:
+            _wait_until(client.health, daemon, root / "daemon.log")
+            echo = Echo(echo_address)
+            _wait_until(echo.call(8, 8), echo_proc, root / "echo.log")
+            rows = _lookup_rows(client, echo, lookup_repeats)
+            rows += _transfer_rows(client, echo, total_bytes)
+            rows += asyncio.run(_small_call_rows(address, echo_address, small_call_s,
+                                                 concurrency))
+            echo.channel.close()
+    return BenchReport(
+        name="rpc", title="kvstore RPC vs bare grpc.aio echo (same payloads, same run)",
+        columns=(Column("measurement", "measurement", justify="left"),
+                 Column("value", "kvstore"), Column("unit", "unit", justify="left"),
+                 Column("echo", "echo"), Column("vs_echo", "kvstore/echo")),
+        rows=tuple(rows),
+        params={"total_bytes": total_bytes, "lookup_repeats": lookup_repeats,
+                "small_call_s": small_call_s, "concurrency": concurrency,
+                "block_spec": BLOCK_SPEC.to_dict(), "lookup_spec": LOOKUP_SPEC.to_dict(),
+                "prompt_blocks": PROMPT_BLOCKS},
+        notes=(("kvstore/echo: latency above 1 is slower than bare gRPC; GB/s and calls/s "
+                "above 1 are faster. Shared-memory rows compare against the socket echo."),),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server.bench_rpc")
+    parser.add_argument("--echo-server", metavar="ADDRESS", help="serve the echo baseline only")
+    parser.add_argument("--total-bytes", type=int, default=256 * MiB)
+    parser.add_argument("--json", help="results file [default: bench/results/rpc-<date>.json]")
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        asyncio.run(serve_echo(args.echo_server))
+        return 0
+    write_report(run_rpc_bench(total_bytes=args.total_bytes), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

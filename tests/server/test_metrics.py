@@ -1,0 +1,60 @@
+"""Prometheus text on the metrics port: store gauges per tier, RPC latency and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import AsyncClient
+from kvstore.errors import LeaseNotFound
+from kvstore.server.daemon import serve
+
+from ..conftest import random_kv, random_tokens
+from .helpers import small_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_endpoint(root, ns, spec):
+    d = await serve(small_config(root, metrics_port=free_port()))
+    try:
+        async with AsyncClient(d.unix_address, zero_copy=False) as client:
+            tokens = random_tokens(48)
+            await client.put(ns, tokens, random_kv(spec, 48))
+            await client.lookup(ns, tokens)
+            await client.get(ns, tokens)
+            with pytest.raises(LeaseNotFound):
+                await client.release("nope")
+        url = f"http://127.0.0.1:{d.metrics_port}/metrics"
+        # the scrape runs stats() on this loop, so it must not block the loop itself
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    finally:
+        await d.stop(1.0)
+    got = samples(text.decode())
+    dram = (("tier", "dram"),)
+    assert got[("kvstore_tier_blocks", dram)] == 3
+    assert got[("kvstore_tier_used_bytes", dram)] >= 3 * spec.block_bytes
+    assert got[("kvstore_tier_capacity_bytes", dram)] == 16 << 20
+    assert ("kvstore_tier_hits_total", dram) in got
+    assert ("kvstore_tier_misses_total", (("tier", "ssd"),)) in got
+    assert got[("kvstore_lookups_total", ())] == 1
+    assert got[("kvstore_lookup_hit_tokens_total", ())] == 48
+    assert got[("kvstore_puts_total", ())] == 1
+    assert ("kvstore_demotions_total", ()) in got and ("kvstore_active_leases", ()) in got
+    for method in ("Put", "Lookup", "Get", "Release"):
+        assert got[("kvstore_rpc_latency_seconds_count", (("method", method),))] == 1
+    assert got[("kvstore_rpc_errors_total", (("code", "NOT_FOUND"), ("method", "Release")))] == 1
+    assert ("kvstore_rpc_errors_total", (("code", "OK"), ("method", "Put"))) not in got

@@ -1,0 +1,154 @@
+"""The servicer through AsyncClient against an in-process daemon on a temp Unix socket."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+
+import pytest
+import torch
+
+from kvstore.client import AsyncClient
+from kvstore.errors import (
+    CorruptPage,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    NotFound,
+)
+from kvstore.keys import block_keys
+from kvstore.store import BlockInfo, LookupResult, StoreStats
+
+from ..conftest import random_kv, random_tokens
+
+
+@pytest.mark.parametrize("put_zero_copy", [False, True])
+@pytest.mark.parametrize("get_zero_copy", [False, True])
+async def test_round_trip_bit_exact(aclient, ns, spec, put_zero_copy, get_zero_copy):
+    tokens = random_tokens(88)
+    kv = random_kv(spec, 88)
+    assert await aclient.put(ns, tokens, kv, zero_copy=put_zero_copy) == 80
+    got = await aclient.get(ns, tokens, zero_copy=get_zero_copy)
+    assert got.dtype == kv.dtype and torch.equal(got, kv[:, :, :80])
+    assert await aclient.put(ns, tokens, kv, zero_copy=put_zero_copy) == 0  # already stored
+
+
+async def test_float16_and_large_streamed_tensor(aclient, ns, spec):
+    """More than one 4 MiB chunk each way: the stream reassembles in order."""
+    wide = dataclasses.replace(spec, dtype="float16", num_layers=8, num_kv_heads=4, head_dim=128)
+    ns16 = dataclasses.replace(ns, spec=wide)
+    tokens = random_tokens(640)
+    kv = random_kv(wide, 640)
+    assert kv.numel() * 2 > 8 << 20
+    assert await aclient.put(ns16, tokens, kv, zero_copy=False) == 640
+    assert torch.equal(await aclient.get(ns16, tokens, zero_copy=False), kv)
+
+
+async def test_lookup_returns_store_types(aclient, ns, spec):
+    tokens = random_tokens(64)
+    await aclient.put(ns, tokens[:32], random_kv(spec, 32))
+    result = await aclient.lookup(ns, tokens)
+    assert isinstance(result, LookupResult)
+    assert (result.num_tokens, result.matched_tokens, result.tokens_per_tier) == \
+        (64, 32, {"dram": 32})
+    assert result.keys == tuple(block_keys(ns, tokens[:32]))
+    assert await aclient.get(ns, random_tokens(32, seed=5)) is None
+    assert await aclient.get(ns, random_tokens(32, seed=5), zero_copy=True) is None
+
+
+async def test_stats_list_evict_hint_health(aclient, ns, spec):
+    tokens = random_tokens(48)
+    await aclient.put(ns, tokens, random_kv(spec, 48))
+    stats = await aclient.stats()
+    assert isinstance(stats, StoreStats)
+    assert stats.tiers["dram"].num_blocks == 3 and stats.counters.puts == 1
+    blocks = await aclient.list_blocks(tenant="acme")
+    assert len(blocks) == 3 and all(isinstance(b, BlockInfo) for b in blocks)
+    assert {b.block_index for b in blocks} == {0, 1, 2}
+    assert {b.parent for b in blocks if b.block_index == 0} == {None}
+    assert await aclient.hint(ns, tokens, deadline_s=1.0) == 0  # all in DRAM already
+    health = await aclient.health()
+    assert (health.status, health.is_admin, health.pid) == ("SERVING", True, os.getpid())
+    keys = block_keys(ns, tokens)
+    assert await aclient.evict(keys=keys[2:]) == 1
+    assert (await aclient.lookup(ns, tokens)).matched_tokens == 32
+    assert await aclient.evict(everything=True) == 2
+    assert (await aclient.stats()).tiers["dram"].num_blocks == 0
+
+
+async def test_leases(aclient, ns, spec):
+    tokens = random_tokens(32)
+    await aclient.put(ns, tokens, random_kv(spec, 32))
+    lease = await aclient.acquire(ns, tokens, lease_s=5.0)
+    assert lease.matched_tokens == 32 and len(lease.blocks) == 2
+    assert (await aclient.stats()).active_leases == 1
+    assert await aclient.evict(tenant="acme") == 0  # pinned blocks stay
+    await aclient.release(lease.lease_id)
+    with pytest.raises(LeaseNotFound):
+        await aclient.release(lease.lease_id)
+    with pytest.raises(NotFound):
+        await aclient.release("no-such-lease")
+    with pytest.raises(InvalidArgument, match="lease_s"):
+        await aclient.acquire(ns, tokens, lease_s=1e9)
+
+
+async def test_commit_of_a_damaged_page_is_data_loss(aclient, ns, spec):
+    tokens = random_tokens(32)
+    reservation = await aclient.reserve(ns, tokens)
+    assert len(reservation.blocks) == 2
+    for grant in reservation.blocks:
+        fd = os.open(grant.arena_path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 0) as arena:
+                arena[grant.offset : grant.offset + 64] = b"\xab" * 64
+        finally:
+            os.close(fd)
+    with pytest.raises(CorruptPage):
+        await aclient.commit(reservation.reservation_id)
+    assert (await aclient.lookup(ns, tokens)).matched_tokens == 0
+    # the slots were freed: a proper zero-copy put of the same tokens works
+    assert await aclient.put(ns, tokens, random_kv(spec, 32), zero_copy=True) == 32
+
+
+async def test_unexpected_error_is_internal_and_the_daemon_keeps_serving(
+        daemon, aclient, ns, caplog):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    original = daemon.store.lookup
+    daemon.store.lookup = broken
+    with caplog.at_level(logging.ERROR, logger="kvstore"), \
+            pytest.raises(KVStoreError, match="INTERNAL.*disk on fire"):
+        await aclient.lookup(ns, random_tokens(16))
+    assert any(r.exc_info and "disk on fire" in str(r.exc_info[1]) for r in caplog.records)
+    daemon.store.lookup = original
+    assert (await aclient.lookup(ns, random_tokens(16))).matched_tokens == 0
+
+
+async def test_client_side_validation_raises_before_sending(aclient, ns, spec):
+    with pytest.raises(InvalidArgument, match="dtype"):
+        await aclient.put(ns, random_tokens(16), random_kv(spec, 16).float(), zero_copy=False)
+    with pytest.raises(InvalidArgument, match="tokens"):
+        await aclient.lookup(ns, [])
+
+
+async def test_zero_copy_falls_back_to_streaming_without_arena_access(daemon, ns, spec,
+                                                                      monkeypatch):
+    """An arena this process cannot open (another user, another container) is not fatal in
+    automatic mode, and a clear error when zero-copy was demanded."""
+    real_open = os.open
+
+    def deny_arena(path, flags, *args):
+        if str(path) == daemon.store.dram.arena_path:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", deny_arena)
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    async with AsyncClient(daemon.unix_address) as client:
+        assert await client.put(ns, tokens, kv) == 32
+        assert torch.equal(await client.get(ns, tokens), kv)
+        with pytest.raises(InvalidArgument, match="zero-copy"):
+            await client.get(ns, tokens, zero_copy=True)
