@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +142,30 @@ def test_serve_config_errors_are_one_line(args: list[str], message: str) -> None
     assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_serve_runs_a_daemon_until_sigterm(tmp_path: Path) -> None:
+    """`kvstore serve` as a real process: it answers `stats`, then drains on SIGTERM, exit 0."""
+    sock = tmp_path / "serve.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--socket", str(sock),
+         "--dram-capacity", "16MiB", "--ssd-path", str(tmp_path / "ssd"),
+         "--ssd-capacity", "64MiB", "--set", "dram.chunk_bytes=1MiB"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sock.exists(), proc.stderr.read() if proc.poll() is not None else "no socket"
+        result = invoke("stats", "--json", "--address", f"unix://{sock}")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["tiers"]["dram"]["capacity_bytes"] == 16 << 20
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert not sock.exists()
+
+
 def test_serve_refuses_a_socket_already_served(daemon: Daemon) -> None:
     """A real process: the daemon's logging setup stays out of this test process."""
     proc = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--socket",
@@ -192,6 +218,24 @@ def test_unreachable_daemon_names_address_and_serve(tmp_path: Path) -> None:
     result = invoke("stats", "--address", address)
     assert result.exit_code == 1
     assert address in result.stderr and "kvstore serve" in result.stderr
+
+
+def test_stats_watch_refreshes_until_ctrl_c(daemon: Daemon, monkeypatch) -> None:
+    naps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvstore.cli.time.sleep", sleep)
+    lines = invoke("stats", "--address", daemon.unix_address, "--watch", "0.5", "--json")
+    assert lines.exit_code == 0
+    assert [json.loads(line)["tiers"].keys() for line in lines.stdout.splitlines()] == [
+        {"dram", "ssd"}] * 2
+    naps.clear()
+    live = invoke("stats", "--address", daemon.unix_address, "--watch", "0.5")
+    assert live.exit_code == 0 and "dram" in live.stdout and naps == [0.5, 0.5]
 
 
 def test_address_from_environment(daemon: Daemon) -> None:

@@ -40,6 +40,7 @@ BLOCK_BYTES = BENCH_SPEC.block_bytes
 RING_BLOCKS = 32
 # 16 x 2 MiB = 32 MiB in flight: one SSD group commit's worth (ssd.GROUP_COMMIT_BYTES).
 SSD_QUEUE_DEPTH = 16
+MAX_QUEUE_DEPTH = 256
 TARGETS = {("dram", "get"): 0.7, ("ssd", "put"): 0.8, ("ssd", "get"): 0.8}  # from the issue
 TIERS = ("dram", "ssd")
 _DD_RESULT = re.compile(r"^(\d+) bytes.*copied, ([0-9.]+) s", re.MULTILINE)
@@ -134,6 +135,7 @@ async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitabl
                     ) -> float:
     """Run ``op(0..num_ops-1)`` in order with at most ``queue_depth`` in flight; seconds taken."""
     start = time.perf_counter()
+    started: list[asyncio.Future[None]] = []
     inflight: set[asyncio.Future[None]] = set()
     try:
         for i in range(num_ops):
@@ -141,12 +143,13 @@ async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitabl
                 done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # re-raise the first failure
-            inflight.add(asyncio.ensure_future(op(i)))
+            started.append(asyncio.ensure_future(op(i)))
+            inflight.add(started[-1])
         await asyncio.gather(*inflight)
     finally:
         for task in inflight:
             task.cancel()
-        await asyncio.gather(*inflight, return_exceptions=True)  # reap what a failure left
+        await asyncio.gather(*started, return_exceptions=True)  # reap every failure
     return time.perf_counter() - start
 
 
@@ -160,14 +163,15 @@ async def _put_pass(work: _Workload, write: WriteFn, tier_name: str, queue_depth
     return await _windowed(work.num_blocks, queue_depth, put)
 
 
-async def _get_pass(work: _Workload, tier: Tier, ring: torch.Tensor, queue_depth: int) -> float:
-    async def get(i: int) -> None:
-        page = await tier.read(work.metas[i].key)
+async def _get_pass(work: _Workload, tier: Tier, ring: torch.Tensor) -> float:
+    """Read, verify and decode every block in order, one at a time, as ``Store.get`` does."""
+    start = time.perf_counter()
+    for i, meta in enumerate(work.metas):
+        page = await tier.read(meta.key)
         if page is None:
             raise KVStoreError(f"bench: block {i} missing from the {tier.name} tier after put")
         codecs.decode(page.payload, out=_ring_slot(ring, i))
-
-    return await _windowed(work.num_blocks, queue_depth, get)
+    return time.perf_counter() - start
 
 
 def _check_ring(work: _Workload, ring: torch.Tensor, tier_name: str) -> None:
@@ -193,7 +197,7 @@ async def bench_dram(work: _Workload, ring: torch.Tensor, repeat: int
     try:
         for _ in range(repeat):
             puts.append(await _put_pass(work, tier.write, tier.name, 1))
-            gets.append(await _get_pass(work, tier, ring, 1))
+            gets.append(await _get_pass(work, tier, ring))
             _check_ring(work, ring, tier.name)
             for meta in work.metas:
                 await tier.delete(meta.key)
@@ -205,9 +209,9 @@ async def bench_dram(work: _Workload, ring: torch.Tensor, repeat: int
 async def bench_ssd(work: _Workload, ring: torch.Tensor, directory: Path, repeat: int,
                     queue_depth: int) -> tuple[Measurement, Measurement]:
     """Put then get every block through a fresh SSD tier in a scratch directory per pass (so
-    no pass pays for another's dead segments or compaction), ``queue_depth`` blocks in flight:
-    the tier batches queued pages into large appends and group-commits them, so one block at
-    a time would wait a whole fsync interval per page."""
+    no pass pays for another's dead segments or compaction). Puts keep ``queue_depth`` blocks
+    in flight: the tier batches queued pages into large appends and group-commits them, so one
+    block at a time would wait a whole fsync interval per page. Gets go one at a time."""
     from kvstore.tiers.ssd import SsdTier
 
     page_bytes = len(work.page(0))
@@ -224,7 +228,7 @@ async def bench_ssd(work: _Workload, ring: torch.Tensor, directory: Path, repeat
                 # force: skip the admission filter, which would refuse first sightings.
                 puts.append(await _put_pass(work, functools.partial(tier.write, force=True),
                                             tier.name, queue_depth))
-                gets.append(await _get_pass(work, tier, ring, queue_depth))
+                gets.append(await _get_pass(work, tier, ring))
                 _check_ring(work, ring, tier.name)
             finally:
                 await tier.close()
@@ -266,13 +270,13 @@ def dd_baseline(directory: Path, num_blocks: int, repeat: int
 
 
 def _row(path: str, op: str, measured: Measurement, baseline: str,
-         base: Measurement | None) -> dict[str, object]:
+         base: Measurement | None, queue_depth: int) -> dict[str, object]:
     gbps = measured.best_gbps
     base_gbps = base.best_gbps if base is not None else None
     ratio = gbps / base_gbps if base_gbps else None
     target = TARGETS.get((path, op))
     return {
-        "path": path, "op": op, "gbps": gbps, "baseline": baseline,
+        "path": path, "op": op, "queue_depth": queue_depth, "gbps": gbps, "baseline": baseline,
         "baseline_gbps": base_gbps, "ratio": ratio, "target_ratio": target,
         "meets_target": None if target is None or ratio is None else ratio >= target,
         "first_pass_gbps": measured.first_gbps, "bytes": measured.num_bytes,
@@ -284,6 +288,7 @@ def _row(path: str, op: str, measured: Measurement, baseline: str,
 COLUMNS = (
     Column("path", "path", justify="left"),
     Column("op", "op", justify="left"),
+    Column("queue_depth", "qd"),
     Column("gbps", "GB/s"),
     Column("baseline", "baseline", justify="left"),
     Column("baseline_gbps", "baseline GB/s"),
@@ -303,7 +308,8 @@ def run_tier_bench(total_bytes: int = 1 << 30, ssd_path: str | os.PathLike[str] 
         ssd_path: directory for the SSD tier and ``dd`` (default: the configured SSD path).
         tiers: which of ``("dram", "ssd")`` to run.
         repeat: passes per measurement; the table shows the best, the JSON every pass.
-        queue_depth: SSD blocks in flight (DRAM runs one at a time, as a put's loop does).
+        queue_depth: SSD puts in flight; DRAM puts and all gets go one block at a time, as the
+            store's loops do.
 
     Returns:
         The report (rows: path, op, GB/s, baseline, baseline GB/s, ratio, target).
@@ -314,8 +320,8 @@ def run_tier_bench(total_bytes: int = 1 << 30, ssd_path: str | os.PathLike[str] 
                               f"got {total_bytes}")
     if repeat < 1:
         raise InvalidArgument(f"repeat must be >= 1, got {repeat}")
-    if not 1 <= queue_depth <= RING_BLOCKS:
-        raise InvalidArgument(f"queue depth must be in [1, {RING_BLOCKS}], got {queue_depth}")
+    if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        raise InvalidArgument(f"queue depth must be in [1, {MAX_QUEUE_DEPTH}], got {queue_depth}")
     unknown = set(tiers) - set(TIERS)
     if unknown or not tiers:
         raise InvalidArgument(f"tiers must be among {TIERS}, got {list(tiers)}")
@@ -326,8 +332,8 @@ def run_tier_bench(total_bytes: int = 1 << 30, ssd_path: str | os.PathLike[str] 
     if "dram" in tiers:
         memcpy = memcpy_baseline(work, repeat)
         put, get = asyncio.run(bench_dram(work, ring, repeat))
-        rows += [_row("dram", "put", put, "memcpy", memcpy),
-                 _row("dram", "get", get, "memcpy", memcpy)]
+        rows += [_row("dram", "put", put, "memcpy", memcpy, 1),
+                 _row("dram", "get", get, "memcpy", memcpy, 1)]
     if "ssd" in tiers:
         directory.mkdir(parents=True, exist_ok=True)
         dd_write = dd_read = None
@@ -336,10 +342,11 @@ def run_tier_bench(total_bytes: int = 1 << 30, ssd_path: str | os.PathLike[str] 
         except KVStoreError as exc:
             notes.append(f"no SSD baseline: {exc}")
         put, get = asyncio.run(bench_ssd(work, ring, directory, repeat, queue_depth))
-        rows += [_row("ssd", "put", put, "dd write O_DIRECT", dd_write),
-                 _row("ssd", "get", get, "dd read O_DIRECT", dd_read)]
+        rows += [_row("ssd", "put", put, "dd oflag=direct", dd_write, queue_depth),
+                 _row("ssd", "get", get, "dd iflag=direct", dd_read, 1)]
     params = {"total_bytes": work.num_bytes, "block_bytes": BLOCK_BYTES,
-              "num_blocks": num_blocks, "repeat": repeat, "ssd_queue_depth": queue_depth, "spec": BENCH_SPEC.to_dict(),
+              "num_blocks": num_blocks, "repeat": repeat, "ssd_put_queue_depth": queue_depth,
+              "spec": BENCH_SPEC.to_dict(),
               "ssd_path": str(directory) if "ssd" in tiers else None, "codec": work.codec.name}
     return BenchReport(name="tiers", title=f"tier throughput, {num_blocks} x 2 MiB blocks, "
                        f"best of {repeat}", columns=COLUMNS, rows=tuple(rows), params=params,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -44,3 +45,15 @@ def test_bench_tiers_dram_only(tmp_path: Path) -> None:
 def test_bench_tiers_rejects_bad_arguments(kwargs) -> None:
     with pytest.raises(InvalidArgument):
         run_tier_bench(**{"total_bytes": BLOCK_BYTES, **kwargs})
+
+
+def test_a_refused_put_stops_the_bench() -> None:
+    """A tier that refuses a page fails the run with the block named, not a wrong number."""
+    from kvstore.bench.tiers import _put_pass, make_workload
+    from kvstore.errors import KVStoreError
+
+    async def refuse(key, page, meta) -> bool:
+        return meta.block_index != 1
+
+    with pytest.raises(KVStoreError, match="refused block 1"):
+        asyncio.run(_put_pass(make_workload(3), refuse, "dram", queue_depth=2))
