@@ -480,10 +480,20 @@ def bench_tiers(
 
 @bench_app.command("rpc")
 @_boundary
-def bench_rpc(json_path: JsonPathOpt = None) -> None:
-    """Round trips through the daemon over gRPC (kvstore.server.bench_rpc)."""
+def bench_rpc(
+    total_bytes: Annotated[str, typer.Option(help="Bytes each put/get measurement moves.")
+                           ] = "256MiB",
+    lookup_repeats: Annotated[int, typer.Option(min=1, help="Timed Lookups per prefix.")] = 200,
+    small_call_s: Annotated[float, typer.Option(
+        "--small-call-seconds", min=0.1, help="Seconds per small-call measurement.")] = 2.0,
+    concurrency: Annotated[int, typer.Option(min=1, help="Small calls in flight.")] = 32,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Put/get GB/s and call latency through a fresh daemon, against a bare gRPC echo."""
     run = load_runner("kvstore.server.bench_rpc", "run_rpc_bench", "kvstore bench rpc")
-    _publish(run(), json_path)
+    _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"),
+                 lookup_repeats=lookup_repeats, small_call_s=small_call_s,
+                 concurrency=concurrency), json_path)
 
 
 @bench_app.command("codecs")

@@ -355,6 +355,26 @@ def test_bench_codecs_runs_the_module_it_finds(monkeypatch, tmp_path: Path) -> N
     assert {"date", "host", "command", "environment", "params"} <= set(written)
 
 
+def test_bench_rpc_passes_its_options(monkeypatch, tmp_path: Path) -> None:
+    seen: dict[str, object] = {}
+
+    def run_rpc_bench(**kwargs: object) -> BenchReport:
+        seen.update(kwargs)
+        return BenchReport(name="rpc", title="rpc", columns=(Column("value", "value"),),
+                           rows=({"value": 1.5},))
+
+    fake = types.ModuleType("kvstore.server.bench_rpc")
+    fake.run_rpc_bench = run_rpc_bench  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvstore.server.bench_rpc", fake)
+    out = tmp_path / "rpc.json"
+    result = invoke("bench", "rpc", "--total-bytes", "64MiB", "--concurrency", "4",
+                    "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert seen == {"total_bytes": 64 << 20, "lookup_repeats": 200, "small_call_s": 2.0,
+                    "concurrency": 4}
+    assert json.loads(out.read_text())["rows"] == [{"value": 1.5}]
+
+
 def test_bench_without_its_module_is_a_clean_error(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "kvstore.bench.codecs", None)  # import raises
     result = invoke("bench", "codecs")
