@@ -17,6 +17,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 
 DIRECT_PROBE_BYTES = 4096  # one logical block: the O_DIRECT alignment unit on common disks
+DAEMON_TIMEOUT_S = 5.0  # a healthy daemon answers Health in milliseconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +194,11 @@ def check_daemon(address: str, token: str | None) -> Check:
         return Check("daemon", False, f"no daemon at {address}; start one with `kvstore serve`",
                      required=False)
     try:
-        from kvstore.client import Client
+        from kvstore.client import NO_RETRY, Client
     except ImportError as exc:
         return Check("daemon", False, f"the client is not part of this build: {exc}")
     try:
-        with Client(address, token=token) as client:
+        with Client(address, token=token, retry=NO_RETRY, timeout_s=DAEMON_TIMEOUT_S) as client:
             health = client.health()
     except KVStoreError as exc:
         return Check("daemon", False, f"{address}: {exc}")
