@@ -25,7 +25,7 @@ from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page
-from kvstore.tiers.arena import ShmArena, Slot, SlabAllocator
+from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, round_up
 from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,21 @@ class DramTier(Tier):
             self._unpin()
             self._entries.clear()
             self._arena.close()
+
+    async def reserve(self, nbytes: int) -> int:
+        """Grow and prefault the arena to ``nbytes`` (at most capacity) ahead of demand.
+
+        Grows one chunk at a time in a thread, so writes interleave and the loop stays free
+        (prefaulting runs at about 0.4 GB/s on tmpfs). Returns the arena's size in bytes.
+        """
+        self._check_open()
+        target = min(round_up(max(nbytes, 0)), self.capacity_bytes)
+        while self._is_open and self._alloc.grown_bytes < target:
+            async with self._grow_lock:
+                step = min(self._alloc.chunk_bytes, target - self._alloc.grown_bytes)
+                if step <= 0 or not await self._grow_locked(step):
+                    break
+        return self._alloc.grown_bytes
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -280,9 +295,9 @@ class DramTier(Tier):
             raise
 
     def _grow_ahead(self) -> None:
-        if self._grow_task is None or self._grow_task.done():
-            if self._alloc.spare_growth() and not self._grow_lock.locked():
-                self._grow_task = asyncio.get_running_loop().create_task(self._spare())
+        idle = self._grow_task is None or self._grow_task.done()
+        if idle and not self._grow_lock.locked() and self._alloc.spare_growth():
+            self._grow_task = asyncio.get_running_loop().create_task(self._spare())
 
     async def _spare(self) -> None:
         async with self._grow_lock:
