@@ -58,19 +58,32 @@ def dequant_scales(parts: fp4.Fp4Parts) -> torch.Tensor:
     return parts.scales.view(torch.float8_e4m3fn).float() * ts
 
 
-def test_e2m1_rounds_to_nearest_ties_to_even_and_saturates():
-    # amax 7 -> mxfp4 scale 2^(floor(log2 7) - 2) = 1, so the codes are those of the raw values.
+def ties_case() -> tuple[torch.Tensor, list[int]]:
+    """An mxfp4 block with amax 7: scale 2^(floor(log2 7) - 2) = 1, so codes are of raw values."""
     values = [7.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.3, -0.2, 0.5, 6.0, -6.5, 2.9, 0.0, 1.0]
     expected = [7, 0, 2, 2, 4, 4, 6, 6, 9, 0, 1, 7, 15, 5, 0, 2]  # bit 3 = sign; no -0
     x = torch.zeros(1, 2, 1, 1, 32)
     x[0, 0, 0, 0, :16] = torch.tensor(values)
+    x[0, 0, 0, 0, 16:] = -torch.tensor(values)
+    return x, expected + [c ^ 8 if c else 0 for c in expected]
+
+
+def test_e2m1_rounds_to_nearest_ties_to_even_and_saturates():
+    x, expected = ties_case()
     parts = fp4.mxfp4_quantize_reference(x)
-    codes = fp4.unpack_nibbles(parts.packed)[0, 0, 0, 0, :16]
-    assert codes.tolist() == expected
+    assert fp4.unpack_nibbles(parts.packed)[0, 0, 0, 0].tolist() == expected
     assert int(parts.scales[0, 0, 0, 0, 0]) == 127
     # Low nibble holds the even element: elements 0 (7 -> code 7) and 1 (0.25 -> code 0).
     assert int(parts.packed[0, 0, 0, 0, 0]) == 0x07
     assert int(parts.packed[0, 0, 0, 0, 1]) == (2 << 4) | 2  # 0.75 and 1.25
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_e2m1_rounding(dtype):
+    x, expected = ties_case()
+    parts = kernels().mxfp4_encode(x.to(dtype).to(DEVICE))
+    assert fp4.unpack_nibbles(parts.packed.cpu())[0, 0, 0, 0].tolist() == expected
 
 
 def test_nibble_round_trip_and_values():
@@ -121,11 +134,12 @@ def test_kernel_encode_matches_reference_bytes(name, dtype, seed):
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
 def test_kernel_encode_in_chunks_matches_reference(name, seed, monkeypatch):
-    """One slice per amax + encode pair and several amax programs per slice give the same
-    bytes as one pass over the whole tensor."""
-    monkeypatch.setattr(kernels(), "ENCODE_CHUNK_BYTES", 1)
+    """Several encode and amax programs per slice, the last of each partial, give the bytes of
+    one pass over the whole tensor."""
+    monkeypatch.setitem(kernels().ENCODE_CONFIG, fp4.NV_BLOCK, (16, 4))
+    monkeypatch.setitem(kernels().ENCODE_CONFIG, fp4.MX_BLOCK, (16, 4))
     monkeypatch.setattr(kernels(), "AMAX_ELEMENTS", 256)
-    x = make_kv(seed, shape=(3, 2, 8, 2, 64))
+    x = make_kv(seed, shape=(3, 2, 5, 3, 64))  # 60 nvfp4 / 30 mxfp4 blocks per slice
     got = getattr(kernels(), f"{name}_encode")(x.to(DEVICE))
     for want, have in zip(REFERENCES[name](x).sections(), got.sections(), strict=True):
         assert torch.equal(want, have.cpu()), f"seed {seed}"

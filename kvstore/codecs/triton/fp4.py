@@ -1,9 +1,10 @@
 """Triton kernels of the nvfp4 and mxfp4 codecs: encode, decode, paged decode and a benchmark.
 
 The kernels produce the bytes of the torch references in ``kvstore.codecs.fp4`` exactly. Every
-rounding step is explicit integer or correctly rounded float arithmetic (``div_rn``, products,
-comparisons), because Triton's interpreter rounds float32 -> float8e4nv and float32 -> bf16 casts
-differently from the GPU (DESIGN.md, "Pitfalls already measured").
+rounding step is integer arithmetic or a correctly rounded float operation (``div_rn``,
+products), because Triton's interpreter rounds float32 -> float8e4nv and float32 -> bf16 casts
+differently from the GPU (DESIGN.md, "Pitfalls already measured"); decoding to bf16 uses the
+GPU's own rounding cast, and integer rounding under the interpreter.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvstore.codecs.triton.common import (
     check_same_device,
     check_tensor,
     copy_gbps,
+    interpreter_enabled,
     on_device,
     tl,
     triton,
@@ -32,15 +34,16 @@ from kvstore.codecs.triton.common import (
 from kvstore.errors import CodecError
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Tuned on an NVIDIA H200 (triton 3.6): blocks per program and warps of each kernel.
-ENCODE_CHUNK_BYTES = 16 << 20  # slices encoded per amax + encode pair: well inside 60 MB L2
-AMAX_ELEMENTS = 8192  # elements per program of the slice-amax pass
-AMAX_WARPS = 8
-ENCODE_GROUPS = {NV_BLOCK: 64, MX_BLOCK: 32}  # scale blocks per encode program
-ENCODE_WARPS = 4
-DECODE_GROUPS = {NV_BLOCK: 128, MX_BLOCK: 64}  # scale blocks per decode program
-DECODE_WARPS = 4
-_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Kernels read and write pairs of adjacent elements as one word: bf16/fp16 pairs as int32,
+# float32 pairs as int64, so even/odd nibbles need no shuffles inside a program.
+_WORDS = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Tuned on an NVIDIA H200 (triton 3.6, 1 GiB bf16, benchmark() below): see the constants' uses.
+AMAX_ELEMENTS = 16384  # elements per program of nvfp4's slice-amax pass: 3.9 TB/s there
+AMAX_WARPS = 4
+# (scale blocks per program, warps) per block size
+ENCODE_CONFIG = {NV_BLOCK: (64, 4), MX_BLOCK: (32, 4)}
+DECODE_CONFIG = {NV_BLOCK: (128, 4), MX_BLOCK: (64, 4)}
 # jit functions may only read module globals that are constexpr.
 _SCALE_MIN = tl.constexpr(E4M3_MIN_SCALE)
 _SCALE_MAX = tl.constexpr(E4M3_MAX)
@@ -48,20 +51,23 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _NAN_SCALE = tl.constexpr(E8M0_NAN)
 _AMAX_TO_SCALE = tl.constexpr(E4M3_MAX * E2M1_MAX)
 _TS_MIN = tl.constexpr(TENSOR_SCALE_MIN)
+# 2 * e2m1 magnitude of codes 0-7 (0, 1, 2, 3, 4, 6, 8, 12) as nibbles of one int32
+# (0xC8643210 written as the signed value of the same bits, to stay a 32-bit constant).
+_TWICE_E2M1 = tl.constexpr(0xC8643210 - (1 << 32))
 
 
 @triton.jit
 def _slice_amax_kernel(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
-    """amax_ptr: int32 view of float32 [num_slices], zeroed; NaN counts as +inf."""
+    """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf."""
     pid = tl.program_id(0)
     slice_id = pid // chunks_per_slice
     offs = (pid % chunks_per_slice).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
     x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=offs < slice_numel,
                 other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    ax = tl.where(ax <= float("inf"), ax, float("inf"))  # only NaN fails <= inf
-    # Non-negative floats order like their int32 bits, so an integer atomic max is exact.
-    tl.atomic_max(amax_ptr + slice_id, tl.max(ax, axis=0).to(tl.int32, bitcast=True))
+    # |x| as int32 bits: non-negative floats order like their bits, so an integer max and an
+    # integer atomic max are exact (and NaN wins, which flags the slice).
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_ptr + slice_id, tl.max(bits, axis=0))
 
 
 @triton.jit
@@ -95,7 +101,7 @@ def _e4m3_value(byte):
 @triton.jit
 def _nv_scales(block_amax, ts):
     """e4m3 block-scale byte and 1 / dequantisation scale, as nvfp4_quantize_reference."""
-    s = tl.math.div_rn(block_amax, ts * _E2M1_MAX)
+    s = tl.math.div_rn(block_amax, tl.full(block_amax.shape, 1.0, tl.float32) * (ts * _E2M1_MAX))
     s = tl.minimum(tl.maximum(s, _SCALE_MIN), _SCALE_MAX)
     byte, value = _e4m3_round(s)
     dequant = value * ts
@@ -103,110 +109,144 @@ def _nv_scales(block_amax, ts):
 
 
 @triton.jit
-def _mx_scales(block_amax):
-    """e8m0 byte 2^(floor(log2 amax) - 2) and its exact inverse; NaN byte for a non-finite block."""
-    biased = (block_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    byte = tl.maximum(biased - 2, 0)
-    byte = tl.where(block_amax == float("inf"), _NAN_SCALE, byte)
+def _mx_scales(amax_bits):
+    """e8m0 byte 2^(floor(log2 amax) - 2) and its exact inverse; NaN byte for NaN/Inf blocks."""
+    byte = tl.maximum(((amax_bits >> 23) & 0xFF) - 2, 0)
+    byte = tl.where(amax_bits >= 0x7F800000, _NAN_SCALE, byte)
     inverse = ((254 - tl.minimum(byte, 254)) << 23).to(tl.float32, bitcast=True)
     return byte, inverse
 
 
 @triton.jit
 def _e2m1_code(x, inv_scale):
-    """Signed e2m1 codes of x * inv_scale (ties to even mantissa, saturating, no -0)."""
-    mag = tl.abs(x) * inv_scale
-    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    code += (mag > 5.0).to(tl.int32)
-    return tl.where((x < 0) & (code != 0), code | 8, code)
+    """Signed e2m1 codes of x * inv_scale: nearest, ties to even mantissa, saturating, no -0."""
+    mag = tl.abs(x * inv_scale)
+    bits = mag.to(tl.int32, bitcast=True)
+    # From 1 up, e2m1 is a float with one mantissa bit: round the float32 bits to that (nearest
+    # even, in integers); bits >> 22 is then 2 * biased exponent + mantissa, 254 for 1.0.
+    rounded = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
+    small = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32)  # 0, 0.5 or 1.0 below 1
+    code = tl.where(mag >= 1.0, tl.minimum(rounded - 252, 7), small)
+    # The sign bit of x lands in bit 3 unless the code is 0 ((code + 7) & 8 is 8 for 1..7).
+    return code | ((x.to(tl.int32, bitcast=True) >> 28) & (code + 7) & 8)
 
 
 @triton.jit
-def _e2m1_value(code):
-    """float32 value of signed e2m1 codes: 2 * |value| = m, or (2 + m) << (e - 1)."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
-    magnitude = twice.to(tl.float32) * 0.5
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+def _e2m1_scaled(code, half_scale):
+    """float32 value of signed e2m1 codes times 2 * half_scale (exact: 2 * |value| is an int)."""
+    twice = (_TWICE_E2M1 >> ((code & 7) * 4)) & 15
+    value = twice.to(tl.float32) * half_scale
+    return tl.where(code >= 8, -value, value)
 
 
 @triton.jit
-def _store_as(ptr, value, mask, OUT_KIND: tl.constexpr):
-    """Store float32 ``value`` as float32 (0), bf16 (1, nearest even in integers) or fp16 (2)."""
-    if OUT_KIND == 1:
+def _unpack_words(words, KIND: tl.constexpr):
+    """float32 (even, odd) elements of words holding two inputs, the even one in the low half."""
+    if KIND == 1:
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & -65536).to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        even = words.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        even = words.to(tl.int32).to(tl.float32, bitcast=True)
+        odd = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _half_bits(value, KIND: tl.constexpr, EXACT: tl.constexpr):
+    """int32 holding the bf16 (KIND 1) or fp16 (2) bits of float32 value in its low 16 bits.
+
+    EXACT rounds to nearest even with integers: the interpreter's bf16 cast truncates.
+    """
+    if KIND == 1 and EXACT:
         bits = value.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        tl.store(ptr, (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-    elif OUT_KIND == 2:
-        tl.store(ptr, value.to(tl.float16), mask=mask)
+        return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    elif KIND == 1:
+        return value.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
     else:
-        tl.store(ptr, value, mask=mask)
+        return value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
 
 
 @triton.jit
-def _encode_kernel(x_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, num_groups,
-                   groups_per_slice, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                   IS_NV: tl.constexpr):
-    """One program quantises GROUPS consecutive BLOCK-element scale blocks (nvfp4: amax_ptr
-    holds the float32 amax of each slice, ts_ptr receives the tensor scales)."""
-    group = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    live = group < num_groups
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + group[:, None] * BLOCK + cols[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    block_amax = tl.max(tl.where(ax <= float("inf"), ax, float("inf")), axis=1)
-    if IS_NV:
-        # The tensor scale of nvfp4_tensor_scales, from the slice amax; each slice's first
-        # group stores it.
-        slice_id = group // groups_per_slice
-        amax = tl.load(amax_ptr + slice_id, mask=live, other=1.0)
-        ts = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _AMAX_TO_SCALE, tl.float32)),
-                        _TS_MIN)
-        tl.store(ts_ptr + slice_id, ts, mask=live & (group % groups_per_slice == 0))
-        byte, inv_scale = _nv_scales(block_amax, ts)
+def _pack_words(even, odd, KIND: tl.constexpr, EXACT: tl.constexpr):
+    """Words of two outputs of dtype KIND (as _unpack_words reads them)."""
+    if KIND == 0:
+        low = even.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        return low | (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32)
     else:
-        byte, inv_scale = _mx_scales(block_amax)
-    code = _e2m1_code(x, inv_scale[:, None])
-    low, high = tl.split(tl.reshape(code, (GROUPS, BLOCK // 2, 2)))
-    half = tl.arange(0, BLOCK // 2)
-    tl.store(packed_ptr + group[:, None] * (BLOCK // 2) + half[None, :],
-             (low | (high << 4)).to(tl.uint8), mask=live[:, None])
-    tl.store(scales_ptr + group, byte.to(tl.uint8), mask=live)
+        low = _half_bits(even, KIND, EXACT) & 0xFFFF
+        return low | (_half_bits(odd, KIND, EXACT) << 16)
+
+
+@triton.jit
+def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, groups_per_slice,
+                   chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                   IS_NV: tl.constexpr, KIND: tl.constexpr):
+    """One program quantises GROUPS scale blocks (2 * HALF elements each) of one slice.
+
+    nvfp4: amax_ptr holds the float32 amax of each slice; the slice's first program stores
+    its tensor scale to ts_ptr.
+    """
+    pid = tl.program_id(0)
+    slice_id = pid // chunks_per_slice
+    chunk = pid % chunks_per_slice
+    # Scalar int64 bases and int32 offsets inside the program: no 64-bit math per element.
+    first = slice_id.to(tl.int64) * groups_per_slice + chunk * GROUPS
+    rows = tl.arange(0, GROUPS)
+    live = rows < groups_per_slice - chunk * GROUPS
+    offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    words = tl.load(words_ptr + first * HALF + offs, mask=live[:, None], other=0)
+    even, odd = _unpack_words(words, KIND)
+    amax_bits = tl.max(tl.maximum(even.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                                  odd.to(tl.int32, bitcast=True) & 0x7FFFFFFF), axis=1)
+    if IS_NV:
+        amax = tl.load(amax_ptr + slice_id)
+        ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; a NaN amax stays NaN
+        ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
+        if chunk == 0:
+            tl.store(ts_ptr + slice_id, ts)
+        byte, inv_scale = _nv_scales(amax_bits.to(tl.float32, bitcast=True), ts)
+    else:
+        byte, inv_scale = _mx_scales(amax_bits)
+    codes = _e2m1_code(even, inv_scale[:, None]) | (_e2m1_code(odd, inv_scale[:, None]) << 4)
+    tl.store(packed_ptr + first * HALF + offs, codes.to(tl.uint8), mask=live[:, None])
+    tl.store(scales_ptr + first + rows, byte.to(tl.uint8), mask=live)
 
 
 @triton.jit
 def _decode_kernel(packed_ptr, scales_ptr, ts_ptr, table_ptr, out_ptr, groups_per_page,
                    chunks_per_page, num_blocks, stride_layer, stride_kv, stride_page,
-                   BLOCK: tl.constexpr, GROUPS: tl.constexpr, IS_NV: tl.constexpr,
-                   PAGED: tl.constexpr, OUT_KIND: tl.constexpr):
+                   HALF: tl.constexpr, GROUPS: tl.constexpr, IS_NV: tl.constexpr,
+                   PAGED: tl.constexpr, KIND: tl.constexpr, EXACT: tl.constexpr):
     """One program decodes GROUPS scale blocks of one page-run of one (layer, K/V) slice.
 
     A run of a slice is ``groups_per_page`` contiguous blocks both in the encoded tensor and in
-    its target page; unpaged decoding is one run per slice that lands in page 0.
+    its target page; unpaged decoding is one run per slice that lands in page 0. Strides and
+    out_ptr are in output words (pairs of elements).
     """
     pid = tl.program_id(0)
     run = pid // chunks_per_page
     slice_id = run // num_blocks
     page = tl.load(table_ptr + run % num_blocks).to(tl.int64) if PAGED else 0
-    local = (pid % chunks_per_page) * GROUPS + tl.arange(0, GROUPS)
-    live = local < groups_per_page
-    group = run.to(tl.int64) * groups_per_page + local
-    half = tl.arange(0, BLOCK // 2)
-    packed = tl.load(packed_ptr + group[:, None] * (BLOCK // 2) + half[None, :],
-                     mask=live[:, None], other=0).to(tl.int32)
-    byte = tl.load(scales_ptr + group, mask=live, other=0).to(tl.int32)
+    start = (pid % chunks_per_page) * GROUPS
+    first = run.to(tl.int64) * groups_per_page + start
+    rows = tl.arange(0, GROUPS)
+    live = rows < groups_per_page - start
+    offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    packed = tl.load(packed_ptr + first * HALF + offs, mask=live[:, None], other=0).to(tl.int32)
+    byte = tl.load(scales_ptr + first + rows, mask=live, other=0).to(tl.int32)
     if IS_NV:
-        dequant = _e4m3_value(byte) * tl.load(ts_ptr + slice_id)
-    else:
-        dequant = tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
-    code = tl.reshape(tl.join(packed & 0x0F, packed >> 4), (GROUPS, BLOCK))
-    value = _e2m1_value(code) * dequant[:, None]
+        half_scale = _e4m3_value(byte) * tl.load(ts_ptr + slice_id) * 0.5
+    else:  # 2^(byte - 128) as float32 bits, subnormal for bytes 0 and 1
+        half_scale = tl.where(byte >= 2, (byte - 1) << 23, 0x200000 << tl.minimum(byte, 1)).to(
+            tl.float32, bitcast=True)
+    even = _e2m1_scaled(packed & 0x0F, half_scale[:, None])
+    odd = _e2m1_scaled(packed >> 4, half_scale[:, None])
     base = (slice_id // 2).to(tl.int64) * stride_layer + (slice_id % 2) * stride_kv
-    dst = base + page * stride_page + local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    _store_as(out_ptr + dst, value, live[:, None], OUT_KIND)
+    base += page * stride_page + start * HALF
+    tl.store(out_ptr + base + offs, _pack_words(even, odd, KIND, EXACT), mask=live[:, None])
 
 
 def _check_input(x: torch.Tensor, block: int, name: str) -> tuple[int, int, int, int, int]:
@@ -219,51 +259,32 @@ def _check_input(x: torch.Tensor, block: int, name: str) -> tuple[int, int, int,
     return tuple(x.shape)
 
 
-def _encode_slices(x: torch.Tensor, amax: torch.Tensor, parts: Fp4Parts, block: int) -> None:
-    """Encode whole (layer, K/V) slices: x, amax, parts are views of the same slices."""
-    num_slices = amax.numel()
-    slice_numel = x.numel() // num_slices
-    chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
-    is_nv = block == NV_BLOCK
-    if is_nv and chunks:
-        _slice_amax_kernel[(num_slices * chunks,)](
-            x, amax, slice_numel, chunks, ELEMENTS=AMAX_ELEMENTS, num_warps=AMAX_WARPS)
-    num_groups = parts.scales.numel()
-    if num_groups:
-        groups = ENCODE_GROUPS[block]
-        _encode_kernel[(triton.cdiv(num_groups, groups),)](
-            x, amax.view(torch.float32), parts.tensor_scales if is_nv else amax, parts.packed,
-            parts.scales, num_groups, num_groups // num_slices, BLOCK=block, GROUPS=groups,
-            IS_NV=is_nv, num_warps=ENCODE_WARPS)
-
-
 def _encode(x: torch.Tensor, block: int, name: str) -> Fp4Parts:
     num_layers, _, _, _, head_dim = _check_input(x, block, name)
-    lead, device = x.shape[:-1], x.device
-    parts = Fp4Parts(
-        torch.empty((*lead, head_dim // 2), dtype=torch.uint8, device=device),
-        torch.empty((*lead, head_dim // block), dtype=torch.uint8, device=device),
-        torch.empty((num_layers, 2), dtype=torch.float32, device=device)
-        if block == NV_BLOCK else None,
-    )
+    lead, device, is_nv = x.shape[:-1], x.device, block == NV_BLOCK
+    packed = torch.empty((*lead, head_dim // 2), dtype=torch.uint8, device=device)
+    scales = torch.empty((*lead, head_dim // block), dtype=torch.uint8, device=device)
+    ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
     num_slices = 2 * num_layers
     if x.numel() == 0:  # an empty run: all-zero slices, as the reference scales them
-        if parts.tensor_scales is not None:
-            parts.tensor_scales.fill_(TENSOR_SCALE_MIN)
-        return parts
-    # Slices are encoded in chunks of about ENCODE_CHUNK_BYTES so that the second read of a
-    # chunk (after its amax pass) hits L2 instead of HBM.
-    slice_bytes = x[0, 0].numel() * x.element_size()
-    step = max(1, ENCODE_CHUNK_BYTES // max(slice_bytes, 1))
-    amax = torch.zeros(num_slices, dtype=torch.int32, device=device)  # float32 bits
-    flat = [t.view(num_slices, -1) for t in (x, parts.packed, parts.scales)]
+        if ts is not None:
+            ts.fill_(TENSOR_SCALE_MIN)
+        return Fp4Parts(packed, scales, ts)
+    slice_numel = x.numel() // num_slices
+    groups_per_slice = slice_numel // block
+    groups, warps = ENCODE_CONFIG[block]
+    chunks = triton.cdiv(groups_per_slice, groups)
+    amax = torch.zeros(num_slices, dtype=torch.int32, device=device) if is_nv else scales
     with on_device(device):
-        for first in range(0, num_slices, step):
-            part = slice(first, first + step)
-            ts = None if parts.tensor_scales is None else parts.tensor_scales.view(-1)[part]
-            _encode_slices(flat[0][part], amax[part], Fp4Parts(flat[1][part], flat[2][part], ts),
-                           block)
-    return parts
+        if is_nv:
+            amax_chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
+            _slice_amax_kernel[(num_slices * amax_chunks,)](
+                x, amax, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS, num_warps=AMAX_WARPS)
+        _encode_kernel[(num_slices * chunks,)](
+            x.view(_WORDS[x.dtype]), amax.view(torch.float32) if is_nv else amax,
+            ts if is_nv else scales, packed, scales, groups_per_slice, chunks, HALF=block // 2,
+            GROUPS=groups, IS_NV=is_nv, KIND=_KINDS[x.dtype], num_warps=warps)
+    return Fp4Parts(packed, scales, ts)
 
 
 def nvfp4_encode(x: torch.Tensor) -> Fp4Parts:
@@ -313,20 +334,21 @@ def _launch_decode(parts: Fp4Parts, block: int, target: torch.Tensor, num_blocks
     num_layers, num_kv_heads = parts.packed.shape[0], parts.packed.shape[3]
     head_dim = 2 * parts.packed.shape[-1]
     groups_per_page = page_tokens * num_kv_heads * head_dim // block
-    groups = DECODE_GROUPS[block]
+    groups, warps = DECODE_CONFIG[block]
     chunks = triton.cdiv(groups_per_page, groups)
     programs = num_layers * 2 * num_blocks * chunks
     if programs == 0:
         return
-    strides = target.stride() if table is not None else (*target.stride()[:2], 0)
+    words = target.view(_WORDS[target.dtype])
+    strides = words.stride() if table is not None else (*words.stride()[:2], 0)
     is_nv = block == NV_BLOCK
     with on_device(target.device):
         _decode_kernel[(programs,)](
             parts.packed, parts.scales, parts.tensor_scales if is_nv else parts.scales,
-            table if table is not None else parts.scales, target, groups_per_page, chunks,
-            num_blocks, strides[0], strides[1], strides[2], BLOCK=block, GROUPS=groups,
-            IS_NV=is_nv, PAGED=table is not None, OUT_KIND=_OUT_KINDS[target.dtype],
-            num_warps=DECODE_WARPS)
+            table if table is not None else parts.scales, words, groups_per_page, chunks,
+            num_blocks, strides[0], strides[1], strides[2], HALF=block // 2, GROUPS=groups,
+            IS_NV=is_nv, PAGED=table is not None, KIND=_KINDS[target.dtype],
+            EXACT=interpreter_enabled(), num_warps=warps)
 
 
 def _decode(parts: Fp4Parts, out: torch.Tensor, block: int, name: str) -> torch.Tensor:
