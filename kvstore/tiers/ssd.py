@@ -75,7 +75,7 @@ ALIGN_BYTES = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logica
 # One append is at most this big unless a single page is bigger. On the work disk, O_DIRECT `dd`
 # ran at 2.7 GB/s with 1-2 MiB blocks but 1.9 GB/s with 16 MiB blocks (2026-11-29).
 MAX_BATCH_BYTES = 4 << 20
-NUM_BUFFERS = 2  # filling one batch's buffer overlaps the append of the previous one
+NUM_BUFFERS = 2  # appends in flight: one copies its pages while the other is written
 # "batch" flushes early once this much appended data waits, so appends go on while a group
 # commits. 2 MiB pages, 8-64 in flight, work disk (2026-11-29): 4, 8 and 16 MiB all reached
 # 0.85-0.9 of dd; 32 MiB stalled at 8 in flight (0.28 GB/s) until the next interval.
