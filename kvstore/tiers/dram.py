@@ -121,7 +121,7 @@ class DramTier(Tier):
         while self._is_open and self._alloc.grown_bytes < target:
             async with self._grow_lock:
                 step = min(self._alloc.chunk_bytes, target - self._alloc.grown_bytes)
-                if step <= 0 or not await self._grow_locked(step):
+                if not self._is_open or step <= 0 or not await self._grow_locked(step):
                     break
         return self._alloc.grown_bytes
 
@@ -154,7 +154,10 @@ class DramTier(Tier):
         return stored
 
     async def read(self, key: BlockKey) -> Page | None:
-        """The verified page, its payload a view into the arena; None on a miss or corruption."""
+        """The verified page, its payload a view into the arena; None on a miss.
+
+        A page that fails verification is removed and counted in ``corrupt`` and ``misses``.
+        """
         self._check_open()
         entry = self._entries.get(key)
         if entry is None:
@@ -170,7 +173,6 @@ class DramTier(Tier):
         except CorruptPage as exc:
             log.warning("dram: dropping corrupt page %s at offset %d: %s",
                         bytes(key).hex(), offset, exc)
-            view.release()
             if self._entries.get(key) is entry:
                 self._remove(key)
             self._stats.corrupt += 1
@@ -318,7 +320,10 @@ class DramTier(Tier):
     def _grow_blocking(self, nbytes: int) -> int:
         offset = self._arena.grow(nbytes)
         if self._pin_cuda:
-            self._register(offset, nbytes)
+            try:
+                self._register(offset, nbytes)
+            except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
+                log.warning("dram: arena growth at %d stays pageable: %s", offset, exc)
         return offset
 
     def _register(self, offset: int, nbytes: int) -> None:
