@@ -286,6 +286,18 @@ async def test_reserve_grows_ahead_of_demand_within_capacity(tmp_path) -> None:
         await tier.close()
 
 
+async def test_zero_capacity_rejects_every_write(tmp_path) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=0, chunk_bytes=MiB, shm_dir=str(tmp_path)))
+    await tier.open()
+    try:
+        key, page, meta = make_page(14, 100)
+        assert not tier.can_write(len(page))
+        assert not await tier.write(key, page, meta)
+        assert tier.stats().rejected == 1 and not tier.contains(key)
+    finally:
+        await tier.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_pin_cuda_registers_the_arena_as_it_grows() -> None:
