@@ -1,4 +1,4 @@
-"""int4 / int2 (KIVI-style): asymmetric quantisation, K per channel over token groups, V per token."""
+"""int4 / int2 (KIVI-style): asymmetric integers, K per channel over token groups, V per token."""
 
 from __future__ import annotations
 
@@ -185,7 +185,9 @@ class KiviCodec(Codec):
 
     def __init__(self, group_size: int = 32) -> None:
         if group_size not in GROUP_SIZES:
-            raise CodecError(f"{self.name}: group_size must be one of {GROUP_SIZES}, got {group_size}")
+            raise CodecError(
+                f"{self.name}: group_size must be one of {GROUP_SIZES}, got {group_size}"
+            )
         self.group_size = group_size
 
     def encode(self, kv: torch.Tensor) -> bytes:

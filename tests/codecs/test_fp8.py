@@ -106,7 +106,8 @@ def _per_channel_group_reference(k: torch.Tensor, group: int = 32) -> torch.Tens
     grouped = k.float().reshape(layers, tokens // group, group, heads, dim).transpose(2, 4)
     parts = encode_fp8_reference(grouped.reshape(layers, 1, -1, heads, group))
     values = decode_fp8_reference(parts, torch.float32)[:, 0]
-    return values.reshape(layers, tokens // group, dim, heads, group).transpose(2, 4).reshape(k.shape)
+    values = values.reshape(layers, tokens // group, dim, heads, group).transpose(2, 4)
+    return values.reshape(k.shape)
 
 
 def test_k_scale_layout_choice(seed):
@@ -172,7 +173,8 @@ def test_bad_inputs_and_blobs():
     with pytest.raises(CodecError, match="codec id 1"):
         codec.decode(codecs.get("raw").encode(torch.randn(1, 2, 4, 2, 8)))
     shape = (1, 2, 4, 2, 8)
-    codes, scales = torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[:-1], dtype=torch.bfloat16)
+    codes = torch.zeros(shape, dtype=torch.uint8)
+    scales = torch.ones(shape[:-1], dtype=torch.bfloat16)
     with pytest.raises(CodecError, match="params"):
         codec.decode(pack_blob(2, torch.float32, shape, b"\x07\x01", [codes, scales]))
     with pytest.raises(CodecError, match="section holds"):
@@ -223,7 +225,8 @@ def test_paged_reference_and_codec_decode_paged():
     untouched = sorted(set(range(7)) - set(table.tolist()))
     assert bool((cache[:, :, untouched] == -7.0).all()), "pages not in the table were written"
     with pytest.raises(CodecError, match="block_table entries"):
-        decode_paged_fp8_reference(encode_fp8_reference(kv), cache, torch.tensor([0, 1, 7], dtype=torch.int32))
+        bad_table = torch.tensor([0, 1, 7], dtype=torch.int32)
+        decode_paged_fp8_reference(encode_fp8_reference(kv), cache, bad_table)
     with pytest.raises(CodecError, match="block_table holds"):
         codec.decode_paged(blob, cache, table[:2])
     with pytest.raises(CodecError, match="int32"):
@@ -306,7 +309,8 @@ def test_kernel_wrappers_reject_bad_arguments(monkeypatch):
     with pytest.raises(CodecError, match="block_table entries"):
         decode_paged_fp8(parts, cache, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
     with pytest.raises(CodecError, match="kv_cache shape"):
-        decode_paged_fp8(parts, cache[..., :8].contiguous(), torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
+        table = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+        decode_paged_fp8(parts, cache[..., :8].contiguous(), table)
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(CodecError, match="cannot run"):

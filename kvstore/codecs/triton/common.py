@@ -54,7 +54,7 @@ def check_tensor(
     if shape is not None and tuple(tensor.shape) != tuple(shape):
         raise CodecError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
     if ndim is not None and tensor.dim() != ndim:
-        raise CodecError(f"{name}: {tensor.dim()} dims (shape {tuple(tensor.shape)}), expected {ndim}")
+        raise CodecError(f"{name}: {tensor.dim()} dims ({tuple(tensor.shape)}), expected {ndim}")
     if not tensor.is_contiguous():
         raise CodecError(f"{name}: must be contiguous, has strides {tensor.stride()}")
     if not kernels_runnable(tensor.device):
@@ -115,7 +115,9 @@ def check_paged_target(
     if block_table.numel():
         low, high = torch.stack(torch.aminmax(block_table)).tolist()  # one device sync
         if low < 0 or high >= num_pages:
-            raise CodecError(f"block_table entries span [{low}, {high}], kv_cache has {num_pages} pages")
+            raise CodecError(
+                f"block_table entries span [{low}, {high}], kv_cache has {num_pages} pages"
+            )
     return page_tokens
 
 
