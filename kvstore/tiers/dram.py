@@ -194,6 +194,11 @@ class DramTier(Tier):
     def entries(self) -> Iterator[PageMeta]:
         return iter([entry.meta for entry in self._entries.values()])
 
+    def page_size(self, key: BlockKey) -> int | None:
+        """Bytes of the stored page for ``key`` (not its slot), or None if absent."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.length
+
     def locate(self, key: BlockKey) -> tuple[int, int] | None:
         """``(offset, length)`` of the page of ``key`` in the arena file, or None.
 

@@ -64,7 +64,7 @@ async def test_write_read_delete_contains(tier: DramTier) -> None:
     key, page, meta = make_page(1, 10_000)
     assert not tier.contains(key)
     assert await tier.write(key, page, meta)
-    assert tier.contains(key)
+    assert tier.contains(key) and tier.page_size(key) == len(page)
     got = await tier.read(key)
     assert got is not None and bytes(got.data) == page and got.meta == meta
     assert await tier.write(key, page, meta)  # present already: a no-op that says True
