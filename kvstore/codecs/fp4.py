@@ -4,8 +4,9 @@ Both store e2m1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign), two per byte, t
 in the low nibble, in blocks along head_dim:
 
 - nvfp4: 16-element blocks, an e4m3 block scale each, and a float32 tensor scale per (layer, K/V)
-  slice: ``tensor_scale = slice_amax / (448 * 6)``, ``block_scale = e4m3(block_amax / 6 /
-  tensor_scale)`` clamped to ``[2^-9, 448]``.
+  slice: ``tensor_scale = slice_amax / (448 * 6)``, ``block_scale = e4m3(block_amax * fl(1 / (6 *
+  tensor_scale)))`` clamped to ``[2^-9, 448]`` (one scale per slice, not per tensor: a slice 10^3
+  times smaller than the largest would otherwise fall below e4m3's range).
 - mxfp4 (OCP MX): 32-element blocks, an e8m0 scale each: ``2^(floor(log2(block_amax)) - 2)``.
 
 Values are divided by their block's dequantisation scale (as ``|x| * fl(1 / scale)``) and rounded
@@ -140,8 +141,9 @@ def nvfp4_quantize_reference(x: torch.Tensor, tensor_scales: torch.Tensor | None
     if tensor_scales is None:
         tensor_scales = nvfp4_tensor_scales(slice_amax(x))
     ts = tensor_scales.reshape(x.shape[0], 2, 1, 1, 1)
+    inv_six_ts = 1.0 / (ts * E2M1_MAX)  # one division per slice; blocks multiply by it
     # Clamp before the cast: torch turns values beyond 448 into NaN where Triton saturates.
-    scale = (blocks.abs().amax(dim=-1) / (ts * E2M1_MAX)).clamp(E4M3_MIN_SCALE, E4M3_MAX)
+    scale = (blocks.abs().amax(dim=-1) * inv_six_ts).clamp(E4M3_MIN_SCALE, E4M3_MAX)
     scale_e4m3 = scale.to(torch.float8_e4m3fn)
     dequant = scale_e4m3.float() * ts
     codes = e2m1_codes(blocks, (1.0 / dequant).unsqueeze(-1))
