@@ -20,7 +20,8 @@ def test_bench_tiers_writes_every_row(tmp_path: Path) -> None:
                                       "--ssd-path", str(tmp_path / "ssd"), "--json", str(out)],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert "memcpy" in result.stdout and "dd" in result.stdout
+    assert "memcpy" in result.stdout and "dd write" in result.stdout
+    assert "encoding alone" in result.stdout
     report = json.loads(out.read_text())
     assert report["bench"] == "tiers" and report["command"]
     assert report["params"]["num_blocks"] == 4 and report["params"]["block_bytes"] == 2 << 20
@@ -37,7 +38,7 @@ def test_bench_tiers_writes_every_row(tmp_path: Path) -> None:
 def test_bench_tiers_dram_only(tmp_path: Path) -> None:
     report = run_tier_bench(BLOCK_BYTES * 2, tiers=("dram",), repeat=2)
     assert [(r["path"], r["op"]) for r in report.rows] == [("dram", "put"), ("dram", "get")]
-    assert all(len(r["seconds"]) == 2 for r in report.rows)
+    assert all(len(r["round_gbps"]) == len(r["baseline_round_gbps"]) == 2 for r in report.rows)
 
 
 @pytest.mark.parametrize("kwargs", [{"total_bytes": 1 << 20}, {"repeat": 0},
@@ -56,4 +57,5 @@ def test_a_refused_put_stops_the_bench() -> None:
         return meta.block_index != 1
 
     with pytest.raises(KVStoreError, match="refused block 1"):
-        asyncio.run(_put_pass(make_workload(3), refuse, "dram", queue_depth=2))
+        work = make_workload(3)
+        asyncio.run(_put_pass(work, work.page, refuse, "dram", queue_depth=2))
