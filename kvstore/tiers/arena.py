@@ -106,6 +106,10 @@ class SlabAllocator:
         self.grown_bytes = 0
         self.used_bytes = 0  # slot bytes of pages in use
         self.num_free_slots = 0  # free slots in chunks assigned to a class
+        # Cleared once the arena is pinned: every later growth step is registered on its own and
+        # a DMA may not span two registrations, so no chunk may straddle a growth boundary.
+        self.merge_growth = True
+        self._barriers: set[int] = set()  # offsets free regions never merge across
         self._classes: dict[int, _SizeClass] = {}
         self._regions: dict[int, int] = {}  # free, prefaulted regions: offset -> size
         self._region_ends: dict[int, int] = {}  # end -> offset, to merge neighbours in O(1)
@@ -159,7 +163,7 @@ class SlabAllocator:
         cls = self._classes.get(slot_bytes)
         if (cls and cls.partial) or self._largest_region() >= slot_bytes:
             return 0
-        tail = self._tail_region()
+        tail = self._tail_region() if self.merge_growth else 0
         room = self.capacity_bytes - self.grown_bytes
         if tail + room < slot_bytes:
             return None
@@ -171,7 +175,8 @@ class SlabAllocator:
         if self._largest_region() >= self.chunk_bytes:
             return 0
         room = self.capacity_bytes - self.grown_bytes
-        return min(self.chunk_bytes - self._tail_region(), room)
+        tail = self._tail_region() if self.merge_growth else 0
+        return min(self.chunk_bytes - tail, room)
 
     def add_grown(self, offset: int, nbytes: int) -> None:
         """Record that the arena grew by ``nbytes`` at ``offset`` (its old end)."""
@@ -181,6 +186,8 @@ class SlabAllocator:
                 f"capacity {self.capacity_bytes}"
             )
         self.grown_bytes += nbytes
+        if not self.merge_growth:
+            self._barriers.add(offset)
         self._add_region(offset, nbytes)
 
     def frees_room(self, slot: Slot, nbytes: int) -> bool:
@@ -191,11 +198,14 @@ class SlabAllocator:
         chunk = slot.chunk
         if chunk.num_used != 1:
             return False
-        start, end = chunk.offset, chunk.offset + chunk.size
+        start, end, merged = chunk.offset, chunk.offset + chunk.size, chunk.size
         before = self._region_ends.get(start)
-        merged = chunk.size + self._regions.get(end, 0)
-        merged += start - before if before is not None else 0
-        if end + self._regions.get(end, 0) == self.grown_bytes:
+        if before is not None and start not in self._barriers:
+            merged += start - before
+        after = self._regions.get(end)
+        if after is not None and end not in self._barriers:
+            merged, end = merged + after, end + after
+        if end == self.grown_bytes and self.merge_growth:
             merged += self.capacity_bytes - self.grown_bytes
         return merged >= slot_bytes
 
@@ -236,11 +246,11 @@ class SlabAllocator:
     def _add_region(self, offset: int, size: int) -> None:
         end = offset + size
         after = self._regions.get(end)
-        if after is not None:
+        if after is not None and end not in self._barriers:
             self._remove_region(end)
             size += after
         before = self._region_ends.get(offset)
-        if before is not None:
+        if before is not None and offset not in self._barriers:
             size += self._remove_region(before)
             offset = before
         self._regions[offset] = size
