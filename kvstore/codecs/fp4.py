@@ -5,8 +5,9 @@ in the low nibble, in blocks along head_dim:
 
 - nvfp4: 16-element blocks, an e4m3 block scale each, and a float32 tensor scale per (layer, K/V)
   slice: ``tensor_scale = slice_amax / (448 * 6)``, ``block_scale = e4m3(block_amax * fl(1 / (6 *
-  tensor_scale)))`` clamped to ``[2^-9, 448]`` (one scale per slice, not per tensor: a slice 10^3
-  times smaller than the largest would otherwise fall below e4m3's range).
+  tensor_scale)))`` clamped to ``[2^-9, 448]``. One tensor scale per slice rather than per
+  tensor: on K/V whose slices differ up to 10^4x the worst slice's relative error measured 0.095
+  against 0.14, and a slice 10^6x smaller than the largest rounds to zero under one scale.
 - mxfp4 (OCP MX): 32-element blocks, an e8m0 scale each: ``2^(floor(log2(block_amax)) - 2)``.
 
 Values are divided by their block's dequantisation scale (as ``|x| * fl(1 / scale)``) and rounded

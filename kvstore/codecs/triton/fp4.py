@@ -38,11 +38,14 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # float32 pairs as int64, so even/odd nibbles need no shuffles inside a program.
 _WORDS = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Tuned on an NVIDIA H200 (triton 3.6, 1 GiB bf16, benchmark() below): see the constants' uses.
-AMAX_ELEMENTS = 16384  # elements per program of nvfp4's slice-amax pass: 3.9 TB/s there
+# Tuned by sweeps on an NVIDIA H200 (triton 3.6, 2026-11-29) over a 1 GiB bf16 tensor as in
+# benchmark(), against a 4.22 TB/s device copy: the kernels are ALU-bound, so few warps with
+# many elements each win.
+AMAX_ELEMENTS = 16384  # elements per program of nvfp4's slice-amax pass: 3.9 TB/s
 AMAX_WARPS = 4
-# (scale blocks per program, warps) per block size
-ENCODE_CONFIG = {NV_BLOCK: (64, 1), MX_BLOCK: (64, 1)}
+# (scale blocks per program, warps): encode nvfp4 1.89 TB/s (both passes), mxfp4 3.06 TB/s;
+# decode nvfp4 3.38 TB/s, mxfp4 3.59 TB/s.
+ENCODE_CONFIG = {NV_BLOCK: (128, 1), MX_BLOCK: (64, 1)}
 DECODE_CONFIG = {NV_BLOCK: (256, 2), MX_BLOCK: (128, 1)}
 # jit functions may only read module globals that are constexpr.
 _SCALE_MIN = tl.constexpr(E4M3_MIN_SCALE)
