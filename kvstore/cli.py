@@ -498,10 +498,29 @@ def bench_rpc(
 
 @bench_app.command("codecs")
 @_boundary
-def bench_codecs(json_path: JsonPathOpt = None) -> None:
-    """Encode/decode GB/s and error of each codec (kvstore.bench.codecs)."""
+def bench_codecs(
+    quick: Annotated[bool, typer.Option(help="Small shapes, one repeat (seconds on a CPU).")
+                     ] = False,
+    real: Annotated[bool, typer.Option(help="Also measure real K/V captured from a model.")
+                    ] = True,
+    gpu: Annotated[bool | None, typer.Option(
+        "--gpu/--no-gpu", show_default=False,
+        help="Run the GPU sections [default: when CUDA is available]")] = None,
+    minilm_dir: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Model files for the real K/V [default: $KVSTORE_MINILM_DIR]")] = None,
+    codec: Annotated[list[str] | None, typer.Option(
+        show_default=False, help="Only this codec chain (repeatable), e.g. fp8_e4m3+zstd.")
+    ] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Size, error and encode/decode speed of each codec (kvstore.bench.codecs)."""
     run = load_runner("kvstore.bench.codecs", "run_codec_bench", "kvstore bench codecs")
-    _publish(run(), json_path)
+    options: dict[str, Any] = {"quick": quick, "real": real, "gpu": gpu,
+                               "minilm_dir": minilm_dir}
+    if codec:
+        options["codec_names"] = tuple(codec)
+    _publish(run(**options), json_path)
 
 
 def main() -> None:

@@ -342,14 +342,22 @@ def test_load_runner_names_a_missing_module() -> None:
 
 def test_bench_codecs_runs_the_module_it_finds(monkeypatch, tmp_path: Path) -> None:
     """The command imports kvstore.bench.codecs on use and publishes what it returns."""
+    seen: dict[str, object] = {}
+
+    def run_codec_bench(**kwargs: object) -> BenchReport:
+        seen.update(kwargs)
+        return BenchReport(name="codecs", title="codecs", rows=({"codec": "raw"},),
+                           columns=(Column("codec", "codec", justify="left"),))
+
     fake = types.ModuleType("kvstore.bench.codecs")
-    fake.run_codec_bench = lambda: BenchReport(  # type: ignore[attr-defined]
-        name="codecs", title="codecs", columns=(Column("codec", "codec", justify="left"),),
-        rows=({"codec": "raw"},))
+    fake.run_codec_bench = run_codec_bench  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvstore.bench.codecs", fake)
     out = tmp_path / "codecs.json"
-    result = invoke("bench", "codecs", "--json", str(out))
+    result = invoke("bench", "codecs", "--quick", "--no-real", "--codec", "fp8_e4m3",
+                    "--codec", "raw+zstd", "--json", str(out))
     assert result.exit_code == 0, result.output
+    assert seen == {"quick": True, "real": False, "gpu": None, "minilm_dir": None,
+                    "codec_names": ("fp8_e4m3", "raw+zstd")}
     written = json.loads(out.read_text())
     assert written["bench"] == "codecs" and written["rows"] == [{"codec": "raw"}]
     assert {"date", "host", "command", "environment", "params"} <= set(written)
