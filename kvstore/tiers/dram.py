@@ -32,18 +32,23 @@ from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
 
+# Verification (xxh3) releases the GIL. On the 2-core box it runs at ~28 GB/s: a 2 MiB page takes
+# ~70 us inline, less than a thread hop. On a 16-core H200 host one core hashes at only ~6.8 GB/s
+# (~300 us a page), and in threads gathered reads verify on many cores at once.
+MANY_CORES = (os.cpu_count() or 1) >= 4
+THREAD_VERIFY_BYTES = (1 << 20) if MANY_CORES else (8 << 20)
+
 # A thread hop costs ~100 us on the 2-core dev box, a 1 MiB copy ~50 us (memoryview
 # assignment, ~20 GB/s): below 1 MiB copy inline, above it in the tier's copy thread with a
 # copy that releases the GIL (a memoryview assignment holds it for the whole copy).
 THREAD_COPY_BYTES = 1 << 20
+
 # Which copy the thread runs (2 MiB pages into the arena, measured 2026-11-29): on the 2-core box
 # numpy.copyto 9.2 GB/s, torch copy_ 8.2 (median); on a 16-core H200 host numpy.copyto 5.3 GB/s,
 # torch copy_ 52 (it spreads the copy over cores). One copy thread, so copies never stack up
 # several OpenMP teams on the same cores.
-PARALLEL_COPY = torch.get_num_threads() >= 4
-# xxh3 verifies at ~30 GB/s (releasing the GIL): a 2 MiB page takes ~70 us inline, less than
-# the thread hop; only verify pages this large in a thread.
-THREAD_VERIFY_BYTES = 8 << 20
+PARALLEL_COPY = MANY_CORES and torch.get_num_threads() >= 4
+
 # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, and addressable
 # from kernels through unified addressing.
 _CUDA_HOST_REGISTER_FLAGS = 1 | 2

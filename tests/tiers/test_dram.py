@@ -21,7 +21,7 @@ from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, decode_page, encode_page
 from kvstore.tiers.arena import SlabAllocator
-from kvstore.tiers.dram import DramTier
+from kvstore.tiers.dram import THREAD_VERIFY_BYTES, DramTier
 
 MiB = 1 << 20
 HAS_SHM = os.path.isdir("/dev/shm")
@@ -198,8 +198,9 @@ async def test_emptied_chunks_are_reassigned_to_another_class(tmp_path) -> None:
         await tier.close()
 
 
-async def test_corrupt_page_is_dropped_and_counted(tier: DramTier) -> None:
-    key, page, meta = make_page(6, 50_000)
+@pytest.mark.parametrize("payload_bytes", [50_000, THREAD_VERIFY_BYTES])  # inline, in a thread
+async def test_corrupt_page_is_dropped_and_counted(tier: DramTier, payload_bytes: int) -> None:
+    key, page, meta = make_page(6, payload_bytes)
     assert await tier.write(key, page, meta)
     offset, length = tier.locate(key)
     await asyncio.to_thread(_flip_byte, tier.arena_path, offset + length - 10)  # in the payload
@@ -408,12 +409,20 @@ def measure_dram_throughput(num_pages: int = 32, rounds: int = 3,
                     _copy_row(method, out, i, src)
             return go
 
+        def gathered_gets(method: str):
+            async def go() -> None:
+                got = await asyncio.gather(*(tier.read(key) for key, _, _ in pages))
+                for i, page in enumerate(got):
+                    _copy_row(method, out, i, page.payload)
+            return go
+
         try:
             await put()
             secs = {"verify": await _best_seconds(rounds, verify)}
             views = [(await tier.read(k)).payload for k, _, _ in pages]
             for method in methods:
                 secs[f"get[{method}]"] = await _best_seconds(rounds, timed_copies(method, None))
+                secs[f"get_gather[{method}]"] = await _best_seconds(rounds, gathered_gets(method))
                 secs[f"memcpy[{method}]"] = await _best_seconds(rounds,
                                                                 timed_copies(method, views))
             views.clear()  # lets close() unmap the arena
@@ -459,10 +468,12 @@ def test_throughput_of_2mib_pages_is_reported() -> None:
     """Prints put/get GB/s against memcpy (no assertion on speed: numbers vary by machine)."""
     gbps = measure_dram_throughput(num_pages=16, rounds=2)
     base = gbps["memcpy[numpy]"]
-    print("\n2 MiB pages     GB/s   x memcpy")
-    for name in ("memcpy[numpy]", "put", "put_gather", "verify", "get[numpy]"):
-        print(f"{name:<14} {gbps[name]:6.2f}   {gbps[name] / base:.2f}")
-    assert set(gbps) == {"memcpy[numpy]", "get[numpy]", "verify", "put", "put_gather"}
+    print("\n2 MiB pages        GB/s   x memcpy")
+    for name in ("memcpy[numpy]", "put", "put_gather", "verify", "get[numpy]",
+                 "get_gather[numpy]"):
+        print(f"{name:<17} {gbps[name]:6.2f}   {gbps[name] / base:.2f}")
+    assert set(gbps) == {"memcpy[numpy]", "get[numpy]", "get_gather[numpy]", "verify", "put",
+                         "put_gather"}
 
 
 if __name__ == "__main__":
@@ -472,7 +483,9 @@ if __name__ == "__main__":
                                      methods=("numpy", "torch"))
     result.update({f"write_copy[{k}]": v for k, v in measure_copy_methods().items()})
     for method in ("numpy", "torch"):
-        result[f"get/memcpy[{method}]"] = result[f"get[{method}]"] / result[f"memcpy[{method}]"]
+        for get in ("get", "get_gather"):
+            result[f"{get}/memcpy[{method}]"] = (result[f"{get}[{method}]"]
+                                                 / result[f"memcpy[{method}]"])
     for name in ("put", "put_gather"):
         result[f"{name}/write_copy[numpy]"] = result[name] / result["write_copy[numpy.copyto]"]
     print(json.dumps({k: round(v, 2) for k, v in result.items()}, indent=1))
