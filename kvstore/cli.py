@@ -201,13 +201,15 @@ def tier_table(tiers: dict[str, dict[str, Any]]) -> Table:
         table.add_row(label, *(cell(t) for t in tiers.values()))
     extras = sorted({k for t in tiers.values() for k in t} - set(_TIER_ROWS) - {"name"})
     for key in extras:  # tier-specific gauges (arena size, segments, ...)
-        table.add_row(key, *(_number(t.get(key)) for t in tiers.values()))
+        table.add_row(key, *(_number(t.get(key), key) for t in tiers.values()))
     return table
 
 
-def _number(value: Any) -> str:
+def _number(value: Any, name: str) -> str:
     if value is None:
         return "-"
+    if name.endswith("_bytes"):
+        return format_bytes(int(value))
     return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
 
 
@@ -289,6 +291,22 @@ def block_row(info: Any) -> dict[str, Any]:
             "parent": info.parent.hex() if info.parent else None}
 
 
+def blocks_table(rows: list[dict[str, Any]], limit: int) -> Table:
+    """Listed blocks; borderless, so a whole key (what ``evict --key`` takes) fits 80 columns."""
+    full = " (limit reached: raise --limit)" if rows and len(rows) == limit else ""
+    table = Table(title=f"{len(rows)} blocks{full}", box=None, pad_edge=False,
+                  collapse_padding=True, header_style="bold")
+    for header in ("key", "tenant", "model", "tier", "block", "size", "age", "hits"):
+        table.add_column(header, justify="right" if header in ("block", "size", "hits") else "left",
+                         no_wrap=header in ("key", "tier", "size", "age"), overflow="fold",
+                         min_width=len(header))
+    for r in rows:
+        table.add_row(r["key"], r["tenant"], r["model_id"], ",".join(r["tiers"]),
+                      str(r["block_index"]), format_bytes(r["size_bytes"]),
+                      format_age(r["age_s"]), str(r["hits"]))
+    return table
+
+
 @app.command("ls")
 @_boundary
 def list_blocks(
@@ -311,16 +329,7 @@ def list_blocks(
     if as_json:
         _print_json(rows)
         return
-    full = " (limit reached: raise --limit)" if rows and len(rows) == limit else ""
-    table = Table(title=f"{len(rows)} blocks{full}")
-    for header in ("key", "tenant", "model", "tier", "block", "size", "age", "hits"):
-        table.add_column(header, justify="right" if header in ("block", "size", "hits") else "left",
-                         no_wrap=header == "key")
-    for r in rows:
-        table.add_row(r["key"], r["tenant"], r["model_id"], ",".join(r["tiers"]),
-                      str(r["block_index"]), format_bytes(r["size_bytes"]),
-                      format_age(r["age_s"]), str(r["hits"]))
-    console.print(table)
+    console.print(blocks_table(rows, limit))
 
 
 # ----------------------------------------------------------------------------------- evict

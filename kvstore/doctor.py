@@ -42,12 +42,14 @@ class Check:
 
 def format_bytes(nbytes: int) -> str:
     """``1536`` -> ``1.5 KiB``: binary units, one decimal."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = nbytes / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
         value /= 1024
-    return f"{nbytes} B"
+    return f"{value:.1f} TiB"
 
 
 def check_torch() -> Check:
