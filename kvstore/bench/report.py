@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ class BenchReport:
     rows: tuple[Mapping[str, Any], ...]
     params: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # printed under the table and kept in the JSON
+    # Rows with different values of this key print as separate tables (one per section).
+    section_key: str | None = None
 
     def as_dict(self, command: str | None = None) -> dict[str, Any]:
         """The JSON document: what ran, where, when, with which parameters, and the rows."""
@@ -96,6 +98,20 @@ def render_table(report: BenchReport) -> Table:
     return table
 
 
+def render_tables(report: BenchReport) -> list[Table]:
+    """One table, or with ``section_key`` one per section in first-seen order, each showing
+    only the columns its rows fill."""
+    if report.section_key is None:
+        return [render_table(report)]
+    sections: dict[Any, list[Mapping[str, Any]]] = {}
+    for row in report.rows:
+        sections.setdefault(row.get(report.section_key), []).append(row)
+    return [render_table(replace(
+        report, title=f"{report.title}: {name}", rows=tuple(rows), section_key=None,
+        columns=tuple(c for c in report.columns if any(c.key in row for row in rows))))
+        for name, rows in sections.items()]
+
+
 def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None, *,
                  console: Console | None = None, command: str | None = None) -> Path:
     """Print ``report`` as a table and write it as JSON.
@@ -110,7 +126,8 @@ def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None
         The path written.
     """
     console = console or Console()
-    console.print(render_table(report))
+    for table in render_tables(report):
+        console.print(table)
     for note in report.notes:
         console.print(note)
     target = Path(path) if path is not None else default_path(report.name)
@@ -121,4 +138,4 @@ def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None
 
 
 __all__ = ["BenchReport", "Column", "default_path", "environment", "format_cell", "render_table",
-           "write_report"]
+           "render_tables", "write_report"]
