@@ -170,13 +170,14 @@ def test_gpu_speed_notes_each_failing_module() -> None:
 def test_gpu_check_row(name: str) -> None:
     """On the CPU the comparison runs device against itself: fields only, always identical."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    row = gpu_check_row(name, synthetic_dataset(QUICK), device=device)
+    data = synthetic_dataset(QUICK)
+    row = gpu_check_row(name, data, device=device)
     assert row["section"] == "gpu-check-synthetic" and row["codec"] == name
     if device == "cpu":
         assert row["blob_identical"] and row["differing_bytes"] == 0
         assert row["decode_max_diff"] == 0
-    else:  # decode kernels are table look-ups and multiplies: they match the reference
-        assert row["decode_max_diff"] <= 1e-2
+    else:  # a fused multiply-add may move a decoded value by one bf16 ulp, never more
+        assert row["decode_max_diff"] <= float(data.kv.float().abs().max()) * 2**-7
 
 
 def test_real_capture_has_the_canonical_shape(model: MiniLM) -> None:
