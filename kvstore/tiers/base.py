@@ -105,6 +105,10 @@ class Tier(ABC):
         """Meta of every stored page (for rebuilding the directory after a restart)."""
 
     @abstractmethod
+    def page_size(self, key: BlockKey) -> int | None:
+        """Bytes of the stored page for ``key`` (no I/O), or None if absent."""
+
+    @abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of this tier's counters."""
 

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ import torch
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.page import Page, PageMeta, decode_page
+from kvstore.page import Page, PageMeta, decode_page, page_length
 from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, round_up
 from kvstore.tiers.base import Tier, TierStats
 
@@ -89,7 +90,7 @@ class DramTier(Tier):
         self.config = config
         self._alloc = SlabAllocator(config.capacity_bytes, config.chunk_bytes)
         path = os.path.join(_shm_dir(config.shm_dir),
-                            f"kvstore-dram-{os.getpid()}-{next(_arena_counter)}.arena")
+                            f"kvstore-dram-{os.getpid()}-{next(_arena_counter)}-{secrets.token_hex(4)}.arena")
         self._arena = ShmArena(path, config.capacity_bytes)
         self._entries: dict[BlockKey, _Entry] = {}
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
@@ -229,6 +230,39 @@ class DramTier(Tier):
         """
         entry = self._entries.get(key)
         return None if entry is None else (entry.slot.offset, entry.length)
+
+    # Zero-copy writers (the store's reservations): a slot is handed out, a client on the same
+    # host writes an encoded page into the mapped arena, then the store verifies and publishes it.
+
+    async def allocate_slot(self, nbytes: int) -> Slot | None:
+        """A free slot of at least ``nbytes`` that no key owns yet; None when there is no room."""
+        self._check_open()
+        slot = self._alloc.allocate(nbytes) or await self._allocate_slow(nbytes)
+        if slot is None:
+            self._stats.rejected += 1
+        return slot
+
+    def slot_view(self, slot: Slot) -> memoryview:
+        """The whole slot in the arena (writable)."""
+        return self._arena.view[slot.offset : slot.offset + slot.slot_bytes]
+
+    def publish(self, slot: Slot, key: BlockKey, meta: PageMeta) -> int:
+        """Make the page a writer put into ``slot`` readable as ``key``; return its length.
+
+        The caller has verified the page (``decode_page``); from here the slot belongs to key.
+        """
+        self._check_open()
+        if key in self._entries:  # stored meanwhile by a plain write: keep that copy
+            self._alloc.release(slot)
+            return self._entries[key].length
+        length = page_length(self.slot_view(slot))
+        self._entries[key] = _Entry(slot, length, meta)
+        self._stats.bytes_written += length
+        return length
+
+    def abort(self, slot: Slot) -> None:
+        """Give back a slot that was never published."""
+        self._alloc.release(slot)
 
     def victim_class_hint(self, nbytes: int) -> int:
         """Slot size a page of ``nbytes`` needs: deleting a page of this class makes room."""

@@ -359,6 +359,10 @@ class SsdTier(Tier):
         for entry in list(self._index.values()):
             yield entry.meta
 
+    def page_size(self, key: BlockKey) -> int | None:
+        entry = self._index.get(key)
+        return None if entry is None else entry.length
+
     def stats(self) -> TierStats:
         c = self._counts
         return TierStats(

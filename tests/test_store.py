@@ -1,0 +1,289 @@
+"""The embedded Store over real DRAM (shared memory) and SSD (files) tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import mmap
+import random
+
+import pytest
+import torch
+
+from kvstore import codecs
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.keys import Namespace
+from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.store import Store
+
+from .conftest import random_kv, random_tokens
+
+MiB = 1 << 20
+
+
+def make_config(tmp_path, dram_bytes=64 * MiB, ssd_bytes=256 * MiB, **ssd) -> KVStoreConfig:
+    return KVStoreConfig(
+        dram=DramConfig(capacity_bytes=dram_bytes, chunk_bytes=1 * MiB),
+        ssd=SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=ssd_bytes, segment_bytes=1 * MiB,
+                      **{"admit_after_accesses": 1, "fsync": "never", **ssd}),
+    )
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with Store(make_config(tmp_path)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_put_get_round_trip_bit_exact(tmp_path, spec, dtype):
+    spec = dataclasses.replace(spec, dtype=dtype)
+    ns = Namespace(model_id="m", spec=spec, tenant="t")
+    tokens = random_tokens(70)
+    kv = random_kv(spec, 70)
+    async with Store(make_config(tmp_path)) as store:
+        assert await store.put(ns, tokens, kv) == 64  # 4 full blocks; the tail is not stored
+        assert await store.put(ns, tokens, kv) == 0  # already present: not rewritten
+        got = await store.get(ns, tokens)
+        assert got.dtype == spec.torch_dtype and torch.equal(got, kv[:, :, :64])
+
+
+async def test_lookup_partial_prefixes(store, ns, spec):
+    tokens = random_tokens(64)
+    await store.put(ns, tokens[:32], random_kv(spec, 32))
+    res = await store.lookup(ns, tokens)
+    assert (res.num_tokens, res.matched_tokens, res.tokens_per_tier) == (64, 32, {"dram": 32})
+    assert len(res.keys) == 2
+    assert (await store.lookup(ns, tokens[:40])).matched_tokens == 32
+    assert (await store.lookup(ns, tokens[:8])).matched_tokens == 0
+    other = tokens[:16] + [t + 1 for t in tokens[16:]]
+    assert (await store.lookup(ns, other)).matched_tokens == 16
+    assert await store.get(ns, random_tokens(32, seed=9)) is None
+    got = await store.get(ns, tokens[:48])
+    assert got.shape[2] == 32
+
+
+async def test_namespaces_do_not_share_blocks(store, ns, spec):
+    tokens = random_tokens(32)
+    await store.put(ns, tokens, random_kv(spec, 32))
+    for change in ({"revision": "r9"}, {"tenant": "other"}, {"adapter_id": "lora"}):
+        assert (await store.lookup(dataclasses.replace(ns, **change), tokens)).matched_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kv, tokens, match",
+    [
+        ("not a tensor", 32, "torch.Tensor"),
+        (torch.zeros(2, 2, 32, 2, 16, dtype=torch.float32), 32, "dtype"),
+        (torch.zeros(2, 2, 32, 3, 16, dtype=torch.bfloat16), 32, "shape"),
+        (torch.zeros(2, 32, 2, 16, dtype=torch.bfloat16), 32, "shape"),
+        (torch.zeros(2, 2, 31, 2, 16, dtype=torch.bfloat16), 32, "tokens"),
+        (torch.zeros(2, 2, 32, 2, 16, dtype=torch.bfloat16), 0, "empty"),
+    ],
+)
+async def test_bad_input_is_rejected_and_store_keeps_working(store, ns, spec, kv, tokens, match):
+    with pytest.raises(InvalidArgument, match=match):
+        await store.put(ns, list(range(tokens)), kv)
+    with pytest.raises(InvalidArgument):
+        await store.lookup(ns, [])
+    with pytest.raises(InvalidArgument):
+        await store.get(ns, "abc")
+    good = random_tokens(32)
+    kv_good = random_kv(spec, 32)
+    assert await store.put(ns, good, kv_good) == 32
+    assert torch.equal(await store.get(ns, good), kv_good)
+
+
+async def test_demotion_to_ssd_and_back(tmp_path, ns, spec):
+    cfg = make_config(tmp_path, dram_bytes=1 * MiB)
+    page = spec.block_bytes  # 4 KiB blocks: 1 MiB of DRAM holds about 200 of them
+    async with Store(cfg) as store:
+        runs = []
+        for i in range(40):
+            tokens = random_tokens(16 * 8, seed=i)
+            kv = random_kv(spec, 16 * 8, seed=i)
+            assert await store.put(ns, tokens, kv) == 128
+            runs.append((tokens, kv))
+        stats = store.stats()
+        assert stats.tiers["dram"].used_bytes <= MiB
+        assert stats.counters.demotions > 0 and stats.tiers["ssd"].num_blocks > 0
+        for tokens, kv in runs:  # everything is still served, from whichever tier holds it
+            assert torch.equal(await store.get(ns, tokens), kv)
+        assert page > 0
+
+
+async def test_capacity_bounds_hold_under_thousands_of_puts(tmp_path, ns, spec):
+    cfg = make_config(tmp_path, dram_bytes=1 * MiB, ssd_bytes=3 * MiB)
+    async with Store(cfg) as store:
+        for i in range(1500):
+            await store.put(ns, random_tokens(32, seed=i), random_kv(spec, 32, seed=i))
+            if i % 100 == 0:
+                s = store.stats()
+                assert s.tiers["dram"].used_bytes <= cfg.dram.capacity_bytes
+                assert s.tiers["ssd"].used_bytes <= cfg.ssd.capacity_bytes
+        s = store.stats()
+        assert s.tiers["dram"].used_bytes <= cfg.dram.capacity_bytes
+        assert s.tiers["ssd"].used_bytes <= cfg.ssd.capacity_bytes
+        assert s.counters.dropped > 0
+        disk = sum(p.stat().st_size for p in (tmp_path / "ssd").glob("*") if p.suffix != ".mdb"
+                   and p.is_file() and "lock" not in p.name and "data.mdb" not in p.name)
+        assert disk <= cfg.ssd.capacity_bytes
+        tokens, kv = random_tokens(32, seed=1499), random_kv(spec, 32, seed=1499)
+        assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def test_restart_serves_ssd_blocks(tmp_path, ns, spec):
+    cfg = make_config(tmp_path, fsync="always")
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)  # DRAM only; close persists it to SSD
+    async with Store(cfg) as store:
+        res = await store.lookup(ns, tokens)
+        assert res.tokens_per_tier == {"ssd": 64}
+        assert torch.equal(await store.get(ns, tokens), kv)
+        rows = store.list_blocks(tenant=ns.tenant)
+        assert {r.block_index for r in rows} == {0, 1, 2, 3}
+
+
+async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec):
+    cfg = make_config(tmp_path)
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)
+    segments = sorted(p for p in (tmp_path / "ssd").iterdir() if p.name.startswith("seg"))
+    data = bytearray(segments[0].read_bytes())
+    third_key = (await _keys(ns, tokens))[2]
+    pos = bytes(data).find(third_key)  # the third block's page header
+    assert pos > 0
+    data[pos + 200] ^= 0xFF
+    segments[0].write_bytes(bytes(data))
+    async with Store(cfg) as store:
+        got = await store.get(ns, tokens)
+        assert got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])  # never the bad block
+        assert store.stats().tiers["ssd"].corrupt == 1
+        assert (await store.lookup(ns, tokens)).matched_tokens == 32
+
+
+async def _keys(ns, tokens):
+    from kvstore.keys import block_keys
+
+    return block_keys(ns, tokens)
+
+
+async def test_concurrent_put_get_lookup(store, ns, spec):
+    prompts = [(random_tokens(48, seed=i % 20), random_kv(spec, 48, seed=i % 20))
+               for i in range(100)]
+
+    async def worker(i):
+        tokens, kv = prompts[i]
+        await store.put(ns, tokens, kv)
+        res = await store.lookup(ns, tokens)
+        got = await store.get(ns, tokens)
+        return res.matched_tokens, got is not None and torch.equal(got, kv[:, :, :48])
+
+    results = await asyncio.gather(*(worker(i) for i in random.sample(range(100), 100)))
+    assert all(m == 48 and ok for m, ok in results)
+    assert store.stats().num_blocks == 20 * 3
+
+
+async def test_evict_filters(store, ns, spec):
+    other = dataclasses.replace(ns, tenant="globex")
+    await store.put(ns, random_tokens(64), random_kv(spec, 64))
+    await store.put(other, random_tokens(32), random_kv(spec, 32))
+    with pytest.raises(InvalidArgument):
+        await store.evict()
+    assert await store.evict(model_id="nope") == 0
+    assert await store.evict(tenant="globex") == 2
+    assert {r.tenant for r in store.list_blocks()} == {ns.tenant}
+    keys = [r.key for r in store.list_blocks()][:1]
+    assert await store.evict(keys=keys) == 1
+    assert await store.evict(everything=True) == 3
+    assert store.stats().num_blocks == 0
+
+
+async def test_tenant_stats_count_only_that_tenant(store, ns, spec):
+    other = dataclasses.replace(ns, tenant="globex")
+    await store.put(ns, random_tokens(64), random_kv(spec, 64))
+    await store.put(other, random_tokens(32), random_kv(spec, 32))
+    assert store.stats(tenant="globex").tiers["dram"].num_blocks == 2
+    assert store.stats(tenant=ns.tenant).tiers["dram"].num_blocks == 4
+    assert store.stats(tenant="nobody").num_blocks == 0
+    assert store.stats().num_blocks == 6
+
+
+async def test_lease_pins_blocks_and_expires(tmp_path, ns, spec):
+    cfg = make_config(tmp_path)
+    async with Store(cfg) as store:
+        tokens, kv = random_tokens(32), random_kv(spec, 32)
+        await store.put(ns, tokens, kv)
+        lease = await store.acquire(ns, tokens, lease_s=0.5)
+        assert lease.matched_tokens == 32 and len(lease.blocks) == 2
+        assert await store.evict(everything=True) == 0  # pinned blocks stay
+        with open(lease.blocks[0].arena_path, "rb") as f, \
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as arena:
+            loc = lease.blocks[0]
+            page = decode_page(arena[loc.offset:loc.offset + loc.length], expected_key=loc.key)
+            assert torch.equal(codecs.decode(page.payload), kv[:, :, :16])
+        await asyncio.sleep(1.0)  # past the deadline: the reaper unpins
+        with pytest.raises(LeaseNotFound):
+            await store.release(lease.lease_id)
+        assert await store.evict(everything=True) == 2
+
+
+async def test_release_unknown_lease(store):
+    with pytest.raises(LeaseNotFound, match="does not exist"):
+        await store.release("no-such-lease")
+
+
+async def test_reserve_commit_zero_copy_put(store, ns, spec):
+    tokens, kv = random_tokens(48), random_kv(spec, 48)
+    res = await store.reserve(ns, tokens)
+    assert [g.block_index for g in res.blocks] == [0, 1, 2]
+    codec = codecs.get(res.codec)
+    with open(res.blocks[0].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+        for g in res.blocks:
+            meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=g.parent,
+                            block_index=g.block_index, tenant=ns.tenant, model_id=ns.model_id,
+                            codec=codec.name, codec_id=codec.codec_id)
+            bt = spec.block_tokens
+            page = encode_page(meta, codec.encode(kv[:, :, g.block_index * bt:][:, :, :bt]))
+            assert len(page) <= g.capacity_bytes
+            arena[g.offset:g.offset + len(page)] = page
+    assert await store.commit(res.reservation_id) == 48
+    assert torch.equal(await store.get(ns, tokens), kv)
+    with pytest.raises(LeaseNotFound):
+        await store.commit(res.reservation_id)
+
+
+async def test_commit_of_a_bad_page_publishes_nothing(store, ns, spec):
+    tokens = random_tokens(32)
+    res = await store.reserve(ns, tokens)
+    with open(res.blocks[0].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+        arena[res.blocks[0].offset:res.blocks[0].offset + 8] = b"garbage!"
+    with pytest.raises(CorruptPage):
+        await store.commit(res.reservation_id)
+    assert (await store.lookup(ns, tokens)).matched_tokens == 0
+    kv = random_kv(spec, 32)
+    assert await store.put(ns, tokens, kv) == 32  # the slots were freed, the keys are free
+    assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def test_hint_promotes_ssd_blocks(tmp_path, ns, spec):
+    cfg = make_config(tmp_path)
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)
+    async with Store(cfg) as store:
+        assert await store.hint(ns, tokens, deadline_s=5.0) == 4
+        for _ in range(100):
+            if (await store.lookup(ns, tokens)).tokens_per_tier.get("dram") == 64:
+                break
+            await asyncio.sleep(0.02)
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"dram": 64}
+
+
+async def test_closed_store_refuses(tmp_path, ns):
+    store = Store(make_config(tmp_path))
+    with pytest.raises(KVStoreError, match="not open"):
+        await store.lookup(ns, random_tokens(16))
