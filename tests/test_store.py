@@ -287,3 +287,54 @@ async def test_closed_store_refuses(tmp_path, ns):
     store = Store(make_config(tmp_path))
     with pytest.raises(KVStoreError, match="not open"):
         await store.lookup(ns, random_tokens(16))
+
+
+CRASH_CHILD = """
+import asyncio, sys
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.keys import Namespace
+from kvstore.spec import KVSpec
+from kvstore.store import Store
+from tests.conftest import random_kv, random_tokens
+
+async def main(path):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
+    ns = Namespace(model_id="test/model", spec=spec, revision="r1", tenant="acme")
+    # No DRAM: every put lands on SSD, durable before put returns under fsync="always".
+    cfg = KVStoreConfig(dram=DramConfig(capacity_bytes=0),
+                        ssd=SsdConfig(path=path, capacity_bytes=256 << 20,
+                                      segment_bytes=1 << 20, fsync="always"))
+    async with Store(cfg) as store:
+        i = 0
+        while True:
+            await store.put(ns, random_tokens(32, seed=i), random_kv(spec, 32, seed=i))
+            print(i, flush=True)
+            i += 1
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_sigkill_loses_no_acknowledged_put(tmp_path, ns, spec):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, str(tmp_path / "ssd")],
+                             stdout=subprocess.PIPE, text=True, cwd=root)
+    acked = []
+    for line in child.stdout:
+        acked.append(int(line))
+        if len(acked) >= 40:
+            break
+    child.send_signal(signal.SIGKILL)
+    rest = child.communicate()[0]
+    acked += [int(x) for x in rest.split()]
+    cfg = make_config(tmp_path, fsync="always")
+    async with Store(cfg) as store:
+        for i in acked:
+            got = await store.get(ns, random_tokens(32, seed=i))
+            assert got is not None and torch.equal(got, random_kv(spec, 32, seed=i)), i
+        assert store.stats().tiers["ssd"].corrupt == 0

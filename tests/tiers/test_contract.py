@@ -1,0 +1,96 @@
+"""The Tier contract (kvstore/tiers/base.py), run against every tier implementation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from kvstore.config import DramConfig, SsdConfig
+from kvstore.keys import BlockKey
+from kvstore.page import PageMeta, encode_page
+from kvstore.tiers.base import Tier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.ssd import SsdTier
+
+MiB = 1 << 20
+CAPACITY = 4 * MiB
+
+
+def make_page(i: int, payload_bytes: int) -> tuple[BlockKey, PageMeta, bytes]:
+    key = BlockKey(i.to_bytes(4, "little") * 4)
+    meta = PageMeta(key=key, namespace=b"n" * 16, parent=None, block_index=i, tenant="t",
+                    model_id="m", codec="raw", codec_id=1)
+    return key, meta, encode_page(meta, os.urandom(payload_bytes))
+
+
+async def _write(tier: Tier, key, data, meta) -> bool:
+    if isinstance(tier, SsdTier):  # the frequency filter is not part of the contract
+        return await tier.write(key, data, meta, force=True)
+    return await tier.write(key, data, meta)
+
+
+@pytest.fixture(params=["dram", "ssd"])
+async def tier(request, tmp_path):
+    if request.param == "dram":
+        t: Tier = DramTier(DramConfig(capacity_bytes=CAPACITY, chunk_bytes=1 * MiB))
+    else:
+        t = SsdTier(SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=CAPACITY,
+                              segment_bytes=1 * MiB, fsync="never"))
+    await t.open()
+    yield t
+    await t.close()
+
+
+async def test_write_read_delete(tier):
+    key, meta, data = make_page(1, 10_000)
+    assert not tier.contains(key) and await tier.read(key) is None
+    assert await _write(tier, key, data, meta)
+    assert tier.contains(key) and tier.page_size(key) == len(data)
+    page = await tier.read(key)
+    assert bytes(page.data) == data and page.meta.key == key
+    assert await _write(tier, key, data, meta)  # rewriting a present key is a no-op
+    assert [m.key for m in tier.entries()] == [key]
+    assert await tier.delete(key) and not tier.contains(key)
+    assert not await tier.delete(key)
+    assert await tier.read(key) is None and tier.page_size(key) is None
+
+
+async def test_stats_count_what_happened(tier):
+    pages = [make_page(i, 5_000 + 1000 * i) for i in range(5)]
+    for key, meta, data in pages:
+        await _write(tier, key, data, meta)
+    for key, _, _ in pages[:3]:
+        await tier.read(key)
+    await tier.read(BlockKey(b"x" * 16))
+    s = tier.stats()
+    assert (s.num_blocks, s.hits, s.misses) == (5, 3, 1)
+    assert s.capacity_bytes == CAPACITY
+    assert s.bytes_written >= sum(len(d) for _, _, d in pages)
+    assert s.bytes_read >= sum(len(d) for _, _, d in pages[:3])
+    assert 0 < s.used_bytes <= CAPACITY
+    assert set(s.as_dict()) >= {"capacity_bytes", "used_bytes", "num_blocks", "hits", "misses",
+                                "evictions", "corrupt", "bytes_read", "bytes_written"}
+
+
+async def test_capacity_is_a_hard_bound(tier):
+    """Writing until refused, then evicting oldest-first like the store, never passes capacity."""
+    live: list[BlockKey] = []
+    for i in range(400):
+        key, meta, data = make_page(i, 60_000)
+        while not await _write(tier, key, data, meta):
+            assert live, "an empty tier must accept a page far below capacity"
+            await tier.delete(live.pop(0))
+        live.append(key)
+        assert tier.used_bytes <= tier.capacity_bytes
+    assert not tier.can_write(CAPACITY * 2)
+    for key in live[-5:]:
+        assert (await tier.read(key)).meta.key == key
+
+
+async def test_concurrent_writers_and_readers(tier):
+    pages = [make_page(i, 3_000) for i in range(60)]
+    await asyncio.gather(*(_write(tier, k, d, m) for k, m, d in pages))
+    pages_read = await asyncio.gather(*(tier.read(k) for k, _, _ in pages))
+    assert [bytes(p.data) for p in pages_read] == [d for _, _, d in pages]
