@@ -62,12 +62,13 @@ def get(name: str) -> Codec:
     return codec
 
 
-def decode(blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode the blob of any codec or chain."""
+def decode(blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None,
+           verify: bool = True) -> torch.Tensor:
+    """Decode the blob of any codec or chain (``verify=False``: see ``Codec.decode``)."""
     view = memoryview(blob).cast("B")
     magic = bytes(view[:4])
     if magic == ZSTD_MAGIC:
-        return decode(decompress(view), out)
+        return decode(decompress(view), out, verify)
     if magic != BLOB_MAGIC:
         raise CodecError(f"not a kvstore blob (magic {magic!r})")
     if len(view) < 6:
@@ -76,7 +77,7 @@ def decode(blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None
     name = _CODEC_IDS.get(codec_id)
     if name is None:
         raise CodecError(f"blob names unknown codec id {codec_id}")
-    return _base(name).decode(view, out)
+    return _base(name).decode(view, out, verify)
 
 
 __all__ = ["Codec", "RawCodec", "ZstdStage", "decode", "get", "names"]

@@ -96,8 +96,12 @@ def pack_blob(
     return b"".join((header, *views, struct.pack("<Q", h.intdigest())))
 
 
-def unpack_blob(blob: bytes | bytearray | memoryview) -> BlobParts:
-    """Verify and parse a blob; CodecError names what is wrong."""
+def unpack_blob(blob: bytes | bytearray | memoryview, verify: bool = True) -> BlobParts:
+    """Verify and parse a blob; CodecError names what is wrong.
+
+    ``verify=False`` skips only the checksum, for blobs inside a page whose own checksum was
+    just verified (the framing is still checked).
+    """
     view = memoryview(blob).cast("B")
     if len(view) < _FIXED.size + 8:
         raise CodecError(f"blob truncated: {len(view)} bytes")
@@ -128,7 +132,7 @@ def unpack_blob(blob: bytes | bytearray | memoryview) -> BlobParts:
     if len(view) != end + 8:
         raise CodecError(f"blob length {len(view)} does not match its header ({end + 8})")
     (checksum,) = struct.unpack_from("<Q", view, end)
-    if xxhash.xxh3_64_intdigest(view[:end]) != checksum:
+    if verify and xxhash.xxh3_64_intdigest(view[:end]) != checksum:
         raise CodecError("blob checksum mismatch: the blob is damaged")
     sections = []
     for length in lengths:
@@ -187,9 +191,13 @@ class Codec(ABC):
         """Encode ``kv`` (canonical layout, any device) into a self-describing blob."""
 
     @abstractmethod
-    def decode(self, blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """Decode a blob of this codec into ``out`` (or a new CPU tensor) and return it."""
+    def decode(self, blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None,
+               verify: bool = True) -> torch.Tensor:
+        """Decode a blob of this codec into ``out`` (or a new CPU tensor) and return it.
+
+        ``verify=False`` skips the blob checksum when the caller already verified an enclosing
+        checksum over the same bytes (a page).
+        """
 
     @abstractmethod
     def bytes_per_element(self, spec: "KVSpecLike") -> float:

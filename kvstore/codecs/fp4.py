@@ -259,10 +259,10 @@ class _Fp4Codec(Codec):
         parts = self.quantize(kv)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), self.params, parts.sections())
 
-    def unpack(self, blob: bytes | bytearray | memoryview
+    def unpack(self, blob: bytes | bytearray | memoryview, verify: bool = True
                ) -> tuple[Fp4Parts, torch.dtype, tuple[int, ...]]:
         """Verify a blob of this codec and return CPU views of its parts, its dtype and shape."""
-        blob_parts = unpack_blob(blob)
+        blob_parts = unpack_blob(blob, verify)
         if blob_parts.codec_id != self.codec_id:
             raise CodecError(f"blob was written by codec id {blob_parts.codec_id}, not {self.name}")
         if blob_parts.params != self.params:
@@ -281,8 +281,8 @@ class _Fp4Codec(Codec):
         self._validate_scales(parts)
         return parts, blob_parts.dtype, shape
 
-    def decode(self, blob, out=None):
-        parts, dtype, shape = self.unpack(blob)
+    def decode(self, blob, out=None, verify=True):
+        parts, dtype, shape = self.unpack(blob, verify)
         out = check_out(out, dtype, shape)
         kernels = _triton_fp4() if use_triton(out) else None
         if kernels is None:

@@ -115,8 +115,9 @@ class Fp8E4M3Codec(Codec):
         sections = [parts.codes, parts.scales]
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), PARAMS, sections)
 
-    def decode(self, blob, out: torch.Tensor | None = None) -> torch.Tensor:
-        parts, dtype, shape = self.parse(blob)
+    def decode(self, blob, out: torch.Tensor | None = None, verify: bool = True
+               ) -> torch.Tensor:
+        parts, dtype, shape = self.parse(blob, verify)
         out = check_out(out, dtype, shape)
         if use_triton(out) and out.is_contiguous():
             from kvstore.codecs.triton.fp8 import decode_fp8
@@ -136,9 +137,9 @@ class Fp8E4M3Codec(Codec):
         else:
             decode_paged_fp8_reference(parts, kv_cache, block_table)
 
-    def parse(self, blob) -> tuple[Fp8Parts, torch.dtype, tuple[int, ...]]:
+    def parse(self, blob, verify: bool = True) -> tuple[Fp8Parts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""
-        parts = unpack_blob(blob)
+        parts = unpack_blob(blob, verify)
         if parts.codec_id != self.codec_id:
             raise CodecError(f"blob was written by codec id {parts.codec_id}, not {self.name}")
         if parts.params != PARAMS:

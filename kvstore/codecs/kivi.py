@@ -205,8 +205,9 @@ class KiviCodec(Codec):
         params = _PARAMS.pack(FORMAT_VERSION, self.bits, self.group_size)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), params, parts.tensors())
 
-    def decode(self, blob, out: torch.Tensor | None = None) -> torch.Tensor:
-        parts, dtype, shape = self.parse(blob)
+    def decode(self, blob, out: torch.Tensor | None = None, verify: bool = True
+               ) -> torch.Tensor:
+        parts, dtype, shape = self.parse(blob, verify)
         out = check_out(out, dtype, shape)
         if use_triton(out) and out.is_contiguous():
             from kvstore.codecs.triton.kivi import decode_kivi
@@ -226,9 +227,9 @@ class KiviCodec(Codec):
         else:
             decode_paged_kivi_reference(parts, kv_cache, block_table)
 
-    def parse(self, blob) -> tuple[KiviParts, torch.dtype, tuple[int, ...]]:
+    def parse(self, blob, verify: bool = True) -> tuple[KiviParts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""
-        parts = unpack_blob(blob)
+        parts = unpack_blob(blob, verify)
         if parts.codec_id != self.codec_id:
             raise CodecError(f"blob was written by codec id {parts.codec_id}, not {self.name}")
         if len(parts.params) != _PARAMS.size:

@@ -25,8 +25,8 @@ class RawCodec(Codec):
         kv = check_kv_input(kv, self.name)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), b"", [kv])
 
-    def decode(self, blob, out=None):
-        parts = unpack_blob(blob)
+    def decode(self, blob, out=None, verify=True):
+        parts = unpack_blob(blob, verify)
         if parts.codec_id != self.codec_id:
             raise CodecError(f"blob was written by codec id {parts.codec_id}, not {self.name}")
         src = section_tensor(parts.sections[0], parts.dtype, parts.shape)

@@ -33,8 +33,8 @@ class ZstdStage(Codec):
     def encode(self, kv: torch.Tensor) -> bytes:
         return compress(self.inner.encode(kv), self.level, self.threads)
 
-    def decode(self, blob, out=None):
-        return self.inner.decode(decompress(blob), out)
+    def decode(self, blob, out=None, verify=True):
+        return self.inner.decode(decompress(blob), out, verify)
 
     def bytes_per_element(self, spec) -> float:
         # zstd's ratio depends on the data; report the inner bound (an upper estimate).

@@ -57,3 +57,14 @@ def test_unknown_names_and_bad_inputs():
 def test_raw_bytes_per_element(spec):
     bpe = codecs.get("raw").bytes_per_element(spec)
     assert 2.0 < bpe < 2.1
+
+
+def test_verify_false_skips_only_the_checksum():
+    kv = _kv()
+    blob = bytearray(codecs.get("raw").encode(kv))
+    blob[-1] ^= 0xFF  # damage the checksum itself: the data is intact
+    with pytest.raises(CodecError, match="checksum"):
+        codecs.decode(bytes(blob))
+    assert torch.equal(codecs.decode(bytes(blob), verify=False), kv)
+    with pytest.raises(CodecError):  # framing is still checked
+        codecs.decode(bytes(blob[:-3]), verify=False)
