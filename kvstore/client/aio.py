@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -26,7 +27,7 @@ from kvstore.client.base import (
     translate,
     write_reservation,
 )
-from kvstore.errors import InvalidArgument, LeaseNotFound
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server import kvstore_pb2_grpc as pbg
@@ -67,6 +68,7 @@ class AsyncClient:
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_limit(max_message_bytes)
         self._zero_copy = zero_copy
+        self._arena_ok: bool | None = None  # auto mode: can this process map the arena?
         self._maps = ArenaMaps()
 
     # ------------------------------------------------------------------------------ plumbing
@@ -87,22 +89,37 @@ class AsyncClient:
         return await self._call(
             lambda: rpc(request, timeout=self._timeout_s, metadata=self._metadata))
 
-    def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
+    async def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
+        """(use shared memory, fail rather than fall back); see Client._zero_copy_mode."""
         choice = self._zero_copy if requested is None else requested
-        return (self._target.is_unix, False) if choice is None else (choice, choice)
+        if choice is not None:
+            return choice, choice
+        if self._arena_ok is None:
+            usable = False
+            if self._target.is_unix:
+                arena = (await self.health()).arena_path
+                usable = await asyncio.to_thread(self._maps.usable, arena)
+            self._arena_ok = usable
+        return self._arena_ok, False
+
+    async def _abandon(self, reservation_id: str) -> None:
+        """Free a reservation's slots early (see Client._abandon)."""
+        with contextlib.suppress(KVStoreError):
+            await self.commit(reservation_id)
 
     # ------------------------------------------------------------------------------ data path
 
     async def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *,
                   zero_copy: bool | None = None) -> int:
         """Store ``kv`` for ``tokens``; returns the tokens newly written (full blocks only)."""
-        use, strict = self._zero_copy_mode(zero_copy)
+        use, strict = await self._zero_copy_mode(zero_copy)
         if use:
             try:
                 return await self._put_shared(ns, tokens, kv)
             except OSError as exc:
                 if strict:
                     raise InvalidArgument(f"zero-copy put needs the DRAM arena: {exc}") from exc
+                self._arena_ok = False
         header, view = put_header(ns, tokens, kv)
 
         async def messages() -> AsyncIterator[pb.PutRequest]:
@@ -116,19 +133,25 @@ class AsyncClient:
     async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
         ns.spec.check_kv(kv, num_tokens=len(tokens_to_bytes(tokens)) // 4)
         reservation = await self.reserve(ns, tokens)
-        await asyncio.to_thread(write_reservation, self._maps, ns, kv, reservation)
+        try:
+            await asyncio.to_thread(write_reservation, self._maps, ns, kv, reservation)
+        except BaseException:
+            await self._abandon(reservation.reservation_id)
+            raise
         return await self.commit(reservation.reservation_id)
 
     async def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
                   ) -> torch.Tensor | None:
         """The K/V of the longest stored prefix of ``tokens``, or None if nothing matched."""
-        use, strict = self._zero_copy_mode(zero_copy)
+        use, strict = await self._zero_copy_mode(zero_copy)
         if use:
             try:
                 return await self._get_shared(ns, tokens)
             except (OSError, LeaseNotFound) as exc:
                 if strict:
                     raise InvalidArgument(f"zero-copy get failed: {exc}") from exc
+                if isinstance(exc, OSError):
+                    self._arena_ok = False
         request = pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
         return await self._call(lambda: self._get_stream(request))
 
@@ -180,7 +203,7 @@ class AsyncClient:
     async def health(self) -> HealthInfo:
         r = await self._unary("Health", pb.HealthRequest())
         return HealthInfo(status=r.status, version=r.version, uptime_s=r.uptime_s, pid=r.pid,
-                          tenant=r.tenant, is_admin=r.is_admin)
+                          tenant=r.tenant, is_admin=r.is_admin, arena_path=r.arena_path)
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
                       ) -> Lease:

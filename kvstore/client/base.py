@@ -4,8 +4,9 @@ the shared-memory (zero-copy) page paths.
 Zero-copy: a client on the daemon's host reads pages straight out of the DRAM arena file
 (Acquire, mmap, verify, decode, Release) and writes them into reserved slots (Reserve, encode,
 write, Commit) instead of streaming tensor bytes through the socket. ``zero_copy=None`` (the
-default) picks it automatically for ``unix://`` addresses and falls back to streaming when the
-arena file cannot be opened; ``True`` insists on it, ``False`` always streams.
+default) picks it automatically for ``unix://`` addresses when this process can map the arena
+Health names (checked once per client), and otherwise streams; ``True`` insists on it (errors
+if impossible), ``False`` always streams.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class HealthInfo:
     pid: int
     tenant: str  # the caller's tenant; "" for the admin or local trust
     is_admin: bool
+    arena_path: str  # the daemon's DRAM arena, mapped by zero-copy clients
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +218,17 @@ class ArenaMaps:
             self._close_map(current)
         self._maps[(path, writable)] = mapped
         return mapped
+
+    def usable(self, path: str) -> bool:
+        """Whether this process can map ``path`` for reading and writing."""
+        if not path:
+            return False
+        try:
+            with self._lock:
+                self._map(path, 0, writable=True)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def view(self, path: str, offset: int, length: int, writable: bool = False) -> memoryview:
         with self._lock:

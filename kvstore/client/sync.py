@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -26,7 +27,7 @@ from kvstore.client.base import (
     translate,
     write_reservation,
 )
-from kvstore.errors import InvalidArgument, LeaseNotFound
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server import kvstore_pb2_grpc as pbg
@@ -75,6 +76,7 @@ class Client:
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_limit(max_message_bytes)
         self._zero_copy = zero_copy
+        self._arena_ok: bool | None = None  # auto mode: can this process map the arena?
         self._maps = ArenaMaps()
 
     # ------------------------------------------------------------------------------ plumbing
@@ -97,7 +99,18 @@ class Client:
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
         choice = self._zero_copy if requested is None else requested
-        return (self._target.is_unix, False) if choice is None else (choice, choice)
+        if choice is not None:
+            return choice, choice
+        if self._arena_ok is None:
+            self._arena_ok = self._target.is_unix and self._maps.usable(self.health().arena_path)
+        return self._arena_ok, False
+
+    def _abandon(self, reservation_id: str) -> None:
+        """Free a reservation's slots now rather than at its deadline: a commit of slots that
+        hold no valid page fails and frees them (the store's rule). Best effort: the original
+        error is what the caller sees."""
+        with contextlib.suppress(KVStoreError):
+            self.commit(reservation_id)
 
     # ------------------------------------------------------------------------------ data path
 
@@ -115,6 +128,7 @@ class Client:
             except OSError as exc:
                 if strict:
                     raise InvalidArgument(f"zero-copy put needs the DRAM arena: {exc}") from exc
+                self._arena_ok = False
         header, view = put_header(ns, tokens, kv)
         response = self._call(lambda: self._stub.Put(
             put_stream(header, view, self._chunk_bytes), timeout=self._timeout_s,
@@ -124,7 +138,11 @@ class Client:
     def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
         ns.spec.check_kv(kv, num_tokens=len(tokens_to_bytes(tokens)) // 4)
         reservation = self.reserve(ns, tokens)
-        write_reservation(self._maps, ns, kv, reservation)
+        try:
+            write_reservation(self._maps, ns, kv, reservation)
+        except BaseException:
+            self._abandon(reservation.reservation_id)
+            raise
         return self.commit(reservation.reservation_id)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
@@ -137,6 +155,8 @@ class Client:
             except (OSError, LeaseNotFound) as exc:
                 if strict:
                     raise InvalidArgument(f"zero-copy get failed: {exc}") from exc
+                if isinstance(exc, OSError):
+                    self._arena_ok = False
         request = pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
         return self._call(lambda: self._get_stream(request))
 
@@ -188,7 +208,7 @@ class Client:
     def health(self) -> HealthInfo:
         r = self._unary("Health", pb.HealthRequest())
         return HealthInfo(status=r.status, version=r.version, uptime_s=r.uptime_s, pid=r.pid,
-                          tenant=r.tenant, is_admin=r.is_admin)
+                          tenant=r.tenant, is_admin=r.is_admin, arena_path=r.arena_path)
 
     def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None) -> Lease:
         """Pin the matched prefix in the DRAM arena until :meth:`release` or the deadline."""

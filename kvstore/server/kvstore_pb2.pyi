@@ -223,20 +223,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "version", "uptime_s", "pid", "tenant", "is_admin")
+    __slots__ = ("status", "version", "uptime_s", "pid", "tenant", "is_admin", "arena_path")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     status: str
     version: str
     uptime_s: float
     pid: int
     tenant: str
     is_admin: bool
-    def __init__(self, status: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., is_admin: _Optional[bool] = ...) -> None: ...
+    arena_path: str
+    def __init__(self, status: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., is_admin: _Optional[bool] = ..., arena_path: _Optional[str] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("tenant", "model_id", "tier", "limit")

@@ -159,6 +159,7 @@ class KVStoreService(pbg.KVStoreServicer):
             status="DRAINING" if self._is_draining() else "SERVING", version=__version__,
             uptime_s=time.monotonic() - self._started, pid=os.getpid(),
             tenant=caller.tenant or "", is_admin=caller.is_admin,
+            arena_path=self._store.dram.arena_path,
         )
 
     async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:

@@ -60,7 +60,7 @@ async def test_lookup_returns_store_types(aclient, ns, spec):
 
 async def test_stats_list_evict_hint_health(aclient, ns, spec):
     tokens = random_tokens(48)
-    await aclient.put(ns, tokens, random_kv(spec, 48))
+    await aclient.put(ns, tokens, random_kv(spec, 48), zero_copy=False)
     stats = await aclient.stats()
     assert isinstance(stats, StoreStats)
     assert stats.tiers["dram"].num_blocks == 3 and stats.counters.puts == 1
@@ -152,3 +152,9 @@ async def test_zero_copy_falls_back_to_streaming_without_arena_access(daemon, ns
         assert torch.equal(await client.get(ns, tokens), kv)
         with pytest.raises(InvalidArgument, match="zero-copy"):
             await client.get(ns, tokens, zero_copy=True)
+        # a demanded zero-copy put fails, and gives its reserved slots back at once
+        more, more_kv = random_tokens(32, seed=7), random_kv(spec, 32, seed=7)
+        with pytest.raises(InvalidArgument, match="zero-copy"):
+            await client.put(ns, more, more_kv, zero_copy=True)
+        assert (await client.stats()).active_reservations == 0
+        assert await client.put(ns, more, more_kv, zero_copy=False) == 32
