@@ -21,7 +21,7 @@ import grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import PermissionDenied, Unauthenticated
-from kvstore.server.base import Behavior, error_metadata, wrap_handler
+from kvstore.server.base import Behavior, HandlerInterceptor, error_metadata
 
 _BEARER = "bearer "
 _UNIX_PEER_PREFIX = "unix:"
@@ -121,44 +121,34 @@ def authenticate(
     raise Unauthenticated(f"a bearer token is required {where}")
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(HandlerInterceptor):
     """Authenticates every call before its handler runs and publishes the caller."""
 
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__()
         self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
         self._require_on_unix = config.require_auth_on_unix
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
-        return authenticate(self._tokens, context.invocation_metadata(), context.peer(),
-                            self._require_on_unix)
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            caller = authenticate(self._tokens, context.invocation_metadata(), context.peer(),
+                                  self._require_on_unix)
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc),
+                                trailing_metadata=error_metadata(exc))
+        _current_caller.set(caller)  # each call runs in its own task and context
 
-    async def _reject(self, context: grpc.aio.ServicerContext, exc: Unauthenticated) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc),
-                            trailing_metadata=error_metadata(exc))
-
-    def _unary(self, behavior: Behavior) -> Behavior:
+    def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
-            try:
-                _current_caller.set(self._authenticate(context))
-            except Unauthenticated as exc:
-                await self._reject(context, exc)
+            await self._authenticate(context)
             return await behavior(request, context)
 
         return run
 
-    def _streaming(self, behavior: Behavior) -> Behavior:
+    def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
-            try:
-                _current_caller.set(self._authenticate(context))
-            except Unauthenticated as exc:
-                await self._reject(context, exc)
+            await self._authenticate(context)
             async for response in behavior(request, context):
                 yield response
 
         return run
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        return wrap_handler(handler, self._unary, self._streaming)

@@ -10,8 +10,12 @@ bytes, tensors raw bytes + dtype name + shape in the canonical layout.
 
 from __future__ import annotations
 
+import array
+import contextlib
 import dataclasses
 import logging
+import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +45,7 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 DEFAULT_CHUNK_BYTES = 4 << 20  # streamed tensor chunk; big enough to amortise per-message cost
 _MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the proto framing around a chunk
 _log = logging.getLogger("kvstore.server")
+_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 # Most specific first: the first class in an exception's MRO found here decides its status.
 _STATUS_BY_ERROR: dict[type[KVStoreError], grpc.StatusCode] = {
@@ -121,6 +126,36 @@ def wrap_handler(
     return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
 
 
+class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
+    """An interceptor that wraps each method's behavior; the wrapped handler is built once per
+    method and reused, since a method's handler never changes (this keeps per-call overhead
+    to the wrappers themselves)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    @abstractmethod
+    def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
+        """Wrap a coroutine behavior (unary response) of ``method``."""
+
+    @abstractmethod
+    def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
+        """Wrap an async-generator behavior (streamed response) of ``method``."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        full_method = handler_call_details.method
+        wrapped = self._handlers.get(full_method)
+        if wrapped is None:
+            handler = await continuation(handler_call_details)
+            if handler is None:
+                return None
+            name = method_name(full_method)
+            wrapped = wrap_handler(handler, lambda b: self.wrap_unary(name, b),
+                                   lambda b: self.wrap_streaming(name, b))
+            self._handlers[full_method] = wrapped
+        return wrapped
+
+
 def method_name(full_method: str) -> str:
     """``/kvstore.v1.KVStore/Lookup`` -> ``Lookup``."""
     return full_method.rsplit("/", 1)[-1]
@@ -131,6 +166,11 @@ def method_name(full_method: str) -> str:
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """Validated token ids as little-endian uint32 bytes."""
+    if isinstance(tokens, (list, tuple)) and tokens and _NATIVE_U32:
+        # array("I") converts and range-checks in C: ten times faster than numpy on a list,
+        # which is what engines hold. Anything it refuses gets token_array's precise error.
+        with contextlib.suppress(TypeError, OverflowError):
+            return array.array("I", tokens).tobytes()
     return token_array(tokens).tobytes()
 
 
@@ -355,7 +395,7 @@ _NOTEWORTHY = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXH
                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(HandlerInterceptor):
     """Turns exceptions escaping a handler into statuses; the innermost interceptor.
 
     kvstore exceptions become their status (:func:`status_for`) with the class named in the
@@ -374,38 +414,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(grpc.StatusCode.INTERNAL,
                             f"internal error in {method}: {type(exc).__name__}: {exc}")
 
-    def _unary(self, method: str) -> Callable[[Behavior], Behavior]:
-        def wrap(behavior: Behavior) -> Behavior:
-            async def run(request, context):
-                try:
-                    return await behavior(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
-                    await self._abort(context, method, exc)
+    def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
+                await self._abort(context, method, exc)
 
-            return run
+        return run
 
-        return wrap
+    def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
+                await self._abort(context, method, exc)
 
-    def _streaming(self, method: str) -> Callable[[Behavior], Behavior]:
-        def wrap(behavior: Behavior) -> Behavior:
-            async def run(request, context):
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
-                    await self._abort(context, method, exc)
-
-            return run
-
-        return wrap
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = method_name(handler_call_details.method)
-        return wrap_handler(handler, self._unary(method), self._streaming(method))
+        return run

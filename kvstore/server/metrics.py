@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.server.base import Behavior, method_name, wrap_handler
+from kvstore.server.base import Behavior, HandlerInterceptor
 
 _log = logging.getLogger("kvstore.server.metrics")
 # From 100 us (a Lookup on a warm loop) to 30 s (a multi-GiB streamed Get).
@@ -123,6 +123,7 @@ class Metrics:
             "kvstore_rpc_errors", "RPCs that ended in a non-OK status, by method and code.",
             ["method", "code"], registry=self.registry,
         )
+        self._latency_by_method: dict[str, Any] = {}
         self._http: Any = None
         self._store_collector: StoreCollector | None = None
 
@@ -134,7 +135,10 @@ class Metrics:
         self.registry.register(self._store_collector)
 
     def observe(self, method: str, code: grpc.StatusCode, elapsed_s: float) -> None:
-        self.rpc_latency.labels(method).observe(elapsed_s)
+        latency = self._latency_by_method.get(method)
+        if latency is None:  # labels() takes a lock; resolve each method's child once
+            latency = self._latency_by_method[method] = self.rpc_latency.labels(method)
+        latency.observe(elapsed_s)
         if code != grpc.StatusCode.OK:
             self.rpc_errors.labels(method, code.name).inc()
 
@@ -160,50 +164,38 @@ def _final_code(context: grpc.aio.ServicerContext, exc: BaseException | None) ->
     return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(HandlerInterceptor):
     """Times every call and counts non-OK statuses; the outermost interceptor."""
 
     def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
         self._metrics = metrics
 
-    def _unary(self, method: str) -> Callable[[Behavior], Behavior]:
-        def wrap(behavior: Behavior) -> Behavior:
-            async def run(request, context):
-                start, failure = time.perf_counter(), None
-                try:
-                    return await behavior(request, context)
-                except BaseException as exc:
-                    failure = exc
-                    raise
-                finally:
-                    self._metrics.observe(method, _final_code(context, failure),
-                                          time.perf_counter() - start)
+    def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            start, failure = time.perf_counter(), None
+            try:
+                return await behavior(request, context)
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                self._metrics.observe(method, _final_code(context, failure),
+                                      time.perf_counter() - start)
 
-            return run
+        return run
 
-        return wrap
+    def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
+        async def run(request, context):
+            start, failure = time.perf_counter(), None
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                self._metrics.observe(method, _final_code(context, failure),
+                                      time.perf_counter() - start)
 
-    def _streaming(self, method: str) -> Callable[[Behavior], Behavior]:
-        def wrap(behavior: Behavior) -> Behavior:
-            async def run(request, context):
-                start, failure = time.perf_counter(), None
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except BaseException as exc:
-                    failure = exc
-                    raise
-                finally:
-                    self._metrics.observe(method, _final_code(context, failure),
-                                          time.perf_counter() - start)
-
-            return run
-
-        return wrap
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = method_name(handler_call_details.method)
-        return wrap_handler(handler, self._unary(method), self._streaming(method))
+        return run

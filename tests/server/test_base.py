@@ -9,7 +9,7 @@ import torch
 
 from kvstore import errors
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, token_array
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server.base import (
     ChunkAssembler,
@@ -169,6 +169,16 @@ def test_stats_round_trip():
 def test_unknown_counters_from_a_newer_server_are_dropped():
     msg = pb.StatsResponse(counters={"lookups": 3, "a_future_counter": 9})
     assert stats_from_proto(msg).counters.lookups == 3
+
+
+def test_tokens_from_lists_match_the_hashed_form():
+    """Lists take a faster conversion than arrays; both must give the bytes keys hash."""
+    tokens = np.random.default_rng(1).integers(0, 2**32, 4096).tolist()
+    assert tokens_to_bytes(tokens) == token_array(tokens).tobytes()
+    assert tokens_to_bytes(tuple(tokens)) == token_array(np.array(tokens)).tobytes()
+    for bad in ([1, -1], [2**32], [1, 2.5], ["7"], [[1]]):
+        with pytest.raises(InvalidArgument):
+            tokens_to_bytes(bad)
 
 
 def test_tokens_accept_numpy_and_torch():
