@@ -164,7 +164,9 @@ class LeaseManager:
             store.release_writes([key])
         store._dir.touch(store._dir.match_prefix(k for k, _, _ in slots), hit=False)
         store._wake_demoter()
-        return len(slots) * ns.spec.block_tokens
+        written = len(slots) * ns.spec.block_tokens
+        store._count(ns.tenant, puts=1, put_tokens=written)
+        return written
 
     def _verify_slot(self, ns: Namespace, key: BlockKey, index: int, slot) -> PageMeta:
         page = decode_page(self._store.dram.slot_view(slot), expected_key=key)

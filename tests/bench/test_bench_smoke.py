@@ -26,7 +26,8 @@ def test_bench_tiers_writes_every_row(tmp_path: Path) -> None:
     assert report["bench"] == "tiers" and report["command"]
     assert report["params"]["num_blocks"] == 4 and report["params"]["block_bytes"] == 2 << 20
     rows = {(r["path"], r["op"]): r for r in report["rows"]}
-    assert set(rows) == {("dram", "put"), ("dram", "get"), ("ssd", "put"), ("ssd", "get")}
+    assert set(rows) == {("dram", "put"), ("dram", "get"), ("dram", "get_prefix"),
+                         ("ssd", "put"), ("ssd", "get"), ("ssd", "get_prefix")}
     for row in rows.values():
         assert row["bytes"] == 4 * BLOCK_BYTES and row["gbps"] > 0
         assert row["baseline_gbps"] > 0 and row["ratio"] > 0
@@ -37,7 +38,8 @@ def test_bench_tiers_writes_every_row(tmp_path: Path) -> None:
 
 def test_bench_tiers_dram_only(tmp_path: Path) -> None:
     report = run_tier_bench(BLOCK_BYTES * 2, tiers=("dram",), repeat=2)
-    assert [(r["path"], r["op"]) for r in report.rows] == [("dram", "put"), ("dram", "get")]
+    assert [(r["path"], r["op"]) for r in report.rows] == [("dram", "put"), ("dram", "get"),
+                                                         ("dram", "get_prefix")]
     assert all(len(r["round_gbps"]) == len(r["baseline_round_gbps"]) == 2 for r in report.rows)
 
 
