@@ -176,7 +176,8 @@ async def test_sigkill_loses_no_acknowledged_page(tmp_path, fsync):
     child = await asyncio.create_subprocess_exec(
         sys.executable, str(REPO / "tests" / "tiers" / "ssd_crash_writer.py"), str(directory),
         fsync, stdout=asyncio.subprocess.PIPE, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     acknowledged = []
     try:
         while len(acknowledged) < 150:
