@@ -131,12 +131,12 @@ class AuthInterceptor(HandlerInterceptor):
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            caller = authenticate(self._tokens, context.invocation_metadata(), context.peer(),
-                                  self._require_on_unix)
+            # each call runs in its own task, hence its own copy of the context
+            _current_caller.set(authenticate(self._tokens, context.invocation_metadata(),
+                                             context.peer(), self._require_on_unix))
         except Unauthenticated as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc),
                                 trailing_metadata=error_metadata(exc))
-        _current_caller.set(caller)  # each call runs in its own task and context
 
     def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):

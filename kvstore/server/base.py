@@ -41,7 +41,6 @@ from kvstore.store import (
 from kvstore.tiers.base import TierStats
 
 ERROR_METADATA_KEY = "kvstore-error"
-SERVICE_NAME = "kvstore.v1.KVStore"
 DEFAULT_CHUNK_BYTES = 4 << 20  # streamed tensor chunk; big enough to amortise per-message cost
 _MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the proto framing around a chunk
 _log = logging.getLogger("kvstore.server")
@@ -189,10 +188,6 @@ def key_from_bytes(raw: bytes, what: str = "block key") -> BlockKey:
     if len(raw) != KEY_BYTES:
         raise InvalidArgument(f"malformed {what}: {len(raw)} bytes, expected {KEY_BYTES}")
     return BlockKey(bytes(raw))
-
-
-def optional_key(raw: bytes) -> BlockKey | None:
-    return key_from_bytes(raw, "parent key") if raw else None
 
 
 def spec_to_proto(spec: KVSpec) -> pb.KVSpec:

@@ -130,7 +130,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self.draining = False
         self._lock = lock
-        self._stopped = asyncio.Event()
+        self._stopped = False
         self.server = grpc.aio.server(
             interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(config.server),
                           ErrorInterceptor()],
@@ -179,24 +179,21 @@ class Daemon:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, give in-flight ones ``grace_s``, close the store. Idempotent."""
-        if self._stopped.is_set():
+        if self._stopped:
             return
         self.draining = True
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         started = time.monotonic()
         try:
             await self.server.stop(grace)
-            self.metrics.stop_http()
+            await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
             await self.store.close()
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             self._lock.close()
-            self._stopped.set()
+            self._stopped = True
         _log.info("stopped", extra={"drain_s": round(time.monotonic() - started, 3)})
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 async def serve(config: KVStoreConfig) -> Daemon:
@@ -206,8 +203,8 @@ async def serve(config: KVStoreConfig) -> Daemon:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
                           "server.admin_token: TCP is never served without tokens")
     lock = claim_socket_path(server.socket_path)
-    store = Store(config)
     try:
+        store = Store(config)
         await store.open()
     except BaseException:
         lock.close()
