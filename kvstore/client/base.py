@@ -11,6 +11,7 @@ if impossible), ``False`` always streams.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -237,10 +238,9 @@ class ArenaMaps:
 
     @staticmethod
     def _close_map(mapped: mmap.mmap) -> None:
-        try:
+        # BufferError: a caller still holds a view; the mapping goes when the last one does.
+        with contextlib.suppress(BufferError):
             mapped.close()
-        except BufferError:  # a view still exists; the mapping goes when the last one does
-            pass
 
     def close(self) -> None:
         with self._lock:
