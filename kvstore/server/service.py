@@ -44,6 +44,7 @@ MAX_LEASE_S = 3600.0  # a lease pins DRAM; an hour is far beyond any prefill
 MAX_HINT_DEADLINE_S = 3600.0
 MAX_LIST_LIMIT = 100_000
 DEFAULT_LIST_LIMIT = 1000
+MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
 
 
 def _seconds(value: float, name: str, upper: float, allow_zero: bool) -> float:
@@ -134,7 +135,8 @@ class KVStoreService(pbg.KVStoreServicer):
             return
         yield pb.GetResponse(header=pb.GetHeader(found=True, matched_tokens=kv.shape[2],
                                                  tensor=tensor_header(kv)))
-        chunk_bytes = min(request.chunk_bytes or self._chunk_bytes, self._chunk_bytes)
+        chunk_bytes = min(max(request.chunk_bytes, MIN_CHUNK_BYTES) if request.chunk_bytes
+                          else self._chunk_bytes, self._chunk_bytes)
         for chunk in iter_chunks(tensor_view(kv), chunk_bytes):
             yield pb.GetResponse(chunk=chunk)
 
