@@ -7,6 +7,7 @@ import logging
 import mmap
 import os
 
+import grpc
 import pytest
 import torch
 
@@ -19,6 +20,9 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import block_keys
+from kvstore.server import kvstore_pb2 as pb
+from kvstore.server import kvstore_pb2_grpc as pbg
+from kvstore.server.base import namespace_to_proto, tensor_view, tokens_to_bytes
 from kvstore.store import BlockInfo, LookupResult, StoreStats
 
 from ..conftest import random_kv, random_tokens
@@ -158,3 +162,18 @@ async def test_zero_copy_falls_back_to_streaming_without_arena_access(daemon, ns
             await client.put(ns, more, more_kv, zero_copy=True)
         assert (await client.stats()).active_reservations == 0
         assert await client.put(ns, more, more_kv, zero_copy=False) == 32
+
+
+async def test_get_chunk_size_is_bounded(daemon, aclient, ns, spec):
+    """A Get asking for 1-byte chunks gets 64 KiB ones, not a message per byte."""
+    wide = dataclasses.replace(spec, num_layers=4, head_dim=128)
+    ns_wide = dataclasses.replace(ns, spec=wide)
+    tokens, kv = random_tokens(256), random_kv(wide, 256)  # 1 MiB
+    await aclient.put(ns_wide, tokens, kv, zero_copy=False)
+    request = pb.GetRequest(namespace=namespace_to_proto(ns_wide),
+                            tokens=tokens_to_bytes(tokens), chunk_bytes=1)
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        replies = [m async for m in pbg.KVStoreStub(channel).Get(request)]
+    chunks = [m.chunk for m in replies[1:]]
+    assert replies[0].header.found and len(chunks) == (1 << 20) // (64 << 10)
+    assert b"".join(chunks) == bytes(tensor_view(kv))
