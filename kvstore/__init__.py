@@ -6,4 +6,4 @@ from kvstore.spec import KVSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockKey", "KVSpec", "KVStoreError", "Namespace", "block_keys", "__version__"]
+__all__ = ["BlockKey", "KVSpec", "KVStoreError", "Namespace", "__version__", "block_keys"]

@@ -11,9 +11,10 @@ import dataclasses
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from kvstore.errors import ConfigError
 

@@ -155,6 +155,11 @@ class LeaseManager:
         store = self._store
         try:
             metas = [self._verify_slot(ns, key, index, slot) for key, index, slot in slots]
+            for meta in metas:
+                if meta.codec != store._codecs["dram"].name:
+                    raise InvalidArgument(
+                        f"page for key {meta.key.hex()} is encoded with {meta.codec!r}; the "
+                        f"reservation asked for {store._codecs['dram'].name!r}")
         except KVStoreError:
             self._abort_slots(slots)
             raise
@@ -167,6 +172,10 @@ class LeaseManager:
         written = len(slots) * ns.spec.block_tokens
         store._count(ns.tenant, puts=1, put_tokens=written)
         return written
+
+    def abort(self, reservation_id: str) -> None:
+        """Give a reservation's slots back without publishing anything."""
+        self._abort_slots(self._reservations.pop(reservation_id).payload[1])
 
     def _verify_slot(self, ns: Namespace, key: BlockKey, index: int, slot) -> PageMeta:
         page = decode_page(self._store.dram.slot_view(slot), expected_key=key)

@@ -9,7 +9,8 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -115,7 +116,7 @@ class Store:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> Store:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 
@@ -308,6 +309,11 @@ class Store:
     async def commit(self, reservation_id: str) -> int:
         self._check_open()
         return await self._leases.commit(reservation_id)
+
+    async def abort(self, reservation_id: str) -> None:
+        """Free a reservation's slots (a writer that gave up); LeaseNotFound if unknown."""
+        self._check_open()
+        self._leases.abort(reservation_id)
 
     async def hint(self, ns: Namespace, tokens: Sequence[int] | torch.Tensor,
                    deadline_s: float) -> int:

@@ -338,3 +338,22 @@ async def test_sigkill_loses_no_acknowledged_put(tmp_path, ns, spec):
             got = await store.get(ns, random_tokens(32, seed=i))
             assert got is not None and torch.equal(got, random_kv(spec, 32, seed=i)), i
         assert store.stats().tiers["ssd"].corrupt == 0
+
+
+async def test_commit_checks_the_codec_and_abort_frees_slots(store, ns, spec):
+    tokens, kv = random_tokens(16), random_kv(spec, 16)
+    res = await store.reserve(ns, tokens)
+    g = res.blocks[0]
+    fp8 = codecs.get("fp8_e4m3")
+    meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=None, block_index=0,
+                    tenant=ns.tenant, model_id=ns.model_id, codec=fp8.name, codec_id=fp8.codec_id)
+    page = encode_page(meta, fp8.encode(kv))
+    with open(g.arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+        arena[g.offset:g.offset + len(page)] = page
+    with pytest.raises(InvalidArgument, match="reservation asked for 'raw'"):
+        await store.commit(res.reservation_id)
+    res = await store.reserve(ns, tokens)
+    await store.abort(res.reservation_id)
+    with pytest.raises(LeaseNotFound):
+        await store.abort(res.reservation_id)
+    assert await store.put(ns, tokens, kv) == 16  # at once: the keys were released

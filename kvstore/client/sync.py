@@ -44,7 +44,7 @@ from kvstore.server.base import (
 from kvstore.store import BlockInfo, Lease, LookupResult, Reservation, StoreStats
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 T = TypeVar("T")
 

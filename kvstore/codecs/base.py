@@ -200,7 +200,7 @@ class Codec(ABC):
         """
 
     @abstractmethod
-    def bytes_per_element(self, spec: "KVSpecLike") -> float:
+    def bytes_per_element(self, spec: KVSpecLike) -> float:
         """Average stored bytes per K/V element for a block of ``spec``, metadata included."""
 
     def __repr__(self) -> str:

@@ -702,7 +702,7 @@ class SsdTier(Tier):
         while not self._is_stopping:
             try:
                 await asyncio.wait_for(self._flush_wake.wait(), self._config.fsync_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._flush_wake.clear()
             await self._flush()
