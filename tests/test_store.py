@@ -357,3 +357,20 @@ async def test_commit_checks_the_codec_and_abort_frees_slots(store, ns, spec):
     with pytest.raises(LeaseNotFound):
         await store.abort(res.reservation_id)
     assert await store.put(ns, tokens, kv) == 16  # at once: the keys were released
+
+
+@pytest.mark.parametrize("ssd_codec", ["fp8_e4m3+zstd", "int4", "raw+zstd"])
+async def test_cold_tier_codec_transcodes_on_demotion(tmp_path, ns, spec, ssd_codec):
+    cfg = make_config(tmp_path, codec=ssd_codec)
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)  # raw in DRAM; close writes SSD pages with ssd_codec
+    async with Store(cfg) as store:
+        assert {r.tiers for r in store.list_blocks()} == {("ssd",)}
+        got = await store.get(ns, tokens)
+        rel = ((got.float() - kv.float()).norm() / kv.float().norm()).item()
+        # raw+zstd is lossless; fp8 e4m3 keeps ~2^-4 relative error, int4 ~1/15 of a group range.
+        assert rel == 0 if ssd_codec == "raw+zstd" else rel < 0.15
+        used = store.stats().tiers["ssd"].bytes_written
+        if ssd_codec == "int4":
+            assert used < kv.numel()  # < 1 byte/element against 2 for bf16

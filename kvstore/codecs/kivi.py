@@ -177,7 +177,10 @@ class KiviCodec(Codec):
 
     K is quantised per channel over groups of ``group_size`` tokens (outlier channels get their
     own range), V per token over groups of ``group_size`` channels; trailing K tokens that do
-    not fill a group stay in the input dtype. Inputs with NaN/Inf, or beyond fp16's range (the
+    not fill a group stay in the input dtype. A run shorter than ``group_size`` tokens (one
+    16-token page under the default 32) is encoded with the largest power-of-two group that
+    fits it, so its K is quantised instead of kept whole as residual; the blob records the
+    group used (it applies to the V channel groups too). Inputs with NaN/Inf, or beyond fp16's range (the
     scales and zero points are fp16), are rejected with CodecError.
     """
 
@@ -190,19 +193,27 @@ class KiviCodec(Codec):
             )
         self.group_size = group_size
 
+    def group_for(self, num_tokens: int) -> int:
+        """The group size a run of ``num_tokens`` tokens is encoded with."""
+        group = self.group_size
+        while group > num_tokens and group > GROUP_SIZES[0]:
+            group //= 2
+        return group
+
     def encode(self, kv: torch.Tensor) -> bytes:
         kv = check_finite(check_kv_input(kv, self.name), self.name).contiguous()
-        section_shapes(tuple(kv.shape), self.bits, self.group_size)
+        group = self.group_for(kv.shape[2])
+        section_shapes(tuple(kv.shape), self.bits, group)
         beyond = int((kv.abs() > FP16_MAX).sum())
         if beyond:
             raise CodecError(f"{self.name}: {beyond} values beyond fp16's range +-{FP16_MAX:g}")
         if use_triton(kv):
             from kvstore.codecs.triton.kivi import encode_kivi
 
-            parts = encode_kivi(kv, self.bits, self.group_size)
+            parts = encode_kivi(kv, self.bits, group)
         else:
-            parts = encode_kivi_reference(kv, self.bits, self.group_size)
-        params = _PARAMS.pack(FORMAT_VERSION, self.bits, self.group_size)
+            parts = encode_kivi_reference(kv, self.bits, group)
+        params = _PARAMS.pack(FORMAT_VERSION, self.bits, group)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), params, parts.tensors())
 
     def decode(self, blob, out: torch.Tensor | None = None, verify: bool = True
@@ -248,7 +259,7 @@ class KiviCodec(Codec):
     def bytes_per_element(self, spec) -> float:
         """bits/8 + 4/group_size per element, plus the residual K tokens and the framing."""
         shape = (spec.num_layers, 2, spec.block_tokens, spec.num_kv_heads, spec.head_dim)
-        shapes = section_shapes(shape, self.bits, self.group_size)
+        shapes = section_shapes(shape, self.bits, self.group_for(spec.block_tokens))
         sizes = [1, 2, spec.element_bytes, 1, 2]
         total = sum(size * _numel(s) for size, s in zip(sizes, shapes, strict=True))
         total += framing_bytes(5, NUM_SECTIONS, _PARAMS.size)
