@@ -207,6 +207,58 @@ class Codec(ABC):
         return f"<codec {self.name}>"
 
 
+class QuantizedCodec(Codec):
+    """A lossy codec whose blob parses into parts (quantised values and scales) that both a
+    torch reference and Triton kernels decode: Triton when the target is on CUDA, the
+    reference otherwise. Subclasses supply ``parse`` and the four decoders."""
+
+    @abstractmethod
+    def parse(self, blob: bytes | bytearray | memoryview, verify: bool = True
+              ) -> tuple[object, torch.dtype, tuple[int, ...]]:
+        """Check a blob of this codec; return CPU views of its parts, its dtype and shape."""
+
+    @abstractmethod
+    def _reference_decode(self, parts: object, dtype: torch.dtype) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _reference_decode_paged(self, parts: object, kv_cache: torch.Tensor,
+                                block_table: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _kernel_decode(self, parts: object, out: torch.Tensor) -> None:
+        """Triton decode of device-resident parts into a contiguous ``out``."""
+
+    @abstractmethod
+    def _kernel_decode_paged(self, parts: object, kv_cache: torch.Tensor,
+                             block_table: torch.Tensor) -> None: ...
+
+    def decode(self, blob, out=None, verify=True):
+        from kvstore.codecs.triton.common import use_triton
+
+        parts, dtype, shape = self.parse(blob, verify)
+        out = check_out(out, dtype, shape)
+        if not use_triton(out):
+            out.copy_(self._reference_decode(parts, dtype))
+            return out
+        # Kernels write contiguous memory; a strided target (a slice of a longer run) gets a copy.
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        self._kernel_decode(parts.to(out.device), target)
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def decode_paged(self, blob: bytes | bytearray | memoryview, kv_cache: torch.Tensor,
+                     block_table: torch.Tensor) -> None:
+        """Decode a blob straight into an engine's paged KV cache through its block table."""
+        from kvstore.codecs.triton.common import use_triton
+
+        parts, _, _ = self.parse(blob)
+        if use_triton(kv_cache):
+            self._kernel_decode_paged(parts.to(kv_cache.device), kv_cache, block_table)
+        else:
+            self._reference_decode_paged(parts, kv_cache, block_table)
+
+
 class KVSpecLike:  # structural hint only; codecs read these attributes of a KVSpec
     num_layers: int
     num_kv_heads: int

@@ -26,9 +26,8 @@ from types import ModuleType
 import torch
 
 from kvstore.codecs.base import (
-    Codec,
+    QuantizedCodec,
     check_kv_input,
-    check_out,
     framing_bytes,
     pack_blob,
     section_tensor,
@@ -212,7 +211,7 @@ def _triton_fp4() -> ModuleType | None:
     return fp4
 
 
-class _Fp4Codec(Codec):
+class _Fp4Codec(QuantizedCodec):
     """What nvfp4 and mxfp4 share: input checks, framing, dispatch, validation of blobs."""
 
     lossless = False
@@ -259,8 +258,8 @@ class _Fp4Codec(Codec):
         parts = self.quantize(kv)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), self.params, parts.sections())
 
-    def unpack(self, blob: bytes | bytearray | memoryview, verify: bool = True
-               ) -> tuple[Fp4Parts, torch.dtype, tuple[int, ...]]:
+    def parse(self, blob: bytes | bytearray | memoryview, verify: bool = True
+              ) -> tuple[Fp4Parts, torch.dtype, tuple[int, ...]]:
         """Verify a blob of this codec and return CPU views of its parts, its dtype and shape."""
         blob_parts = unpack_blob(blob, verify)
         if blob_parts.codec_id != self.codec_id:
@@ -281,30 +280,17 @@ class _Fp4Codec(Codec):
         self._validate_scales(parts)
         return parts, blob_parts.dtype, shape
 
-    def decode(self, blob, out=None, verify=True):
-        parts, dtype, shape = self.unpack(blob, verify)
-        out = check_out(out, dtype, shape)
-        kernels = _triton_fp4() if use_triton(out) else None
-        if kernels is None:
-            out.copy_(dequantize_reference(parts, dtype))
-        else:
-            kernel = getattr(kernels, f"{self.name}_decode")
-            target = out if out.is_contiguous() else torch.empty_like(out)
-            kernel(parts.to(out.device), target)
-            if target is not out:
-                out.copy_(target)
-        return out
+    def _reference_decode(self, parts: Fp4Parts, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_reference(parts, dtype)
 
-    def decode_paged(self, blob: bytes | bytearray | memoryview, kv_cache: torch.Tensor,
-                     block_table: torch.Tensor) -> None:
-        """Decode a blob straight into an engine's paged cache (see ``decode_paged_reference``)."""
-        parts, _, _ = self.unpack(blob)
-        kernels = _triton_fp4() if use_triton(kv_cache) else None
-        if kernels is None:
-            decode_paged_reference(parts, kv_cache, block_table)
-        else:
-            kernel = getattr(kernels, f"decode_paged_{self.name}")
-            kernel(parts.to(kv_cache.device), kv_cache, block_table)
+    def _reference_decode_paged(self, parts: Fp4Parts, kv_cache, block_table) -> None:
+        decode_paged_reference(parts, kv_cache, block_table)
+
+    def _kernel_decode(self, parts: Fp4Parts, out: torch.Tensor) -> None:
+        getattr(_triton_fp4(), f"{self.name}_decode")(parts, out)
+
+    def _kernel_decode_paged(self, parts: Fp4Parts, kv_cache, block_table) -> None:
+        getattr(_triton_fp4(), f"decode_paged_{self.name}")(parts, kv_cache, block_table)
 
     def bytes_per_element(self, spec) -> float:
         numel = spec.num_layers * 2 * spec.block_tokens * spec.num_kv_heads * spec.head_dim

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codecs.base import (
-    Codec,
+    QuantizedCodec,
     check_kv_input,
-    check_out,
     framing_bytes,
     pack_blob,
     section_tensor,
@@ -91,7 +90,7 @@ def decode_paged_fp8_reference(
     scatter_pages_reference(decode_fp8_reference(parts, kv_cache.dtype), kv_cache, block_table)
 
 
-class Fp8E4M3Codec(Codec):
+class Fp8E4M3Codec(QuantizedCodec):
     """float8 e4m3 with a bf16 scale per (token, kv head): about 1 + 2/head_dim bytes/element.
 
     Inputs holding NaN or Inf are rejected with CodecError. CUDA tensors run the Triton kernels,
@@ -115,27 +114,21 @@ class Fp8E4M3Codec(Codec):
         sections = [parts.codes, parts.scales]
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), PARAMS, sections)
 
-    def decode(self, blob, out: torch.Tensor | None = None, verify: bool = True
-               ) -> torch.Tensor:
-        parts, dtype, shape = self.parse(blob, verify)
-        out = check_out(out, dtype, shape)
-        if use_triton(out) and out.is_contiguous():
-            from kvstore.codecs.triton.fp8 import decode_fp8
+    def _reference_decode(self, parts: Fp8Parts, dtype: torch.dtype) -> torch.Tensor:
+        return decode_fp8_reference(parts, dtype)
 
-            decode_fp8(parts.to(out.device), out)
-        else:
-            out.copy_(decode_fp8_reference(parts, dtype))
-        return out
+    def _reference_decode_paged(self, parts: Fp8Parts, kv_cache, block_table) -> None:
+        decode_paged_fp8_reference(parts, kv_cache, block_table)
 
-    def decode_paged(self, blob, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
-        """Decode a blob straight into an engine's paged cache (see ``decode_paged_fp8``)."""
-        parts, _, _ = self.parse(blob)
-        if use_triton(kv_cache):
-            from kvstore.codecs.triton.fp8 import decode_paged_fp8
+    def _kernel_decode(self, parts: Fp8Parts, out: torch.Tensor) -> None:
+        from kvstore.codecs.triton.fp8 import decode_fp8
 
-            decode_paged_fp8(parts.to(kv_cache.device), kv_cache, block_table)
-        else:
-            decode_paged_fp8_reference(parts, kv_cache, block_table)
+        decode_fp8(parts, out)
+
+    def _kernel_decode_paged(self, parts: Fp8Parts, kv_cache, block_table) -> None:
+        from kvstore.codecs.triton.fp8 import decode_paged_fp8
+
+        decode_paged_fp8(parts, kv_cache, block_table)
 
     def parse(self, blob, verify: bool = True) -> tuple[Fp8Parts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""

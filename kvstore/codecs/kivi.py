@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codecs.base import (
-    Codec,
+    QuantizedCodec,
     check_kv_input,
-    check_out,
     framing_bytes,
     pack_blob,
     section_tensor,
@@ -172,7 +171,7 @@ def decode_paged_kivi_reference(parts: KiviParts, kv_cache: torch.Tensor,
     scatter_pages_reference(decode_kivi_reference(parts, kv_cache.dtype), kv_cache, block_table)
 
 
-class KiviCodec(Codec):
+class KiviCodec(QuantizedCodec):
     """KIVI-style asymmetric integer codec; ``Int4Codec`` and ``Int2Codec`` fix the bit width.
 
     K is quantised per channel over groups of ``group_size`` tokens (outlier channels get their
@@ -216,27 +215,21 @@ class KiviCodec(Codec):
         params = _PARAMS.pack(FORMAT_VERSION, self.bits, group)
         return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), params, parts.tensors())
 
-    def decode(self, blob, out: torch.Tensor | None = None, verify: bool = True
-               ) -> torch.Tensor:
-        parts, dtype, shape = self.parse(blob, verify)
-        out = check_out(out, dtype, shape)
-        if use_triton(out) and out.is_contiguous():
-            from kvstore.codecs.triton.kivi import decode_kivi
+    def _reference_decode(self, parts: KiviParts, dtype: torch.dtype) -> torch.Tensor:
+        return decode_kivi_reference(parts, dtype)
 
-            decode_kivi(parts.to(out.device), out)
-        else:
-            out.copy_(decode_kivi_reference(parts, dtype))
-        return out
+    def _reference_decode_paged(self, parts: KiviParts, kv_cache, block_table) -> None:
+        decode_paged_kivi_reference(parts, kv_cache, block_table)
 
-    def decode_paged(self, blob, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
-        """Decode a blob straight into an engine's paged cache (see ``decode_paged_kivi``)."""
-        parts, _, _ = self.parse(blob)
-        if use_triton(kv_cache):
-            from kvstore.codecs.triton.kivi import decode_paged_kivi
+    def _kernel_decode(self, parts: KiviParts, out: torch.Tensor) -> None:
+        from kvstore.codecs.triton.kivi import decode_kivi
 
-            decode_paged_kivi(parts.to(kv_cache.device), kv_cache, block_table)
-        else:
-            decode_paged_kivi_reference(parts, kv_cache, block_table)
+        decode_kivi(parts, out)
+
+    def _kernel_decode_paged(self, parts: KiviParts, kv_cache, block_table) -> None:
+        from kvstore.codecs.triton.kivi import decode_paged_kivi
+
+        decode_paged_kivi(parts, kv_cache, block_table)
 
     def parse(self, blob, verify: bool = True) -> tuple[KiviParts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""
