@@ -19,6 +19,7 @@ from kvstore.client.base import (
     Tokens,
     call_metadata,
     channel_options,
+    must_abort,
     parse_address,
     put_header,
     put_stream,
@@ -70,6 +71,7 @@ class AsyncClient:
         self._zero_copy = zero_copy
         self._arena_ok: bool | None = None  # auto mode: can this process map the arena?
         self._maps = ArenaMaps()
+        self._cleanups: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -102,10 +104,24 @@ class AsyncClient:
             self._arena_ok = usable
         return self._arena_ok, False
 
-    async def _abandon(self, reservation_id: str) -> None:
-        """Free a reservation's slots early (see Client._abandon)."""
+    async def _give_back(self, reservation_id: str, write: asyncio.Future[None]) -> None:
+        """Abort a reservation once its slot writer has stopped (see Client._give_back).
+
+        The abort runs as its own task, shielded: a caller cancelled again meanwhile still
+        leaves no reservation behind, and :meth:`aclose` waits for it.
+        """
+        cleanup = asyncio.ensure_future(self._abort_after(reservation_id, write))
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(cleanup)
+
+    async def _abort_after(self, reservation_id: str, write: asyncio.Future[None]) -> None:
+        # A cancelled caller does not stop the worker thread writing the slots: freeing them
+        # before it stops would let it write into slots another put now holds.
+        with contextlib.suppress(Exception):  # the write's error already reached the caller
+            await write
         with contextlib.suppress(KVStoreError):
-            await self.commit(reservation_id)
+            await self.abort(reservation_id)
 
     # ------------------------------------------------------------------------------ data path
 
@@ -133,12 +149,17 @@ class AsyncClient:
     async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
         ns.spec.check_kv(kv, num_tokens=len(tokens_to_bytes(tokens)) // 4)
         reservation = await self.reserve(ns, tokens)
+        write = asyncio.ensure_future(
+            asyncio.to_thread(write_reservation, self._maps, ns, kv, reservation))
+        committing = False
         try:
-            await asyncio.to_thread(write_reservation, self._maps, ns, kv, reservation)
-        except BaseException:
-            await self._abandon(reservation.reservation_id)
+            await asyncio.shield(write)
+            committing = True
+            return await self.commit(reservation.reservation_id)
+        except BaseException as exc:
+            if must_abort(exc, committing):
+                await self._give_back(reservation.reservation_id, write)
             raise
-        return await self.commit(reservation.reservation_id)
 
     async def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
                   ) -> torch.Tensor | None:
@@ -224,9 +245,15 @@ class AsyncClient:
         request = pb.CommitRequest(reservation_id=reservation_id)
         return (await self._unary("Commit", request)).tokens_published
 
+    async def abort(self, reservation_id: str) -> None:
+        """Give a reservation's slots back unpublished; LeaseNotFound for an unknown id."""
+        await self._unary("Abort", pb.AbortRequest(reservation_id=reservation_id))
+
     # ------------------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
+        if self._cleanups:  # aborts of interrupted puts still on their way
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
         self._maps.close()
         await self._channel.close()
 

@@ -3,7 +3,8 @@ the shared-memory (zero-copy) page paths.
 
 Zero-copy: a client on the daemon's host reads pages straight out of the DRAM arena file
 (Acquire, mmap, verify, decode, Release) and writes them into reserved slots (Reserve, encode,
-write, Commit) instead of streaming tensor bytes through the socket. ``zero_copy=None`` (the
+write, Commit; Abort if the write fails or is interrupted) instead of streaming tensor bytes
+through the socket. ``zero_copy=None`` (the
 default) picks it automatically for ``unix://`` addresses when this process can map the arena
 Health names (checked once per client), and otherwise streams; ``True`` insists on it (errors
 if impossible), ``False`` always streams.
@@ -260,6 +261,14 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | N
                            expected_key=loc.key)
         codecs.decode(page.payload, out=out[:, :, i * bt : (i + 1) * bt])
     return out
+
+
+def must_abort(exc: BaseException, committing: bool) -> bool:
+    """Whether a zero-copy put that raised ``exc`` still holds its reservation and must Abort
+    it: always while the slots are being written; during Commit only when the caller was
+    interrupted (KeyboardInterrupt, cancellation), since a Commit the daemon answered has
+    already published or freed the slots."""
+    return not committing or not isinstance(exc, Exception)
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,

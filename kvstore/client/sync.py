@@ -19,6 +19,7 @@ from kvstore.client.base import (
     Tokens,
     call_metadata,
     channel_options,
+    must_abort,
     parse_address,
     put_header,
     put_stream,
@@ -105,12 +106,11 @@ class Client:
             self._arena_ok = self._target.is_unix and self._maps.usable(self.health().arena_path)
         return self._arena_ok, False
 
-    def _abandon(self, reservation_id: str) -> None:
-        """Free a reservation's slots now rather than at its deadline: a commit of slots that
-        hold no valid page fails and frees them (the store's rule). Best effort: the original
-        error is what the caller sees."""
+    def _give_back(self, reservation_id: str) -> None:
+        """Abort a reservation now rather than leave its slots held until the deadline. Best
+        effort: the error that stopped the put is what the caller sees."""
         with contextlib.suppress(KVStoreError):
-            self.commit(reservation_id)
+            self.abort(reservation_id)
 
     # ------------------------------------------------------------------------------ data path
 
@@ -138,12 +138,15 @@ class Client:
     def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
         ns.spec.check_kv(kv, num_tokens=len(tokens_to_bytes(tokens)) // 4)
         reservation = self.reserve(ns, tokens)
+        committing = False
         try:
             write_reservation(self._maps, ns, kv, reservation)
-        except BaseException:
-            self._abandon(reservation.reservation_id)
+            committing = True
+            return self.commit(reservation.reservation_id)
+        except BaseException as exc:
+            if must_abort(exc, committing):
+                self._give_back(reservation.reservation_id)
             raise
-        return self.commit(reservation.reservation_id)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
             ) -> torch.Tensor | None:
@@ -227,8 +230,19 @@ class Client:
         return reservation_from_proto(self._unary("Reserve", request))
 
     def commit(self, reservation_id: str) -> int:
+        """Verify and publish the pages written into a reservation's slots.
+
+        Returns:
+            Tokens published.
+        """
         request = pb.CommitRequest(reservation_id=reservation_id)
         return self._unary("Commit", request).tokens_published
+
+    def abort(self, reservation_id: str) -> None:
+        """Give a reservation's slots back unpublished, so its blocks can be written again at
+        once. Raises LeaseNotFound for an id never issued or already committed, aborted or
+        expired."""
+        self._unary("Abort", pb.AbortRequest(reservation_id=reservation_id))
 
     # ------------------------------------------------------------------------------ lifecycle
 

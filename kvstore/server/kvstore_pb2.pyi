@@ -330,6 +330,16 @@ class CommitResponse(_message.Message):
     tokens_published: int
     def __init__(self, tokens_published: _Optional[int] = ...) -> None: ...
 
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AcquireRequest(_message.Message):
     __slots__ = ("namespace", "tokens", "lease_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.CommitRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvstore.v1.KVStore/Abort',
+                request_serializer=kvstore__pb2.AbortRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/kvstore.v1.KVStore/Acquire',
                 request_serializer=kvstore__pb2.AcquireRequest.SerializeToString,
@@ -158,6 +163,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Give a reservation's slots back unpublished (a writer that failed or was interrupted),
+        so its blocks can be written again at once rather than after the deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Acquire(self, request, context):
         """Zero-copy reads: pin the matched prefix in the DRAM arena until Release or the deadline.
         """
@@ -225,6 +238,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=kvstore__pb2.CommitRequest.FromString,
                     response_serializer=kvstore__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=kvstore__pb2.AbortRequest.FromString,
+                    response_serializer=kvstore__pb2.AbortResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -485,6 +503,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Commit',
             kvstore__pb2.CommitRequest.SerializeToString,
             kvstore__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Abort',
+            kvstore__pb2.AbortRequest.SerializeToString,
+            kvstore__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,8 +55,8 @@ def _seconds(value: float, name: str, upper: float, allow_zero: bool) -> float:
 
 
 class GrantBook:
-    """Which tenant holds each lease and reservation id, so nobody else can release or
-    commit it. Ids the book does not know are left to the store (LeaseNotFound)."""
+    """Which tenant holds each lease and reservation id, so nobody else can release, commit
+    or abort it. Ids the book does not know are left to the store (LeaseNotFound)."""
 
     _PRUNE_EVERY = 1024
     _GRACE_S = 60.0  # keep expired ids this long so late calls still get the owner check
@@ -185,6 +185,12 @@ class KVStoreService(pbg.KVStoreServicer):
         published = await self._store.commit(request.reservation_id)
         self._grants.discard(request.reservation_id)
         return pb.CommitResponse(tokens_published=published)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        self._grants.check(request.reservation_id, current_caller(), "reservation")
+        await self._store.abort(request.reservation_id)
+        self._grants.discard(request.reservation_id)
+        return pb.AbortResponse()
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         ns = self._namespace(request.namespace, "read")

@@ -38,6 +38,10 @@ async def test_metrics_endpoint(root, ns, spec):
             await client.get(ns, tokens)
             with pytest.raises(LeaseNotFound):
                 await client.release("nope")
+            reservation = await client.reserve(ns, random_tokens(16, seed=1))
+            await client.abort(reservation.reservation_id)
+            with pytest.raises(LeaseNotFound):
+                await client.abort(reservation.reservation_id)
         url = f"http://127.0.0.1:{d.metrics_port}/metrics"
         # the scrape runs stats() on this loop, so it must not block the loop itself
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
@@ -57,4 +61,6 @@ async def test_metrics_endpoint(root, ns, spec):
     for method in ("Put", "Lookup", "Get", "Release"):
         assert got[("kvstore_rpc_latency_seconds_count", (("method", method),))] == 1
     assert got[("kvstore_rpc_errors_total", (("code", "NOT_FOUND"), ("method", "Release")))] == 1
+    assert got[("kvstore_rpc_latency_seconds_count", (("method", "Abort"),))] == 2
+    assert got[("kvstore_rpc_errors_total", (("code", "NOT_FOUND"), ("method", "Abort")))] == 1
     assert ("kvstore_rpc_errors_total", (("code", "OK"), ("method", "Put"))) not in got

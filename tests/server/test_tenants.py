@@ -72,6 +72,23 @@ async def test_tenant_isolation_over_tcp(tcp_daemon, ns, spec):
         assert await admin.evict(tenant="zeta") == 2
 
 
+async def test_another_tenant_cannot_abort_a_reservation(tcp_daemon, ns, spec):
+    """Abort applies Commit's owner check: zeta can neither abort nor commit acme's slots."""
+    tokens = random_tokens(32, seed=9)
+    async with client(tcp_daemon.tcp_address, "tok-acme") as acme, \
+            client(tcp_daemon.tcp_address, "tok-zeta") as zeta, \
+            client(tcp_daemon.tcp_address, "tok-admin") as admin:
+        reservation = await acme.reserve(ns, tokens)
+        assert len(reservation.blocks) == 2
+        for call in (zeta.abort, zeta.commit):
+            with pytest.raises(PermissionDenied, match="another tenant"):
+                await call(reservation.reservation_id)
+        assert (await admin.stats()).active_reservations == 1  # still acme's, untouched
+        await acme.abort(reservation.reservation_id)
+        assert (await admin.stats()).active_reservations == 0
+        assert await acme.put(ns, tokens, random_kv(spec, 32)) == 32
+
+
 async def test_tcp_requires_a_valid_token(tcp_daemon, ns):
     for token, match in ((None, "bearer token is required over TCP"),
                          ("wrong", "matches no tenant")):
