@@ -1,0 +1,179 @@
+"""Segment files of the SSD tier: aligned buffers, O_DIRECT, directory locks, page I/O."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from kvstore.errors import AlreadyRunning, CorruptPage, InvalidArgument
+from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page
+
+if TYPE_CHECKING:
+    from kvstore.tiers.ssd_index import IndexRecord
+
+log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
+
+ALIGN_BYTES = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logical block <= 4 KiB)
+SEGMENT_RE = re.compile(r"^seg-(\d+)\.dat$")
+_ZEROS = bytes(ALIGN_BYTES)
+_CHECKSUM_OFFSET = HEADER_BYTES - 8  # the page header ends with its u64 checksum (kvstore.page)
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN_BYTES``."""
+    return (nbytes + ALIGN_BYTES - 1) & ~(ALIGN_BYTES - 1)
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A fresh, writable, 4096-aligned buffer (numpy memory is reused by malloc, unlike mmap)."""
+    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return memoryview(raw[start:start + nbytes])
+
+
+def segment_path(directory: Path, segment_id: int) -> Path:
+    return directory / f"seg-{segment_id:06d}.dat"
+
+
+def direct_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_DIRECT, 0o644)
+
+
+def probe_o_direct(directory: Path) -> bool:
+    """Whether this file system takes O_DIRECT writes of aligned blocks (tmpfs refuses them)."""
+    probe = directory / ".o_direct_probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            os.write(fd, mmap.mmap(-1, ALIGN_BYTES))  # anonymous mappings are page-aligned
+        finally:
+            os.close(fd)
+        return True
+    except (OSError, AttributeError) as exc:  # AttributeError: no os.O_DIRECT on this OS
+        log.info("O_DIRECT refused in %s (%s); using buffered I/O", directory, exc)
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def lock_directory(directory: Path) -> int:
+    """Take the directory's ``LOCK`` file (flock); AlreadyRunning if another process holds it."""
+    fd = os.open(directory / "LOCK", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AlreadyRunning(f"ssd directory {directory} is already open elsewhere") from None
+    return fd
+
+
+def sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # a new file's name is durable only once its directory is
+    finally:
+        os.close(fd)
+
+
+def scan_segments(directory: Path) -> dict[int, int]:
+    """Segment id -> file size of every segment file in ``directory``."""
+    sizes = {}
+    with os.scandir(directory) as it:
+        for item in it:
+            match = SEGMENT_RE.match(item.name)
+            if match and item.is_file():
+                sizes[int(match.group(1))] = item.stat().st_size
+    return sizes
+
+
+@dataclass(eq=False, slots=True)
+class Segment:
+    """One segment file; ``size_bytes`` includes space handed to appends still in flight."""
+
+    segment_id: int
+    path: Path
+    handle: Any  # aiofiles binary file (AsyncFileIO)
+    size_bytes: int
+    live_bytes: int = 0
+    keys: set[bytes] = field(default_factory=set)  # committed keys stored here
+    num_inflight: int = 0  # appends placed here and not yet committed or failed
+    num_readers: int = 0  # reads in worker threads that hold the file descriptor
+    is_removed: bool = False
+    is_broken: bool = False  # an append or fsync failed here: append no more
+    is_compacting: bool = False
+
+    @property
+    def dead_bytes(self) -> int:
+        return self.size_bytes - self.live_bytes
+
+
+class AppendItem(Protocol):
+    """A page placed in a segment (the writer's queue entries)."""
+
+    data: memoryview
+    offset: int
+
+    @property
+    def padded(self) -> int: ...
+
+
+def check_page(key: BlockKey, page: bytes | memoryview, meta: PageMeta
+               ) -> tuple[memoryview, PageMeta, int]:
+    """The page as bytes, its own meta and checksum; InvalidArgument if it does not verify."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"block key must be {KEY_BYTES} bytes, got {key!r}")
+    if meta.key != key:
+        raise InvalidArgument(f"meta is for key {meta.key.hex()}, not {key.hex()}")
+    try:
+        view = memoryview(page).cast("B")
+        decoded = decode_page(view, expected_key=key)
+    except (TypeError, CorruptPage) as exc:
+        raise InvalidArgument(f"page for key {key.hex()} does not verify: {exc}") from None
+    if len(decoded.data) != len(view) or len(view) >= 1 << 32:
+        raise InvalidArgument(f"page for key {key.hex()} is {len(view)} bytes, its header "
+                              f"says {len(decoded.data)} (at most 4 GiB)")
+    return view, decoded.meta, struct.unpack_from("<Q", view, _CHECKSUM_OFFSET)[0]
+
+
+def read_page(fd: int, record: IndexRecord) -> Page:
+    """Read and verify one page (runs in a worker thread); CorruptPage on any fault."""
+    buf = aligned_buffer(record.padded)
+    try:
+        nbytes = os.preadv(fd, [buf], record.offset)
+    except OSError as exc:
+        raise CorruptPage(f"read failed: {exc.strerror}") from None
+    page = decode_page(buf[:nbytes], expected_key=record.meta.key)
+    checksum = struct.unpack_from("<Q", buf, _CHECKSUM_OFFSET)[0]
+    if len(page.data) != record.length or checksum != record.checksum:
+        raise CorruptPage(f"page for key {record.meta.key.hex()} is not the one indexed")
+    return page
+
+
+def append(fd: int, buffer: mmap.mmap, batch: Sequence[AppendItem], nbytes: int) -> None:
+    """Copy a batch's pages, each zero-padded, into an aligned buffer and write it at the
+    batch's place in the segment: one pwrite (runs in a worker thread)."""
+    target = buffer if nbytes <= len(buffer) else mmap.mmap(-1, nbytes)
+    pos = 0
+    for p in batch:
+        end = pos + len(p.data)
+        target[pos:end] = p.data
+        target[end:pos + p.padded] = _ZEROS[:p.padded - len(p.data)]
+        pos += p.padded
+    view, done = memoryview(target)[:nbytes], 0
+    while done < nbytes:
+        written = os.pwrite(fd, view[done:], batch[0].offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "segment append wrote nothing")
+        done += written
