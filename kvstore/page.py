@@ -26,6 +26,8 @@ PAGE_VERSION = 1
 _HEADER = struct.Struct("<4sHHI16s16s16sIQQ")
 HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - 8
+_CHECKSUM = struct.Struct("<Q")
+_ZERO_CHECKSUM = bytes(_CHECKSUM.size)
 _NO_PARENT = bytes(KEY_BYTES)
 MAX_META_BYTES = 64 * 1024
 
@@ -46,7 +48,11 @@ class PageMeta:
 
 @dataclass(frozen=True, slots=True)
 class Page:
-    """A verified page: its meta, a view of its payload and a view of the whole encoded page."""
+    """A parsed page: its meta, a view of its payload and a view of the whole encoded page.
+
+    ``decode_page`` returns it verified; ``parse_page`` (and a tier's ``read(key, verify=False)``)
+    leaves the checksum to ``verify_page``, which must accept it before any of it is used.
+    """
 
     meta: PageMeta
     payload: memoryview
@@ -106,28 +112,69 @@ def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None 
 
     The returned payload is a view into ``buf`` (no copy).
     """
+    view, fields = _parse_header(buf, expected_key)
+    _check_sum(view[:_page_end(fields)], fields[5])
+    return _make_page(view, fields)
+
+
+def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None) -> Page:
+    """Parse a page without checking its checksum; CorruptPage if the header or meta is damaged.
+
+    Cheap (no pass over the payload). Nothing in the returned page may be trusted, or leave
+    the reader, before ``verify_page`` accepted it.
+    """
+    return _make_page(*_parse_header(buf, expected_key))
+
+
+def verify_page(page: Page) -> None:
+    """Check a parsed page's checksum (one xxh3 pass over it); CorruptPage if it differs.
+
+    Releases the GIL while hashing, so worker threads verify side by side. Hashing leaves the
+    page in the CPU caches: copying its payload right after, on the same thread, costs about
+    what the copy alone costs.
+    """
+    _check_sum(page.data, page.meta.key)
+
+
+def _parse_header(buf: bytes | bytearray | memoryview, expected_key: bytes | None
+                  ) -> tuple[memoryview, tuple]:
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_BYTES:
         raise CorruptPage(f"page truncated: {len(view)} bytes, header needs {HEADER_BYTES}")
-    (magic, version, codec_id, block_index, namespace, key, parent, meta_len, payload_len,
-     checksum) = _HEADER.unpack_from(view)
+    fields = _HEADER.unpack_from(view)
+    magic, version, key, meta_len = fields[0], fields[1], fields[5], fields[7]
     if magic != PAGE_MAGIC:
         raise CorruptPage(f"bad page magic {bytes(magic)!r}, expected {PAGE_MAGIC!r}")
     if version != PAGE_VERSION:
         raise CorruptPage(f"unsupported page version {version}, this build reads {PAGE_VERSION}")
     if meta_len > MAX_META_BYTES:
         raise CorruptPage(f"page meta length {meta_len} exceeds {MAX_META_BYTES}")
-    end = HEADER_BYTES + meta_len + payload_len
+    end = _page_end(fields)
     if len(view) < end:
         raise CorruptPage(f"page truncated: {len(view)} bytes, header says {end}")
     if expected_key is not None and key != expected_key:
         raise CorruptPage(f"page holds key {key.hex()}, expected {bytes(expected_key).hex()}")
+    return view, fields
+
+
+def _page_end(fields: tuple) -> int:
+    return HEADER_BYTES + fields[7] + fields[8]  # header + meta_len + payload_len
+
+
+def _check_sum(data: memoryview, key: bytes) -> None:
+    """xxh3 over the header (checksum field zero), meta and payload against the stored sum."""
+    (checksum,) = _CHECKSUM.unpack_from(data, _CHECKSUM_OFFSET)
     h = xxhash.xxh3_64()
-    h.update(view[:_CHECKSUM_OFFSET])
-    h.update(b"\0" * 8)
-    h.update(view[HEADER_BYTES:end])
+    h.update(data[:_CHECKSUM_OFFSET])
+    h.update(_ZERO_CHECKSUM)
+    h.update(data[HEADER_BYTES:])
     if h.intdigest() != checksum:
-        raise CorruptPage(f"page checksum mismatch for key {key.hex()}")
+        raise CorruptPage(f"page checksum mismatch for key {bytes(key).hex()}")
+
+
+def _make_page(view: memoryview, fields: tuple) -> Page:
+    (_, _, codec_id, block_index, namespace, key, parent, meta_len, _, _) = fields
+    end = _page_end(fields)
     try:
         info = json.loads(bytes(view[HEADER_BYTES : HEADER_BYTES + meta_len]))
         meta = PageMeta(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -16,6 +16,7 @@ import torch
 
 from kvstore import codecs
 from kvstore.config import KVStoreConfig
+from kvstore.decode import PageDecoder, decode_pages
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.index import BlockDirectory, BlockEntry, BlockInfo
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
@@ -31,9 +32,6 @@ __all__ = ["BlockInfo", "BlockLocation", "Counters", "Lease", "LookupResult", "R
            "SlotGrant", "Store", "StoreStats"]
 
 TIER_ORDER = ("dram", "ssd")  # fastest first: reads come from the first tier holding a block
-# Decoding is memory-bound and torch copies release the GIL: a few threads fill a socket's
-# bandwidth (a single thread reached 5-7 GB/s on the H200 host against 32 GB/s for 16).
-DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,23 +205,37 @@ class Store:
 
     async def get(self, ns: Namespace, tokens: Sequence[int] | torch.Tensor
                   ) -> torch.Tensor | None:
-        """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None."""
+        """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
+
+        The blocks are read concurrently without verification, and each is verified on a
+        decode thread right before it is decoded, as soon as it is read. A block that fails is
+        read again, verified (the tier drops and counts a corrupt copy; the next tier may serve
+        the block), and the prefix ends at the first block that cannot be served: only
+        verified bytes are returned.
+        """
         self._check_open()
-        keys = block_keys(ns, token_array(tokens))
-        entries = self._dir.match_prefix(keys)
+        entries = self._dir.match_prefix(block_keys(ns, token_array(tokens)))
+        if not entries:
+            return None
+        bt = ns.spec.block_tokens
+        out = torch.empty(ns.spec.shape(len(entries) * bt), dtype=ns.spec.torch_dtype)
+        outs = out.split(bt, dim=2)
         self._dir.pin(entries)
         try:
-            pages, from_ssd = await self._read_pages(entries)
-            if not pages:
-                return None
-            bt = ns.spec.block_tokens
-            out = torch.empty(ns.spec.shape(len(pages) * bt), dtype=ns.spec.torch_dtype)
-            await decode_pages(pages, [out[:, :, i * bt:(i + 1) * bt] for i in range(len(pages))])
+            async with PageDecoder(outs) as decoder:
+                sources = await self._read_pages(entries, decoder.add)
+            failed = [i for i in decoder.failed if i < len(sources)]  # after a miss: unused
+            num_blocks = await self._redo_failed(entries, failed, sources, outs)
         finally:
             self._dir.unpin(entries)
-        self._dir.touch(entries[: len(pages)])
-        for entry in from_ssd:  # a block fetched from SSD is likely reused: bring it up
-            self._spawn(self.promote(entry))
+        if num_blocks == 0:
+            return None
+        if num_blocks < len(entries):  # copy out the verified prefix: the rest is not returned
+            out = out[:, :, :num_blocks * bt].clone()
+        self._dir.touch(entries[:num_blocks])
+        for entry, source in zip(entries[:num_blocks], sources):
+            if source == "ssd":  # a block fetched from SSD is likely reused: bring it up
+                self._spawn(self.promote(entry))
         self._count(ns.tenant, gets=1, get_tokens=out.shape[2])
         return out
 
@@ -450,29 +462,43 @@ class Store:
 
         return await asyncio.to_thread(work)
 
-    async def _read_pages(self, entries: list[BlockEntry]) -> tuple[list[Page], list[BlockEntry]]:
-        """Read pinned entries concurrently from their fastest tiers; the result stops at the
-        first block that could not be read (the prefix ends there)."""
-        found = await asyncio.gather(*(self._read_entry(e) for e in entries))
-        pages: list[Page] = []
-        from_ssd: list[BlockEntry] = []
-        for entry, (page, tier) in zip(entries, found):
-            if page is None:
-                break
-            pages.append(page)
-            if tier == "ssd":
-                from_ssd.append(entry)
-        return pages, from_ssd
+    async def _read_pages(self, entries: list[BlockEntry],
+                          on_page: Callable[[int, Page], None]) -> list[str]:
+        """Read pinned entries concurrently from their fastest tiers, unverified, handing each
+        page to ``on_page(index, page)`` as it arrives (the caller verifies it before any use);
+        return the tier each block came from, up to the first that could not be read (the
+        prefix ends there)."""
 
-    async def _read_entry(self, entry: BlockEntry) -> tuple[Page | None, str | None]:
+        async def read(i: int, entry: BlockEntry) -> str | None:
+            page, source = await self._read_entry(entry, verify=False)
+            if page is not None:
+                on_page(i, page)
+            return source
+
+        sources = await asyncio.gather(*(read(i, e) for i, e in enumerate(entries)))
+        return list(itertools.takewhile(lambda source: source is not None, sources))
+
+    async def _read_entry(self, entry: BlockEntry, verify: bool = True
+                          ) -> tuple[Page | None, str | None]:
         for name in TIER_ORDER:
             if name not in entry.sizes:
                 continue
-            page = await self.tiers[name].read(entry.meta.key)
+            page = await self.tiers[name].read(entry.meta.key, verify=verify)
             if page is not None:
                 return page, name
             self._dir.unplace(entry.meta.key, name)  # corrupt or lost: forget this copy
         return None, None
+
+    async def _redo_failed(self, entries: list[BlockEntry], failed: list[int],
+                           sources: list[str], outs: Sequence[torch.Tensor]) -> int:
+        """Read the blocks at ``failed`` (ascending) again, verified, and decode them; return
+        how many leading blocks hold verified K/V (``len(sources)`` when all read ones do)."""
+        for i in failed:
+            page, source = await self._read_entry(entries[i], verify=True)
+            if page is None or await decode_pages([page], [outs[i]]):
+                return i
+            sources[i] = source
+        return len(sources)
 
     async def promote(self, entry: BlockEntry) -> bool:
         """Copy an SSD-only block into DRAM; True if it is in DRAM afterwards."""
@@ -532,19 +558,3 @@ class Store:
                 saved += await self._write(self.ssd, "ssd", entry.meta, data, force=True)
         if saved:
             log.info("persisted %d DRAM blocks to SSD on close", saved)
-
-
-async def decode_pages(pages: Sequence[Page], outs: Sequence[torch.Tensor]) -> None:
-    """Decode verified pages into their output views, spread over ``DECODE_THREADS`` threads."""
-    num_threads = min(DECODE_THREADS, len(pages))
-    if num_threads <= 1:
-        await asyncio.to_thread(_decode_all, pages, outs)
-        return
-    await asyncio.gather(*(asyncio.to_thread(_decode_all, pages[i::num_threads],
-                                             outs[i::num_threads]) for i in range(num_threads)))
-
-
-def _decode_all(pages: Sequence[Page], outs: Sequence[torch.Tensor]) -> None:
-    for page, out in zip(pages, outs):
-        # The page checksum, verified by the tier on read, already covers the payload.
-        codecs.decode(page.payload, out=out, verify=False)

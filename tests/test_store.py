@@ -15,6 +15,7 @@ from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.spec import KVSpec
 from kvstore.store import Store
 
 from .conftest import random_kv, random_tokens
@@ -374,3 +375,55 @@ async def test_cold_tier_codec_transcodes_on_demotion(tmp_path, ns, spec, ssd_co
         used = store.stats().tiers["ssd"].bytes_written
         if ssd_codec == "int4":
             assert used < kv.numel()  # < 1 byte/element against 2 for bf16
+
+
+def _damage_dram_copy(store: Store, key) -> None:
+    """Flip bytes at the end of a block's DRAM page through a mapping of the arena file."""
+    offset, length = store.dram.locate(key)
+    with open(store.dram.arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+        at = offset + length - 40
+        arena[at:at + 8] = bytes(b ^ 0xFF for b in arena[at:at + 8])
+
+
+# 4 blocks of 4 KiB are verified and decoded on the loop, 4 of 256 KiB on decode threads.
+BIG_SPEC = KVSpec(num_layers=8, num_kv_heads=8, head_dim=64, block_tokens=16, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["inline", "threads"])
+async def test_get_never_returns_bytes_of_a_damaged_dram_page(store, spec, big):
+    """Gets verify each page where they decode it, after the reads: a block that fails must end
+    the prefix, and the tensor returned must not even hold it in its storage."""
+    spec = BIG_SPEC if big else spec
+    ns = Namespace(model_id="test/model", spec=spec, tenant="acme")
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    await store.put(ns, tokens, kv)
+    keys = await _keys(ns, tokens)
+    _damage_dram_copy(store, keys[2])
+    got = await store.get(ns, tokens)
+    assert got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])
+    assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    assert store.stats().tiers["dram"].corrupt == 1 and not store.dram.contains(keys[2])
+    assert (await store.lookup(ns, tokens)).matched_tokens == 32
+    _damage_dram_copy(store, keys[0])
+    assert await store.get(ns, tokens) is None
+    assert store.stats().tiers["dram"].corrupt == 2
+
+
+async def test_damaged_dram_copy_is_served_from_ssd(tmp_path, ns, spec):
+    cfg = make_config(tmp_path)
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)  # close persists the blocks to SSD
+    async with Store(cfg) as store:
+        assert await store.hint(ns, tokens, deadline_s=5.0) == 4  # copies them up to DRAM
+        for _ in range(100):
+            if (await store.lookup(ns, tokens)).tokens_per_tier.get("dram") == 64:
+                break
+            await asyncio.sleep(0.02)
+        keys = await _keys(ns, tokens)
+        _damage_dram_copy(store, keys[1])
+        _damage_dram_copy(store, keys[3])
+        assert torch.equal(await store.get(ns, tokens), kv)
+        stats = store.stats()
+        assert stats.tiers["dram"].corrupt == 2 and stats.tiers["ssd"].corrupt == 0
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"dram": 32, "ssd": 32}

@@ -31,11 +31,11 @@ import torch
 from kvstore import codecs
 from kvstore.bench.report import BenchReport, Column
 from kvstore.config import DramConfig, SsdConfig
+from kvstore.decode import PageDecoder
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.page import PageMeta, encode_page
 from kvstore.spec import KVSpec
-from kvstore.store import decode_pages
 from kvstore.tiers.base import Tier
 
 # 32 layers x 2 x 16 tokens x 8 kv heads x 128 head dim x 2 bytes (bf16) = 2 MiB per block.
@@ -50,7 +50,7 @@ MAX_QUEUE_DEPTH = 256
 TARGETS = {("dram", "get"): 0.7, ("ssd", "put"): 0.8, ("ssd", "get"): 0.8,  # from the issue
            ("dram", "get_prefix"): 0.7, ("ssd", "get_prefix"): 0.8}
 # A prefix of 16 blocks (256 tokens of the bench spec, 32 MiB): gets read its blocks
-# concurrently and decode them on DECODE_THREADS threads, as Store.get does.
+# concurrently and verify and decode them on DECODE_THREADS threads, as Store.get does.
 PREFIX_BLOCKS = 16
 TIERS = ("dram", "ssd")
 _DD_RESULT = re.compile(r"^(\d+) bytes.*copied, ([0-9.]+) s", re.MULTILINE)
@@ -172,15 +172,23 @@ async def _put_pass(work: _Workload, page_of: Callable[[int], bytes], write: Wri
 
 async def _get_pass(work: _Workload, tier: Tier, ring: torch.Tensor, window: int = 1) -> float:
     """Read, verify and decode every block in order, ``window`` blocks at a time, as
-    ``Store.get`` does for a prefix of that many blocks (concurrent reads, decode threads)."""
+    ``Store.get`` does for a prefix of that many blocks: concurrent unverified reads, each page
+    handed to a ``PageDecoder`` as it arrives, verified and decoded on its threads."""
+
+    async def read(decoder: PageDecoder, i: int, key: BlockKey) -> None:
+        page = await tier.read(key, verify=False)
+        if page is None:
+            raise KVStoreError(f"bench: block {i} missing from the {tier.name} tier")
+        decoder.add(i, page)
+
     start = time.perf_counter()
     for first in range(0, work.num_blocks, window):
         metas = work.metas[first:first + window]
-        pages = await asyncio.gather(*(tier.read(meta.key) for meta in metas))
-        for i, page in enumerate(pages, first):
-            if page is None:
-                raise KVStoreError(f"bench: block {i} missing from the {tier.name} tier")
-        await decode_pages(pages, [_ring_slot(ring, i) for i in range(first, first + len(pages))])
+        async with PageDecoder([_ring_slot(ring, first + i) for i in range(len(metas))]) as dec:
+            await asyncio.gather(*(read(dec, i, meta.key) for i, meta in enumerate(metas)))
+        if dec.failed:
+            raise KVStoreError(f"bench: block {first + dec.failed[0]} read from the {tier.name} "
+                               "tier failed verification")
     return time.perf_counter() - start
 
 

@@ -62,6 +62,13 @@ class Tier(ABC):
     - ``read`` returns the verified, parsed page, or None on a miss. A page that fails
       verification is removed, counted in ``stats().corrupt`` and reported as a miss: a tier
       never returns bytes that fail their checksum.
+    - ``read(key, verify=False)`` returns the page parsed but with its checksum unchecked, so a
+      caller can verify it where it uses it (``kvstore.page.verify_page`` on a worker thread,
+      just before decoding it while it is in cache). Such a caller must not use or pass on a
+      byte before ``verify_page`` accepted the page; when it refuses, the caller reads the key
+      again with ``verify=True``, and the tier's own check removes and counts the page (a tier
+      is the only judge of its pages: a caller never deletes one for being corrupt). A header
+      or meta that does not parse is handled as in a verified read.
     - ``delete`` forgets a key (idempotent). ``close`` flushes what must persist.
     - ``used_bytes`` never exceeds ``capacity_bytes``.
     """
@@ -91,10 +98,11 @@ class Tier(ABC):
         """Store an encoded page; True if stored (or already present)."""
 
     @abstractmethod
-    async def read(self, key: BlockKey) -> Page | None:
+    async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
         """The verified page for ``key`` (``kvstore.page.decode_page``), or None (miss or
-        corrupt). The payload may be a view into tier memory: it stays valid until the key is
-        deleted, and the store never deletes a block while a reader holds it."""
+        corrupt); with ``verify=False`` the parsed page whose checksum the caller checks (see
+        the class docstring). The payload may be a view into tier memory: it stays valid until
+        the key is deleted, and the store never deletes a block while a reader holds it."""
 
     @abstractmethod
     async def delete(self, key: BlockKey) -> bool:

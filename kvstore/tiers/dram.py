@@ -27,7 +27,7 @@ import torch
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.page import Page, PageMeta, decode_page, page_length
+from kvstore.page import Page, PageMeta, decode_page, page_length, parse_page
 from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, round_up
 from kvstore.tiers.base import Tier, TierStats
 
@@ -177,10 +177,12 @@ class DramTier(Tier):
             done.set_result(key in self._entries)
         return stored
 
-    async def read(self, key: BlockKey) -> Page | None:
+    async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
         """The verified page, its payload a view into the arena; None on a miss.
 
         A page that fails verification is removed and counted in ``corrupt`` and ``misses``.
+        ``verify=False`` only parses the header and meta, on the loop, and leaves the checksum
+        to the caller (the Tier contract in ``kvstore.tiers.base``).
         """
         self._check_open()
         entry = self._entries.get(key)
@@ -190,7 +192,9 @@ class DramTier(Tier):
         offset = entry.slot.offset
         view = self._arena.view[offset : offset + entry.length]
         try:
-            if entry.length >= THREAD_VERIFY_BYTES:
+            if not verify:
+                page = parse_page(view, expected_key=key)
+            elif entry.length >= THREAD_VERIFY_BYTES:
                 page = await asyncio.to_thread(decode_page, view, key)
             else:
                 page = decode_page(view, expected_key=key)

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstore.errors import AlreadyRunning, CorruptPage, InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page
+from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, parse_page
 
 if TYPE_CHECKING:
     from kvstore.tiers.ssd_index import IndexRecord
@@ -36,11 +36,11 @@ def aligned(nbytes: int) -> int:
     return (nbytes + ALIGN_BYTES - 1) & ~(ALIGN_BYTES - 1)
 
 
-def aligned_buffer(nbytes: int) -> memoryview:
-    """A fresh, writable, 4096-aligned buffer (numpy memory is reused by malloc, unlike mmap)."""
+def aligned_array(nbytes: int) -> np.ndarray:
+    """A fresh, writable, 4096-aligned array (numpy memory is reused by malloc, unlike mmap)."""
     raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN_BYTES
-    return memoryview(raw[start:start + nbytes])
+    return raw[start:start + nbytes]
 
 
 def segment_path(directory: Path, segment_id: int) -> Path:
@@ -147,14 +147,19 @@ def check_page(key: BlockKey, page: bytes | memoryview, meta: PageMeta
     return view, decoded.meta, struct.unpack_from("<Q", view, _CHECKSUM_OFFSET)[0]
 
 
-def read_page(fd: int, record: IndexRecord) -> Page:
-    """Read and verify one page (runs in a worker thread); CorruptPage on any fault."""
-    buf = aligned_buffer(record.padded)
+def read_page(fd: int, record: IndexRecord, verify: bool = True) -> Page:
+    """Read and verify one page (runs in a worker thread); CorruptPage on any fault.
+
+    ``verify=False`` checks everything but the page checksum (header, meta, length and the
+    checksum field against the index), for a caller that verifies the page itself.
+    """
+    buf = memoryview(aligned_array(record.padded))
     try:
         nbytes = os.preadv(fd, [buf], record.offset)
     except OSError as exc:
         raise CorruptPage(f"read failed: {exc.strerror}") from None
-    page = decode_page(buf[:nbytes], expected_key=record.meta.key)
+    parse = decode_page if verify else parse_page
+    page = parse(buf[:nbytes], expected_key=record.meta.key)
     checksum = struct.unpack_from("<Q", buf, _CHECKSUM_OFFSET)[0]
     if len(page.data) != record.length or checksum != record.checksum:
         raise CorruptPage(f"page for key {record.meta.key.hex()} is not the one indexed")

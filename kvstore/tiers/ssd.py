@@ -213,14 +213,16 @@ class SsdTier(SegmentWriter, Tier):
         self._inflight[key] = pending
         return await asyncio.shield(pending.future)
 
-    async def read(self, key: BlockKey) -> Page | None:
+    async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
+        """The page read from its segment (verified unless ``verify=False``: the Tier contract
+        in ``kvstore.tiers.base``); None on a miss, or when the page is damaged (then dropped)."""
         self._check_open()
         entry = self._index.get(key)
         if entry is None:
             self._counts["misses"] += 1
             return None
         try:
-            page = await self._read_entry(entry)
+            page = await self._read_entry(entry, verify)
         except CorruptPage as exc:
             self._drop_corrupt(entry, exc)
             await self._remove_emptied()
@@ -341,14 +343,14 @@ class SsdTier(SegmentWriter, Tier):
         if not self._lmdb.is_open or self._is_closing:
             raise Unavailable(f"ssd tier at {self._dir} is not open")
 
-    async def _read_entry(self, entry: IndexRecord) -> Page:
-        """Read and verify a committed page; CorruptPage on any fault."""
+    async def _read_entry(self, entry: IndexRecord, verify: bool = True) -> Page:
+        """Read (and verify, unless told not to) a committed page; CorruptPage on any fault."""
         seg = self._segments.get(entry.segment_id)
         if seg is None:
             raise CorruptPage(f"segment {entry.segment_id} is gone")
         seg.num_readers += 1
         try:
-            return await asyncio.to_thread(read_page, seg.handle.fileno(), entry)
+            return await asyncio.to_thread(read_page, seg.handle.fileno(), entry, verify)
         finally:
             seg.num_readers -= 1
             if seg.is_removed and seg.num_readers == 0:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
+from pathlib import Path
 
 import pytest
 
 from kvstore.config import DramConfig, SsdConfig
+from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
-from kvstore.page import PageMeta, encode_page
+from kvstore.page import PageMeta, encode_page, verify_page
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.ssd import SsdTier
@@ -94,3 +97,46 @@ async def test_concurrent_writers_and_readers(tier):
     await asyncio.gather(*(_write(tier, k, d, m) for k, m, d in pages))
     pages_read = await asyncio.gather(*(tier.read(k) for k, _, _ in pages))
     assert [bytes(p.data) for p in pages_read] == [d for _, _, d in pages]
+
+
+def _stored_at(tier: Tier, key: BlockKey, data: bytes) -> tuple[Path, int]:
+    """The file holding the stored copy of ``data`` and its offset there."""
+    if isinstance(tier, DramTier):
+        return Path(tier.arena_path), tier.locate(key)[0]
+    for seg in sorted(Path(tier._config.path).glob("seg-*.dat")):
+        at = seg.read_bytes().find(data)
+        if at >= 0:
+            return seg, at
+    raise AssertionError(f"page {key.hex()} not found in a segment")
+
+
+def _damage(tier: Tier, key: BlockKey, data: bytes) -> None:
+    """Flip 8 payload bytes of the stored copy of ``data``, behind the tier's back."""
+    path, offset = _stored_at(tier, key, data)
+    at = offset + len(data) - 100
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[at:at + 8] = bytes(b ^ 0xFF for b in m[at:at + 8])
+        m.flush()  # SSD reads go around the page cache (O_DIRECT)
+
+
+async def test_unverified_read_leaves_the_checksum_to_the_caller(tier):
+    """read(verify=False) parses without checking the sum: verify_page is the caller's check,
+    and a verified re-read is what removes and counts a damaged page."""
+    key, meta, data = make_page(7, 50_000)
+    other_key, other_meta, other = make_page(8, 50_000)
+    for k, m, d in ((key, meta, data), (other_key, other_meta, other)):
+        assert await _write(tier, k, d, m)
+    page = await tier.read(key, verify=False)
+    assert bytes(page.data) == data and page.meta == meta
+    verify_page(page)
+    del page
+    await asyncio.to_thread(_damage, tier, key, data)
+    page = await tier.read(key, verify=False)
+    with pytest.raises(CorruptPage, match="checksum mismatch"):
+        verify_page(page)
+    assert tier.contains(key) and tier.stats().corrupt == 0  # the caller does not judge
+    del page
+    assert await tier.read(key) is None
+    assert not tier.contains(key) and tier.stats().corrupt == 1
+    assert await tier.read(key, verify=False) is None  # gone: a plain miss
+    verify_page(await tier.read(other_key, verify=False))

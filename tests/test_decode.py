@@ -1,0 +1,91 @@
+"""Get-side decoding (kvstore/decode.py): every page verified where it is decoded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvstore import codecs, decode
+from kvstore.decode import PageDecoder, decode_pages
+from kvstore.errors import CodecError
+from kvstore.page import PageMeta, encode_page, parse_page
+from kvstore.spec import KVSpec
+
+from .conftest import random_kv
+
+# 4 blocks of 4 KiB are verified and decoded on the loop, 4 of 256 KiB on the decode threads.
+SMALL = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="bfloat16")
+BIG = KVSpec(num_layers=8, num_kv_heads=8, head_dim=64, block_tokens=16, dtype="bfloat16")
+
+
+def pages_of(kv: torch.Tensor, codec_name: str, damaged: tuple[int, ...] = ()) -> list:
+    codec = codecs.get(codec_name)
+    pages = []
+    for i in range(kv.shape[2] // 16):
+        meta = PageMeta(key=bytes([i]) * 16, namespace=bytes(16), parent=None, block_index=i,
+                        tenant="t", model_id="m", codec=codec.name, codec_id=codec.codec_id)
+        data = bytearray(encode_page(meta, codec.encode(kv[:, :, 16 * i:16 * (i + 1)])))
+        if i in damaged:
+            data[-20] ^= 0x01
+        pages.append(parse_page(data))
+    return pages
+
+
+@pytest.mark.parametrize("spec", [SMALL, BIG], ids=["inline", "threads"])
+@pytest.mark.parametrize("codec_name", ["raw", "fp8_e4m3"])
+async def test_every_page_is_verified_and_failures_are_named(spec, codec_name):
+    kv = random_kv(spec, 64)
+    pages = pages_of(kv, codec_name, damaged=(1, 2))
+    out = torch.zeros_like(kv)
+    outs = list(out.split(16, dim=2))
+    assert await decode_pages(pages, outs) == [1, 2]
+    expect = codecs.decode(pages_of(kv, codec_name)[0].payload)
+    assert torch.equal(outs[0], expect)
+    assert torch.equal(outs[3], codecs.decode(pages_of(kv, codec_name)[3].payload))
+    assert await decode_pages(pages_of(kv, codec_name), outs) == []
+
+
+async def test_decode_threads_run_torch_on_one_thread_each():
+    """Decode threads are the parallelism: nested OpenMP teams per thread oversubscribed the
+    cores. The limit is per thread: the caller's own torch thread count is untouched."""
+    before = torch.get_num_threads()
+    loop = asyncio.get_running_loop()
+    in_worker = await loop.run_in_executor(decode._decode_executor(), torch.get_num_threads)
+    assert torch.get_num_threads() == before
+    if decode._openmp_runtimes():
+        assert in_worker == 1
+    else:  # no OpenMP runtime in this build: torch runs its own pool, nothing to limit
+        assert in_worker == before
+
+
+@pytest.mark.parametrize("spec", [SMALL, BIG], ids=["inline", "threads"])
+async def test_pages_added_as_they_arrive_in_any_order(spec):
+    kv = random_kv(spec, 16 * 6, seed=3)
+    pages = pages_of(kv, "raw", damaged=(4, 0))
+    out = torch.zeros_like(kv)
+    async with PageDecoder(list(out.split(16, dim=2))) as decoder:
+        for i in (5, 0, 3, 4, 1):  # block 2 never arrives (a miss)
+            decoder.add(i, pages[i])
+            await asyncio.sleep(0)
+    assert decoder.failed == [0, 4]
+    for i in (1, 3, 5):
+        assert torch.equal(out[:, :, 16 * i:16 * (i + 1)], kv[:, :, 16 * i:16 * (i + 1)])
+    assert not out[:, :, 32:48].any()  # nothing was written for the block that never came
+
+
+async def test_a_decode_error_surfaces_after_every_thread_stopped():
+    """A page that verifies but holds no valid blob raises the codec's error, once the other
+    pages' threads are done with them (the store unpins the blocks right after)."""
+    kv = random_kv(BIG, 64)
+    pages = pages_of(kv, "raw")
+    meta = pages[2].meta
+    pages[2] = parse_page(encode_page(meta, b"not a codec blob" * 100))
+    out = torch.zeros_like(kv)
+    decoder = PageDecoder(list(out.split(16, dim=2)))
+    with pytest.raises(CodecError):
+        async with decoder:
+            for i, page in enumerate(pages):
+                decoder.add(i, page)
+    assert decoder._num_running == 0
