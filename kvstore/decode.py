@@ -25,6 +25,12 @@ DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 # of raw pages 16-25 us, 128 KiB 20-40 us (2026-11-29). Lossy codecs took 200-270 us to decode
 # 128 KiB there: their pages always go to threads.
 INLINE_DECODE_BYTES = 128 << 10
+# Decode threads split the cores between them for torch's own (OpenMP) threads. Measured with
+# ``kvstore bench tiers`` (2026-11-29), 2 MiB pages: on the 2-core box prefix gets ran at 6.5 GB/s
+# with a team of 2 per decode thread and 7.4 GB/s with 1; on the 16-core H200 host (8 decode
+# threads) at 5.4-5.7 GB/s with 16 per thread, 5.8-6.7 with 1 and 5.6-7.4 with 2, and one-block
+# gets at 2.3 GB/s with 16, 1.7-2.0 with 1 and 1.8-2.3 with 2 (the code before: 4.3 and 2.2).
+OPENMP_THREADS_PER_DECODE_THREAD = max(1, (os.cpu_count() or 1) // DECODE_THREADS)
 _OPENMP_NAMES = ("libgomp", "libiomp", "libomp")  # GNU, Intel and LLVM OpenMP runtimes
 
 _executor: ThreadPoolExecutor | None = None
@@ -38,9 +44,9 @@ class PageDecoder:
     Use it from the event loop: ``async with PageDecoder(outs) as decoder:``, ``decoder.add(i,
     page)`` for pages read with ``verify=False``, in any order; on leaving the block every added
     page has been verified (``verify_page``) and, if it passed, decoded into ``outs[i]``, and
-    ``decoder.failed`` lists the indices that failed, ascending. Their outputs hold unverified
-    bytes, which must never be returned. Leaving the block waits for the threads even on an
-    error, so no thread touches a page after it.
+    ``decoder.failed`` lists the indices that failed, ascending (their outputs are left as they
+    were). Leaving the block waits for the threads even on an error, so no thread touches a
+    page after it.
 
     A page is verified on the thread that decodes it, just before: the hash leaves it in cache,
     so verify-then-copy costs little more than the copy. No thread waits for pages: a thread
@@ -131,23 +137,22 @@ def _decode_executor() -> ThreadPoolExecutor:
     global _executor, _executor_pid
     if _executor is None or _executor_pid != os.getpid():
         _executor = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="kvstore-decode",
-                                       initializer=_one_openmp_thread)
+                                       initializer=_share_the_cores)
         _executor_pid = os.getpid()
     return _executor
 
 
-def _one_openmp_thread() -> None:
-    """Run this thread's torch ops on this thread alone.
+def _share_the_cores() -> None:
+    """Give this decode thread's torch ops ``OPENMP_THREADS_PER_DECODE_THREAD`` threads.
 
-    The decode threads are the parallelism: each torch copy would otherwise start an OpenMP
-    team of ``torch.get_num_threads()`` per decode thread, more threads than cores. Measured on
-    the 2-core box (2026-11-29, ``kvstore bench tiers``): prefix gets 6.5 GB/s with those teams,
-    7.4 GB/s without. OpenMP's thread count is per calling thread, so other threads (the event
-    loop's, an engine's) keep theirs.
+    Each torch copy on a decode thread otherwise starts an OpenMP team of
+    ``torch.get_num_threads()`` (every core), one team per decode thread: more threads than
+    cores. OpenMP's thread count is per calling thread, so other threads (the event loop's, an
+    engine's) keep theirs.
     """
     torch.get_num_threads()  # torch sets this thread's OpenMP team size on first use: let it first
     for runtime in _openmp_runtimes():
-        runtime.omp_set_num_threads(1)
+        runtime.omp_set_num_threads(OPENMP_THREADS_PER_DECODE_THREAD)
 
 
 def _openmp_runtimes() -> list[ctypes.CDLL]:
