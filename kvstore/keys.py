@@ -99,9 +99,12 @@ def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray
     elif isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (list, tuple, range)):
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
-            raise InvalidArgument("tokens must be a sequence of ints")
-        arr = np.asarray(tokens, dtype=np.int64)
+        try:
+            arr = np.asarray(tokens)  # ints give an integer dtype; floats, bools, objects do not
+        except (ValueError, TypeError, OverflowError):
+            raise InvalidArgument("tokens must be a sequence of ints") from None
+        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+            raise InvalidArgument(f"tokens must be a sequence of ints, got {arr.dtype} values")
     else:
         raise InvalidArgument(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -124,11 +127,14 @@ def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor)
     """Chained keys of every full block of ``tokens`` under ``ns``; a trailing partial block
     has no key."""
     arr = token_array(tokens)
-    bt = ns.spec.block_tokens
+    data = memoryview(arr.tobytes())  # one conversion; blocks are slices of it (no copies)
+    step = ns.spec.block_tokens * arr.itemsize
     keys: list[BlockKey] = []
     parent = ns.fingerprint
-    for start in range(0, arr.size - bt + 1, bt):
-        parent = chain_key(parent, arr[start : start + bt])
+    for start in range(0, (arr.size // ns.spec.block_tokens) * step, step):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_KEY_PERSON)
+        h.update(data[start : start + step])
+        parent = h.digest()
         keys.append(BlockKey(parent))
     return keys
 
