@@ -116,13 +116,6 @@ def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray
     return arr.astype("<u4", copy=False)
 
 
-def chain_key(parent: bytes, block_tokens: np.ndarray) -> BlockKey:
-    """The key of one block given its parent key (or the namespace fingerprint)."""
-    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_KEY_PERSON)
-    h.update(block_tokens.tobytes())
-    return BlockKey(h.digest())
-
-
 def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[BlockKey]:
     """Chained keys of every full block of ``tokens`` under ``ns``; a trailing partial block
     has no key."""
