@@ -107,10 +107,10 @@ def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray
             raise InvalidArgument(f"tokens must be a sequence of ints, got {arr.dtype} values")
     else:
         raise InvalidArgument(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidArgument(f"tokens must be a 1-D array of ints, got {arr.dtype} {arr.shape}")
     if arr.size == 0:
         raise InvalidArgument("tokens is empty")
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"tokens must be a 1-D array of ints, got {arr.dtype} {arr.shape}")
     if arr.min() < 0 or arr.max() > MAX_TOKEN_ID:
         raise InvalidArgument(f"token ids must be in [0, {MAX_TOKEN_ID}]")
     return arr.astype("<u4", copy=False)

@@ -162,8 +162,7 @@ class Store:
         kv = ns.spec.check_kv(kv, num_tokens=arr.size)
         keys = block_keys(ns, arr)
         if self.ssd is not None:
-            for key in keys:
-                self.ssd.note_access(key)
+            self.ssd.note_accesses(keys)
         in_flight = [self._writing[k] for k in keys if k in self._writing]
         todo = [i for i, k in enumerate(keys) if k not in self._dir and k not in self._writing]
         self._count(ns.tenant, puts=1)
@@ -196,8 +195,7 @@ class Store:
             per_tier[tier] = per_tier.get(tier, 0) + bt
         self._dir.touch(entries)
         if self.ssd is not None:
-            for entry in entries:
-                self.ssd.note_access(entry.meta.key)
+            self.ssd.note_accesses([e.meta.key for e in entries])
         matched = len(entries) * bt
         self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
                     lookup_miss_tokens=arr.size - matched)

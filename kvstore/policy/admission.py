@@ -10,6 +10,8 @@ add). Every ``sample_size`` increments all counters are halved, so old popularit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xxhash
 
@@ -79,6 +81,26 @@ class FrequencySketch:
             at_min = counts == low
             self._table[self._rows[at_min], cols[at_min]] += 1
         self._num_additions += 1
+        if self._num_additions >= self._sample_size:
+            self._age()
+
+    def add_many(self, keys: Sequence[bytes]) -> None:
+        """Record one sighting of each key (a whole prefix at once: one numpy pass instead of a
+        Python-level update per key). Same conservative update as ``add``."""
+        if not keys:
+            return
+        if not all(isinstance(k, (bytes, bytearray)) for k in keys):
+            raise InvalidArgument("sketch keys are bytes")
+        digests = b"".join(map(xxhash.xxh3_128_digest, keys))
+        cols = np.frombuffer(digests, dtype=np.uint32).reshape(-1, NUM_ROWS) & self._mask
+        counts = self._table[self._rows, cols]  # [num_keys, NUM_ROWS]
+        low = counts.min(axis=1, keepdims=True)
+        at_min = (counts == low) & (low < MAX_COUNT)
+        flat = (self._rows * self.width + cols)[at_min].astype(np.int64)
+        cells, hits = np.unique(flat, return_counts=True)  # a key seen twice adds two
+        table = self._table.reshape(-1)
+        table[cells] = np.minimum(table[cells].astype(np.int64) + hits, MAX_COUNT)
+        self._num_additions += len(keys)
         if self._num_additions >= self._sample_size:
             self._age()
 

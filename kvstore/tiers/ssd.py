@@ -43,7 +43,7 @@ import mmap
 import os
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +162,10 @@ class SsdTier(SegmentWriter, Tier):
     def note_access(self, key: BlockKey) -> None:
         """Record a sighting of ``key`` (a put or a lookup hit) for the admission filter."""
         self._sketch.add(key)
+
+    def note_accesses(self, keys: Sequence[BlockKey]) -> None:
+        """``note_access`` for a whole prefix at once."""
+        self._sketch.add_many(keys)
 
     def entries(self) -> Iterator[PageMeta]:
         for entry in list(self._index.values()):
