@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import glob
 import mmap
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -294,6 +297,9 @@ class ShmArena:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # The owner holds a lock on its arena for as long as it lives; a file nobody locks was
+        # left by a dead process (reclaim_stale_arenas). flock works across pid namespaces.
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if self.capacity_bytes == 0:
             return
         # mmap refuses a length beyond the file's size, so size the file for the call only.
@@ -364,3 +370,33 @@ class ShmArena:
         pages = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
         pages[::mmap.PAGESIZE] = 0  # one write per page maps it; the new pages are zero anyway
         del pages
+
+
+STALE_MIN_AGE_S = 5.0  # between creating an arena file and locking it there is a brief window
+
+
+def reclaim_stale_arenas(directory: str, pattern: str = "kvstore-dram-*.arena") -> list[str]:
+    """Unlink arena files in ``directory`` whose owner is gone (nobody holds their lock).
+
+    A daemon killed with SIGKILL cannot unlink its arena; without this, every crash would leak
+    its shared memory until reboot. Returns the paths removed.
+    """
+    removed = []
+    for path in glob.glob(os.path.join(directory, pattern)):
+        try:
+            if time.time() - os.stat(path).st_mtime < STALE_MIN_AGE_S:
+                continue  # just created: its owner may not hold the lock yet
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live owner holds it
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed

@@ -28,7 +28,7 @@ from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, page_length, parse_page
-from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, round_up
+from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, reclaim_stale_arenas, round_up
 from kvstore.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class DramTier(Tier):
     async def open(self) -> None:
         """Create the arena file and reserve its mapping; no memory is grown yet."""
         if not self._is_open:
+            for path in reclaim_stale_arenas(os.path.dirname(self._arena.path)):
+                log.info("dram: removed the arena of a dead process: %s", path)
             self._arena.create()
             self._is_open = True
 

@@ -492,3 +492,44 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)
+
+
+async def test_arena_of_a_killed_process_is_reclaimed(tmp_path) -> None:
+    """Regression: a daemon killed with SIGKILL left its /dev/shm arena behind for good."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, sys\n"
+        "from kvstore.config import DramConfig\n"
+        "from kvstore.tiers.dram import DramTier\n"
+        "async def main():\n"
+        f"    t = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,"
+        f" shm_dir={str(tmp_path)!r}))\n"
+        "    await t.open()\n"
+        "    print(t.arena_path, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = child.stdout.readline().strip()
+        live = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,
+                                   shm_dir=str(tmp_path)))
+        await live.open()  # the child is alive and holds its lock: its arena stays
+        assert os.path.exists(orphan)
+        await live.close()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert os.path.exists(orphan)  # SIGKILL: nobody unlinked it
+    old = time.time() - 60
+    os.utime(orphan, (old, old))  # past the grace period for files still being created
+    fresh = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,
+                                shm_dir=str(tmp_path)))
+    await fresh.open()
+    try:
+        assert not os.path.exists(orphan) and os.path.exists(fresh.arena_path)
+    finally:
+        await fresh.close()
