@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -232,6 +233,25 @@ async def _run(config: KVStoreConfig) -> int:
     return 0
 
 
+# glibc serves allocations above 128 KiB (adaptively up to 32 MiB) with fresh mmaps and returns
+# them on free, so every 2 MiB page encoded by a put page-faults ~512 times. Keeping such
+# buffers in the heap took DRAM puts of 2 MiB blocks from 1.1 to 2.0 GB/s (2-core box,
+# 2026-11-29). Values: mallopt's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20
+MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+def tune_malloc() -> bool:
+    """Keep page-sized buffers in glibc's heap (see above); False where libc is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def run_daemon(config: KVStoreConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain, flush and return 0 (the exit code).
 
@@ -240,6 +260,8 @@ def run_daemon(config: KVStoreConfig) -> int:
         ConfigError: the sockets cannot be set up as configured.
     """
     configure_logging(config.server.log_level, config.server.log_json)
+    if not tune_malloc():
+        _log.info("malloc tuning unavailable (not glibc); large puts will page-fault more")
     return asyncio.run(_run(config))
 
 
