@@ -375,7 +375,10 @@ def run_tier_bench(total_bytes: int = 1 << 30, ssd_path: str | os.PathLike[str] 
     Returns:
         The report (rows: path, op, GB/s, baseline, baseline GB/s, ratio, target).
     """
+    from kvstore.server.daemon import tune_malloc
+
     num_blocks = _check_args(total_bytes, tiers, repeat, queue_depth)
+    tune_malloc()  # measure the tiers as the daemon runs them
     directory = Path(ssd_path if ssd_path is not None else SsdConfig().path)
     work, ring = make_workload(num_blocks), _ring()
     rows: list[dict[str, object]] = []
