@@ -291,7 +291,7 @@ async def test_closed_store_refuses(tmp_path, ns):
 
 
 CRASH_CHILD = """
-import asyncio, sys
+import asyncio, os, sys
 from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
@@ -299,10 +299,11 @@ from kvstore.store import Store
 from tests.conftest import random_kv, random_tokens
 
 async def main(path):
+    os.makedirs(path + "-shm")  # the killed child's arena file stays out of /dev/shm
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
     ns = Namespace(model_id="test/model", spec=spec, revision="r1", tenant="acme")
     # No DRAM: every put lands on SSD, durable before put returns under fsync="always".
-    cfg = KVStoreConfig(dram=DramConfig(capacity_bytes=0),
+    cfg = KVStoreConfig(dram=DramConfig(capacity_bytes=0, shm_dir=path + "-shm"),
                         ssd=SsdConfig(path=path, capacity_bytes=256 << 20,
                                       segment_bytes=1 << 20, fsync="always"))
     async with Store(cfg) as store:
