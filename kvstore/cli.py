@@ -21,9 +21,9 @@ from kvstore.doctor import format_bytes
 from kvstore.errors import KVStoreError, Unavailable
 
 if TYPE_CHECKING:
+    from kvstore.api import StoreStats
     from kvstore.bench.report import BenchReport
     from kvstore.client import Client
-    from kvstore.store import StoreStats
 
 app = typer.Typer(name="kvstore", no_args_is_help=True, add_completion=False,
                   help="Tiered KV-cache store for LLM serving: run the daemon and manage it.")

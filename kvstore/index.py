@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from kvstore.api import BlockInfo
 from kvstore.errors import LeaseNotFound
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
@@ -32,21 +33,6 @@ class BlockEntry:
     @property
     def tiers(self) -> tuple[str, ...]:
         return tuple(self.sizes)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """A listing row for ``kvstore ls``."""
-
-    key: BlockKey
-    tenant: str
-    model_id: str
-    tiers: tuple[str, ...]
-    size_bytes: int
-    age_s: float
-    hits: int
-    block_index: int
-    parent: BlockKey | None
 
 
 class BlockDirectory:

@@ -6,11 +6,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.index import BlockEntry, HeldTable
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
@@ -22,47 +22,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.leases")
 
 REAPER_INTERVAL_S = 0.25  # how often expired leases and reservations are reclaimed
-MAX_LEASE_S = 3600.0  # a lease longer than this is a client bug, not a use case
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLocation:
-    """A page in the DRAM shared-memory arena, for zero-copy readers and writers."""
-
-    key: BlockKey
-    arena_path: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """Pinned blocks of a prefix; they stay in DRAM until ``release`` or the deadline."""
-
-    lease_id: str
-    deadline: float  # time.time() after which the store reclaims the pins
-    matched_tokens: int
-    blocks: tuple[BlockLocation, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SlotGrant:
-    """A DRAM slot a client may write one encoded page into before ``commit``."""
-
-    key: BlockKey
-    block_index: int
-    parent: BlockKey | None
-    arena_path: str
-    offset: int
-    capacity_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    reservation_id: str
-    deadline: float
-    codec: str  # the codec chain pages written into the slots must use
-    blocks: tuple[SlotGrant, ...]
 
 
 class LeaseManager:
@@ -106,7 +65,8 @@ class LeaseManager:
         blocks = []
         for entry in held:
             offset, length = store.dram.locate(entry.meta.key)
-            blocks.append(BlockLocation(entry.meta.key, store.dram.arena_path, offset, length))
+            blocks.append(BlockLocation(entry.meta.key, Medium.HOST, store.dram.arena_path, offset,
+                                        length))
         holding = self._leases.add(held, lease_s)
         store._dir.touch(held)
         return Lease(holding.held_id, holding.deadline, len(held) * ns.spec.block_tokens,
@@ -136,7 +96,7 @@ class LeaseManager:
                     break
                 slots.append((key, i, slot))
                 store.claim_writes([key])
-                grants.append(SlotGrant(key, i, keys[i - 1] if i else None,
+                grants.append(SlotGrant(key, i, keys[i - 1] if i else None, Medium.HOST,
                                         store.dram.arena_path, slot.offset, slot.slot_bytes))
         except BaseException:
             self._abort_slots(slots)

@@ -44,7 +44,7 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     block_tokens: int
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # a name from DTYPES; a torch dtype is accepted and stored by name
     position_scheme: str = "rope"  # rope variant / position encoding id; part of the key
 
     def __post_init__(self) -> None:
@@ -60,6 +60,8 @@ class KVSpec:
                 f"KVSpec.block_tokens must be an int in [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}],"
                 f" got {bt!r}"
             )
+        if isinstance(self.dtype, torch.dtype):  # engines hand their cache's torch dtype
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.dtype not in DTYPES:
             raise InvalidArgument(
                 f"KVSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"

@@ -15,14 +15,25 @@ from typing import Self
 import torch
 
 from kvstore import codecs
+from kvstore.api import (
+    BlockInfo,
+    BlockLocation,
+    Counters,
+    Lease,
+    LookupResult,
+    Reservation,
+    SlotGrant,
+    StoreStats,
+    TierStats,
+)
 from kvstore.config import KVStoreConfig
 from kvstore.decode import PageDecoder, decode_pages
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
-from kvstore.index import BlockDirectory, BlockEntry, BlockInfo
+from kvstore.index import BlockDirectory, BlockEntry
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
-from kvstore.leases import BlockLocation, Lease, LeaseManager, Reservation, SlotGrant
+from kvstore.leases import LeaseManager
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, Page, PageMeta, encode_page
-from kvstore.tiers.base import Tier, TierStats
+from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -32,53 +43,6 @@ __all__ = ["BlockInfo", "BlockLocation", "Counters", "Lease", "LookupResult", "R
            "SlotGrant", "Store", "StoreStats"]
 
 TIER_ORDER = ("dram", "ssd")  # fastest first: reads come from the first tier holding a block
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """How much of a prompt's prefix is stored, and where."""
-
-    num_tokens: int  # tokens in the request
-    matched_tokens: int  # longest stored prefix, a multiple of block_tokens
-    tokens_per_tier: dict[str, int]  # matched tokens by the fastest tier holding each block
-    keys: tuple[BlockKey, ...]  # matched block keys, in prefix order
-
-
-@dataclass(slots=True)
-class Counters:
-    """Request counters, kept in total and per tenant."""
-
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    lookup_miss_tokens: int = 0
-    puts: int = 0
-    put_tokens: int = 0
-    gets: int = 0
-    get_tokens: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    dropped: int = 0  # blocks that left the last tier holding them
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(slots=True)
-class StoreStats:
-    tiers: dict[str, TierStats]
-    counters: Counters
-    active_leases: int = 0
-    active_reservations: int = 0
-    num_blocks: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "tiers": {name: s.as_dict() for name, s in self.tiers.items()},
-            **self.counters.as_dict(),
-            "active_leases": self.active_leases,
-            "active_reservations": self.active_reservations,
-            "num_blocks": self.num_blocks,
-        }
 
 
 @dataclass(slots=True)

@@ -221,7 +221,7 @@ async def test_lease_pins_blocks_and_expires(tmp_path, ns, spec):
         lease = await store.acquire(ns, tokens, lease_s=0.5)
         assert lease.matched_tokens == 32 and len(lease.blocks) == 2
         assert await store.evict(everything=True) == 0  # pinned blocks stay
-        with open(lease.blocks[0].arena_path, "rb") as f, \
+        with open(lease.blocks[0].region, "rb") as f, \
                 mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as arena:
             loc = lease.blocks[0]
             page = decode_page(arena[loc.offset:loc.offset + loc.length], expected_key=loc.key)
@@ -242,7 +242,7 @@ async def test_reserve_commit_zero_copy_put(store, ns, spec):
     res = await store.reserve(ns, tokens)
     assert [g.block_index for g in res.blocks] == [0, 1, 2]
     codec = codecs.get(res.codec)
-    with open(res.blocks[0].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(res.blocks[0].region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
         for g in res.blocks:
             meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=g.parent,
                             block_index=g.block_index, tenant=ns.tenant, model_id=ns.model_id,
@@ -260,7 +260,7 @@ async def test_reserve_commit_zero_copy_put(store, ns, spec):
 async def test_commit_of_a_bad_page_publishes_nothing(store, ns, spec):
     tokens = random_tokens(32)
     res = await store.reserve(ns, tokens)
-    with open(res.blocks[0].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(res.blocks[0].region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
         arena[res.blocks[0].offset:res.blocks[0].offset + 8] = b"garbage!"
     with pytest.raises(CorruptPage):
         await store.commit(res.reservation_id)
@@ -350,7 +350,7 @@ async def test_commit_checks_the_codec_and_abort_frees_slots(store, ns, spec):
     meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=None, block_index=0,
                     tenant=ns.tenant, model_id=ns.model_id, codec=fp8.name, codec_id=fp8.codec_id)
     page = encode_page(meta, fp8.encode(kv))
-    with open(g.arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(g.region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
         arena[g.offset:g.offset + len(page)] = page
     with pytest.raises(InvalidArgument, match="reservation asked for 'raw'"):
         await store.commit(res.reservation_id)

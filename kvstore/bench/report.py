@@ -8,7 +8,7 @@ import platform
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ class BenchReport:
         """The JSON document: what ran, where, when, with which parameters, and the rows."""
         return {
             "bench": self.name,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "host": platform.node(),
             "command": command if command is not None else " ".join(sys.argv),
             "environment": environment(),

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
+from kvstore.api import BlockInfo, HealthInfo, Lease, LookupResult, Reservation, StoreStats
 from kvstore.client.base import (
     DEFAULT_TIMEOUT_S,
     ArenaMaps,
     GetAssembler,
-    HealthInfo,
     RetryPolicy,
     Tokens,
     call_metadata,
@@ -42,7 +42,6 @@ from kvstore.server.base import (
     stats_from_proto,
     tokens_to_bytes,
 )
-from kvstore.store import BlockInfo, Lease, LookupResult, Reservation, StoreStats
 
 if TYPE_CHECKING:
     from typing import Self

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvstore import codecs
+from kvstore.api import Lease, Medium, Reservation
 from kvstore.config import ServerConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
@@ -40,7 +41,6 @@ from kvstore.server.base import (
     tensor_view,
     tokens_to_bytes,
 )
-from kvstore.store import Lease, Reservation
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 DEFAULT_TIMEOUT_S = 60.0
@@ -77,19 +77,6 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
-
-
-@dataclass(frozen=True, slots=True)
-class HealthInfo:
-    """What Health reports."""
-
-    status: str  # "SERVING" or "DRAINING"
-    version: str
-    uptime_s: float
-    pid: int
-    tenant: str  # the caller's tenant; "" for the admin or local trust
-    is_admin: bool
-    arena_path: str  # the daemon's DRAM arena, mapped by zero-copy clients
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +237,11 @@ class ArenaMaps:
             self._maps.clear()
 
 
+def _check_host(medium: Medium) -> None:
+    if medium is not Medium.HOST:
+        raise InvalidArgument(f"a {medium.value} slot cannot be mapped through the host arena")
+
+
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | None:
     """The K/V of a lease's pinned pages, each verified against its key."""
     if not lease.blocks:
@@ -257,7 +249,8 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | N
     bt = ns.spec.block_tokens
     out = torch.empty(ns.spec.shape(len(lease.blocks) * bt), dtype=ns.spec.torch_dtype)
     for i, loc in enumerate(lease.blocks):
-        page = decode_page(maps.view(loc.arena_path, loc.offset, loc.length),
+        _check_host(loc.medium)
+        page = decode_page(maps.view(loc.region, loc.offset, loc.length),
                            expected_key=loc.key)
         codecs.decode(page.payload, out=out[:, :, i * bt : (i + 1) * bt])
     return out
@@ -279,6 +272,7 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
     bt = ns.spec.block_tokens
     kv = kv.detach().cpu()
     for grant in reservation.blocks:
+        _check_host(grant.medium)
         block = kv[:, :, grant.block_index * bt : (grant.block_index + 1) * bt].contiguous()
         meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
                         block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
@@ -287,5 +281,5 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
         if len(page) > grant.capacity_bytes:
             raise CapacityError(f"page of {len(page)} bytes exceeds its "
                                 f"{grant.capacity_bytes}-byte slot")
-        maps.view(grant.arena_path, grant.offset, len(page), writable=True)[:] = page
+        maps.view(grant.region, grant.offset, len(page), writable=True)[:] = page
 

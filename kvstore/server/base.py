@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import dataclasses
 import logging
 import sys
 from abc import ABC, abstractmethod
@@ -24,21 +23,24 @@ import numpy as np
 import torch
 
 from kvstore import errors
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
-from kvstore.keys import KEY_BYTES, BlockKey, Namespace, token_array
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.spec import DTYPES, KVSpec
-from kvstore.store import (
+from kvstore.api import (
+    COUNTER_NAMES,
+    TIER_COUNTERS,
     BlockInfo,
     BlockLocation,
     Counters,
     Lease,
     LookupResult,
+    Medium,
     Reservation,
     SlotGrant,
     StoreStats,
+    TierStats,
 )
-from kvstore.tiers.base import TierStats
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.keys import KEY_BYTES, BlockKey, Namespace, token_array
+from kvstore.server import kvstore_pb2 as pb
+from kvstore.spec import DTYPES, KVSpec
 
 ERROR_METADATA_KEY = "kvstore-error"
 DEFAULT_CHUNK_BYTES = 4 << 20  # streamed tensor chunk; big enough to amortise per-message cost
@@ -298,13 +300,16 @@ class ChunkAssembler:
 
 def lookup_to_proto(result: LookupResult) -> pb.LookupResponse:
     return pb.LookupResponse(num_tokens=result.num_tokens, matched_tokens=result.matched_tokens,
-                             tokens_per_tier=result.tokens_per_tier, keys=list(result.keys))
+                             tokens_per_tier=result.tokens_per_tier, keys=list(result.keys),
+                             advised_tokens=result.advised_tokens)
 
 
 def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
     return LookupResult(num_tokens=msg.num_tokens, matched_tokens=msg.matched_tokens,
                         tokens_per_tier=dict(msg.tokens_per_tier),
-                        keys=tuple(BlockKey(k) for k in msg.keys))
+                        keys=tuple(BlockKey(k) for k in msg.keys),
+                        advised_tokens=(msg.advised_tokens if msg.HasField("advised_tokens")
+                                        else None))
 
 
 def block_info_to_proto(info: BlockInfo) -> pb.BlockInfo:
@@ -320,9 +325,6 @@ def block_info_from_proto(msg: pb.BlockInfo) -> BlockInfo:
                      parent=BlockKey(msg.parent) if msg.parent else None)
 
 
-_TIER_COUNTERS = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions",
-                  "corrupt", "rejected", "bytes_read", "bytes_written")
-_COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(Counters))
 
 
 def stats_to_proto(stats: StoreStats) -> pb.StatsResponse:
@@ -332,7 +334,7 @@ def stats_to_proto(stats: StoreStats) -> pb.StatsResponse:
     for name, tier in stats.tiers.items():
         entry = msg.tiers[name]
         entry.name = tier.name
-        for field in _TIER_COUNTERS:
+        for field in TIER_COUNTERS:
             setattr(entry, field, max(0, int(getattr(tier, field))))
         entry.extra.update({k: float(v) for k, v in tier.extra.items()})
     return msg
@@ -342,31 +344,40 @@ def stats_from_proto(msg: pb.StatsResponse) -> StoreStats:
     """StoreStats from the wire; counters this build does not know are dropped."""
     tiers = {
         name: TierStats(name=t.name or name, extra=dict(t.extra),
-                        **{field: getattr(t, field) for field in _TIER_COUNTERS})
+                        **{field: getattr(t, field) for field in TIER_COUNTERS})
         for name, t in msg.tiers.items()
     }
-    counters = Counters(**{k: v for k, v in msg.counters.items() if k in _COUNTER_NAMES})
+    counters = Counters(**{k: v for k, v in msg.counters.items() if k in COUNTER_NAMES})
     return StoreStats(tiers=tiers, counters=counters, active_leases=msg.active_leases,
                       active_reservations=msg.active_reservations, num_blocks=msg.num_blocks)
 
 
+def medium_from_proto(name: str) -> Medium:
+    """The Medium a location names; an empty name is a host arena (older daemons)."""
+    try:
+        return Medium(name or Medium.HOST)
+    except ValueError:
+        raise InvalidArgument(f"unknown memory medium {name[:32]!r}") from None
+
+
 def lease_to_proto(lease: Lease) -> pb.AcquireResponse:
-    blocks = [pb.BlockLocation(key=b.key, arena_path=b.arena_path, offset=b.offset,
-                               length=b.length) for b in lease.blocks]
+    blocks = [pb.BlockLocation(key=b.key, medium=b.medium.value, region=b.region,
+                               offset=b.offset, length=b.length) for b in lease.blocks]
     return pb.AcquireResponse(lease_id=lease.lease_id, deadline=lease.deadline,
                               matched_tokens=lease.matched_tokens, blocks=blocks)
 
 
 def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
-    blocks = tuple(BlockLocation(key=BlockKey(b.key), arena_path=b.arena_path, offset=b.offset,
-                                 length=b.length) for b in msg.blocks)
+    blocks = tuple(BlockLocation(key=BlockKey(b.key), medium=medium_from_proto(b.medium),
+                                 region=b.region, offset=b.offset, length=b.length)
+                   for b in msg.blocks)
     return Lease(lease_id=msg.lease_id, deadline=msg.deadline,
                  matched_tokens=msg.matched_tokens, blocks=blocks)
 
 
 def reservation_to_proto(reservation: Reservation) -> pb.ReserveResponse:
     blocks = [pb.SlotGrant(key=g.key, block_index=g.block_index, parent=g.parent or b"",
-                           arena_path=g.arena_path, offset=g.offset,
+                           medium=g.medium.value, region=g.region, offset=g.offset,
                            capacity_bytes=g.capacity_bytes) for g in reservation.blocks]
     return pb.ReserveResponse(reservation_id=reservation.reservation_id,
                               deadline=reservation.deadline, codec=reservation.codec,
@@ -376,7 +387,8 @@ def reservation_to_proto(reservation: Reservation) -> pb.ReserveResponse:
 def reservation_from_proto(msg: pb.ReserveResponse) -> Reservation:
     blocks = tuple(SlotGrant(key=BlockKey(g.key), block_index=g.block_index,
                              parent=BlockKey(g.parent) if g.parent else None,
-                             arena_path=g.arena_path, offset=g.offset,
+                             medium=medium_from_proto(g.medium), region=g.region,
+                             offset=g.offset,
                              capacity_bytes=g.capacity_bytes) for g in msg.blocks)
     return Reservation(reservation_id=msg.reservation_id, deadline=msg.deadline,
                        codec=msg.codec, blocks=blocks)

@@ -61,7 +61,7 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys")
+    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys", "advised_tokens")
     class TokensPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,11 +73,13 @@ class LookupResponse(_message.Message):
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADVISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     matched_tokens: int
     tokens_per_tier: _containers.ScalarMap[str, int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    advised_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "tokens", "tensor")
@@ -291,20 +293,22 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
-    __slots__ = ("key", "block_index", "parent", "arena_path", "offset", "capacity_bytes")
+    __slots__ = ("key", "block_index", "parent", "region", "offset", "capacity_bytes", "medium")
     KEY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
-    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     block_index: int
     parent: bytes
-    arena_path: str
+    region: str
     offset: int
     capacity_bytes: int
-    def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., arena_path: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    medium: str
+    def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "deadline", "codec", "blocks")
@@ -351,16 +355,18 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
-    __slots__ = ("key", "arena_path", "offset", "length")
+    __slots__ = ("key", "region", "offset", "length", "medium")
     KEY_FIELD_NUMBER: _ClassVar[int]
-    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
-    arena_path: str
+    region: str
     offset: int
     length: int
-    def __init__(self, key: _Optional[bytes] = ..., arena_path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    medium: str
+    def __init__(self, key: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks")

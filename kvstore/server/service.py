@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from kvstore import __version__
+from kvstore.api import MAX_LEASE_S
 from kvstore.config import KVStoreConfig
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.keys import Namespace
@@ -40,7 +41,6 @@ from kvstore.server.base import (
 )
 from kvstore.store import Store
 
-MAX_LEASE_S = 3600.0  # a lease pins DRAM; an hour is far beyond any prefill
 MAX_HINT_DEADLINE_S = 3600.0
 MAX_LIST_LIMIT = 100_000
 DEFAULT_LIST_LIMIT = 1000

@@ -12,44 +12,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
+from kvstore.api import TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters a tier keeps; ``used_bytes`` and ``num_blocks`` are current values."""
-
-    name: str
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    num_blocks: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0  # pages removed to make room (demoted or dropped)
-    corrupt: int = 0  # pages that failed verification on read and were removed
-    rejected: int = 0  # writes refused (admission filter, page larger than a slot, full)
-    bytes_read: int = 0
-    bytes_written: int = 0
-    extra: dict[str, float] = field(default_factory=dict)  # tier-specific gauges
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes,
-            "num_blocks": self.num_blocks,
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-            "corrupt": self.corrupt,
-            "rejected": self.rejected,
-            "bytes_read": self.bytes_read,
-            "bytes_written": self.bytes_written,
-            **self.extra,
-        }
 
 
 class Tier(ABC):

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
+from kvstore.api import LookupResult, StoreStats
 from kvstore.client import AsyncClient, Client, HealthInfo, default_address
 from kvstore.client.base import Target, parse_address
 from kvstore.errors import InvalidArgument, LeaseNotFound, PermissionDenied
-from kvstore.store import LookupResult, StoreStats
 from tests.server.helpers import DaemonThread, small_config
 
 from ..conftest import random_kv, random_tokens

@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from kvstore import errors
+from kvstore.api import (
+    BlockLocation,
+    Counters,
+    Lease,
+    LookupResult,
+    Medium,
+    Reservation,
+    SlotGrant,
+    StoreStats,
+    TierStats,
+)
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
-from kvstore.keys import Namespace, token_array
+from kvstore.keys import BlockKey, Namespace, token_array
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server.base import (
     ChunkAssembler,
@@ -18,8 +29,14 @@ from kvstore.server.base import (
     error_metadata,
     expected_tensor,
     key_from_bytes,
+    lease_from_proto,
+    lease_to_proto,
+    lookup_from_proto,
+    lookup_to_proto,
     namespace_from_proto,
     namespace_to_proto,
+    reservation_from_proto,
+    reservation_to_proto,
     stats_from_proto,
     stats_to_proto,
     status_for,
@@ -29,8 +46,6 @@ from kvstore.server.base import (
     tokens_from_bytes,
     tokens_to_bytes,
 )
-from kvstore.store import Counters, StoreStats
-from kvstore.tiers.base import TierStats
 
 from ..conftest import random_kv
 
@@ -190,3 +205,20 @@ def test_namespace_fields_all_travel(spec):
     ns = Namespace(model_id="m", spec=spec, revision="r", adapter_id="lora", tenant="t",
                    tp_rank=1, tp_size=2, extra_salt="img")
     assert namespace_from_proto(namespace_to_proto(ns)).to_dict() == ns.to_dict()
+
+
+@pytest.mark.parametrize("advised", [None, 0, 48])
+def test_lookup_round_trip_keeps_the_advice(advised):
+    """No advice and an advice of zero tokens are different answers and must stay so."""
+    result = LookupResult(num_tokens=70, matched_tokens=64, tokens_per_tier={"dram": 32, "ssd": 32},
+                          keys=(BlockKey(bytes(16)),), advised_tokens=advised)
+    assert lookup_from_proto(lookup_to_proto(result)) == result
+
+
+def test_locations_and_grants_round_trip_with_their_medium():
+    key = BlockKey(b"k" * 16)
+    lease = Lease("l1", 5.0, 16, (BlockLocation(key, Medium.DEVICE, "pool0", 4096, 100),))
+    grant = SlotGrant(key, 0, None, Medium.HOST, "/dev/shm/a", 8192, 65536)
+    reservation = Reservation("r1", 6.0, "raw", (grant,))
+    assert lease_from_proto(lease_to_proto(lease)) == lease
+    assert reservation_from_proto(reservation_to_proto(reservation)) == reservation

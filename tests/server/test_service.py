@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from kvstore.api import BlockInfo, LookupResult, StoreStats
 from kvstore.client import AsyncClient
 from kvstore.errors import (
     CorruptPage,
@@ -23,7 +24,6 @@ from kvstore.keys import block_keys
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server import kvstore_pb2_grpc as pbg
 from kvstore.server.base import namespace_to_proto, tensor_view, tokens_to_bytes
-from kvstore.store import BlockInfo, LookupResult, StoreStats
 
 from ..conftest import random_kv, random_tokens
 
@@ -103,7 +103,7 @@ async def test_commit_of_a_damaged_page_is_data_loss(aclient, ns, spec):
     reservation = await aclient.reserve(ns, tokens)
     assert len(reservation.blocks) == 2
     for grant in reservation.blocks:
-        fd = os.open(grant.arena_path, os.O_RDWR)
+        fd = os.open(grant.region, os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as arena:
                 arena[grant.offset : grant.offset + 64] = b"\xab" * 64

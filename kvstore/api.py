@@ -1,0 +1,185 @@
+"""Value types every edge shares: the store returns them, the wire carries them, clients hold them.
+
+Nothing here knows the store, a tier implementation or gRPC: the store (``kvstore.store``), the
+wire conversions (``kvstore.rpc``) and the clients (``kvstore.client``) all import this module and
+nothing of each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from kvstore.keys import BlockKey
+
+MAX_LEASE_S = 3600.0  # a lease or reservation longer than this is a client bug, not a use case
+
+
+class Medium(enum.StrEnum):
+    """Which memory a slot tier lends slots from, so one lease type covers every slot tier."""
+
+    HOST = "host"  # a shared-memory arena file; ``region`` is its path, mapped with mmap
+    DEVICE = "device"  # a GPU memory pool exported over CUDA IPC; ``region`` names the pool
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of a prompt's prefix is stored, and where.
+
+    ``advised_tokens`` is the cost model's advice: the prefix worth fetching (the rest is cheaper
+    to recompute). None means no advice: fetch everything matched.
+    """
+
+    num_tokens: int  # tokens in the request
+    matched_tokens: int  # longest stored prefix, a multiple of block_tokens
+    tokens_per_tier: dict[str, int]  # matched tokens by the fastest tier holding each block
+    keys: tuple[BlockKey, ...]  # matched block keys, in prefix order
+    advised_tokens: int | None = None
+
+    @property
+    def tokens_to_fetch(self) -> int:
+        """Tokens a client should load: the advice if there is one, else the whole match."""
+        return self.matched_tokens if self.advised_tokens is None else self.advised_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """A stored page a same-host client reads in place, in a slot tier's memory."""
+
+    key: BlockKey
+    medium: Medium
+    region: str  # arena file path (HOST) or pool name (DEVICE)
+    offset: int  # bytes from the start of the region
+    length: int  # page bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Pinned blocks of a prefix; they stay where ``blocks`` say until release or the deadline."""
+
+    lease_id: str
+    deadline: float  # time.time() after which the store reclaims the pins
+    matched_tokens: int
+    blocks: tuple[BlockLocation, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """A slot a client may write one encoded page into before ``commit``."""
+
+    key: BlockKey
+    block_index: int
+    parent: BlockKey | None
+    medium: Medium
+    region: str  # as in BlockLocation
+    offset: int
+    capacity_bytes: int  # the page written must not be longer
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    reservation_id: str
+    deadline: float
+    codec: str  # the codec chain pages written into the slots must use
+    blocks: tuple[SlotGrant, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A listing row for ``kvstore ls``."""
+
+    key: BlockKey
+    tenant: str
+    model_id: str
+    tiers: tuple[str, ...]
+    size_bytes: int
+    age_s: float
+    hits: int
+    block_index: int
+    parent: BlockKey | None
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier; ``used_bytes`` and ``num_blocks`` are current values."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    num_blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # pages removed to make room (demoted or dropped)
+    corrupt: int = 0  # pages that failed verification on read and were removed
+    rejected: int = 0  # writes refused (page larger than a slot, full)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict[str, float] = field(default_factory=dict)  # tier-specific gauges
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update(self.extra)
+        return out
+
+
+TIER_COUNTERS = tuple(f.name for f in dataclasses.fields(TierStats)
+                      if f.name not in ("name", "extra"))
+
+
+@dataclass(slots=True)
+class Counters:
+    """Request counters, kept in total and per tenant."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookup_miss_tokens: int = 0
+    puts: int = 0
+    put_tokens: int = 0
+    gets: int = 0
+    get_tokens: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    dropped: int = 0  # blocks that left the last tier holding them
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def add(self, **deltas: int) -> None:
+        for name, delta in deltas.items():
+            setattr(self, name, getattr(self, name) + delta)
+
+
+COUNTER_NAMES = tuple(f.name for f in dataclasses.fields(Counters))
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: dict[str, TierStats]  # by tier name, fastest first
+    counters: Counters
+    active_leases: int = 0
+    active_reservations: int = 0
+    num_blocks: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "tiers": {name: s.as_dict() for name, s in self.tiers.items()},
+            **self.counters.as_dict(),
+            "active_leases": self.active_leases,
+            "active_reservations": self.active_reservations,
+            "num_blocks": self.num_blocks,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class HealthInfo:
+    """What Health reports."""
+
+    status: str  # "SERVING" or "DRAINING"
+    version: str
+    uptime_s: float
+    pid: int
+    tenant: str  # the caller's tenant; "" for the admin or local trust
+    is_admin: bool
+    arena_path: str  # the daemon's host arena, mapped by zero-copy clients ("" if none)
