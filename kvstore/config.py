@@ -3,6 +3,10 @@
 The TOML file, ``KVSTORE_*`` environment variables and ``kvstore serve`` flags all map onto these
 fields one way: ``[dram] capacity_bytes`` == ``KVSTORE_DRAM__CAPACITY_BYTES`` ==
 ``--set dram.capacity_bytes=...``. Sizes accept suffixes (``4GiB``, ``512MB``).
+
+The tier chain: ``[dram]`` then ``[ssd]`` (if enabled), fastest first, unless the file lists
+``[[tiers]]`` tables, each with a ``name``, a ``kind`` (``dram``, ``ssd``) and that kind's fields;
+then those, in order.
 """
 
 from __future__ import annotations
@@ -66,60 +70,72 @@ def _check_fraction(owner: str, name: str, value: float) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class DramConfig:
+class TierSettings:
+    """What the store reads of every tier's settings, whatever its kind."""
+
+    capacity_bytes: int = 0
+    codec: str = "raw"  # codec chain for pages in this tier
+    high_watermark: float = 1.0  # fraction of capacity above which blocks move down the chain
+    low_watermark: float = 1.0  # ... until usage is below this fraction
+    admit_after_accesses: int = 0  # a demoted block enters after this many sightings (0: any)
+    admit_expected_keys: int = 1 << 16  # distinct keys the admission sketch is sized for
+    persist_on_close: bool = False  # on shutdown, blocks held only in memory are written here
+
+    def _check_common(self, section: str) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"{section}.capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        _check_fraction(section, "high_watermark", self.high_watermark)
+        _check_fraction(section, "low_watermark", self.low_watermark)
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError(f"{section}.low_watermark must not exceed {section}.high_watermark")
+        if self.admit_after_accesses < 0:
+            raise ConfigError(f"{section}.admit_after_accesses must be >= 0")
+        if self.admit_expected_keys < 1:
+            raise ConfigError(
+                f"{section}.admit_expected_keys must be >= 1, got {self.admit_expected_keys}")
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig(TierSettings):
     """The shared-memory DRAM tier."""
 
     # Arena size; default 1/8 of physical RAM, at most 16 GiB, so a laptop stays usable.
     capacity_bytes: int = field(default_factory=lambda: min(_total_ram_bytes() // 8, 16 << 30))
     high_watermark: float = 0.95  # fraction of capacity that starts demotion
     low_watermark: float = 0.85  # demotion stops below this fraction
-    codec: str = "raw"  # codec chain for pages in this tier
     shm_dir: str = "/dev/shm"  # where the arena file lives (falls back to a temp dir)
     chunk_bytes: int = 64 << 20  # the arena grows (and pre-faults) this much at a time
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes < 0:
-            raise ConfigError(f"dram.capacity_bytes must be >= 0, got {self.capacity_bytes}")
-        _check_fraction("dram", "high_watermark", self.high_watermark)
-        _check_fraction("dram", "low_watermark", self.low_watermark)
-        if self.low_watermark > self.high_watermark:
-            raise ConfigError("dram.low_watermark must not exceed dram.high_watermark")
+        self._check_common("dram")
         if self.chunk_bytes < 1 << 20:
             raise ConfigError(f"dram.chunk_bytes must be >= 1 MiB, got {self.chunk_bytes}")
 
 
 @dataclass(frozen=True, slots=True)
-class SsdConfig:
+class SsdConfig(TierSettings):
     """The SSD tier: append-only segment files plus an LMDB index."""
 
     enabled: bool = True
     path: str = field(default_factory=lambda: str(_cache_dir() / "ssd"))
     capacity_bytes: int = 16 << 30  # bytes of live + dead segment data on disk
-    codec: str = "raw"  # codec chain for pages in this tier
     segment_bytes: int = 256 << 20  # a segment file is sealed at this size
     fsync: str = "batch"  # "always": fsync before the index commit; "batch"; "never"
     fsync_interval_s: float = 0.05  # how often "batch" flushes
     o_direct: bool = True  # use O_DIRECT when the file system allows it
     admit_after_accesses: int = 2  # frequency filter: accesses a block needs to reach SSD
-    admit_expected_keys: int = 1 << 16  # distinct keys the frequency sketch is sized for
     compact_dead_fraction: float = 0.5  # a sealed segment this dead is rewritten
     index_map_bytes: int = 1 << 30  # LMDB map size (virtual; grows nothing on disk)
     persist_on_close: bool = True  # on shutdown, write DRAM-only blocks to SSD (bypasses the filter)
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes < 0:
-            raise ConfigError(f"ssd.capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        self._check_common("ssd")
         if self.segment_bytes < 1 << 20:
             raise ConfigError(f"ssd.segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"ssd.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
         if self.fsync_interval_s <= 0:
             raise ConfigError("ssd.fsync_interval_s must be > 0")
-        if self.admit_after_accesses < 1:
-            raise ConfigError("ssd.admit_after_accesses must be >= 1")
-        if self.admit_expected_keys < 1:
-            raise ConfigError(
-                f"ssd.admit_expected_keys must be >= 1, got {self.admit_expected_keys}")
         _check_fraction("ssd", "compact_dead_fraction", self.compact_dead_fraction)
 
 
@@ -153,6 +169,29 @@ class ServerConfig:
                               f"got {self.log_level!r}")
 
 
+TIER_KINDS: dict[str, type[TierSettings]] = {"dram": DramConfig, "ssd": SsdConfig}
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One link of the tier chain: its name (in stats, listings, ``tokens_per_tier``), its kind
+    (which tier implementation; a key of ``TIER_KINDS``) and that kind's settings."""
+
+    name: str
+    kind: str
+    settings: TierSettings
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"tiers: name {self.name!r} must be letters, digits, - or _")
+        cls = TIER_KINDS.get(self.kind)
+        if cls is None:
+            raise ConfigError(f"tiers.{self.name}.kind must be one of {sorted(TIER_KINDS)}, "
+                              f"got {self.kind!r}")
+        if not isinstance(self.settings, cls):
+            raise ConfigError(f"tiers.{self.name}: a {self.kind} tier takes {cls.__name__}")
+
+
 @dataclass(frozen=True, slots=True)
 class KVStoreConfig:
     """Everything kvstore reads from configuration."""
@@ -160,6 +199,21 @@ class KVStoreConfig:
     dram: DramConfig = field(default_factory=DramConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tiers: tuple[TierConfig, ...] = ()  # the chain, fastest first; empty: [dram] then [ssd]
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tiers: names must be unique, got {names}")
+
+    def tier_chain(self) -> tuple[TierConfig, ...]:
+        """The tiers a store walks, fastest first."""
+        if self.tiers:
+            return self.tiers
+        chain = [TierConfig("dram", "dram", self.dram)]
+        if self.ssd.enabled:
+            chain.append(TierConfig("ssd", "ssd", self.ssd))
+        return tuple(chain)
 
 
 _SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig}
@@ -200,24 +254,47 @@ def _coerce(section: str, name: str, value: Any, current: Any) -> Any:
     return str(value)
 
 
+def _apply(section: str, current: Any, values: Mapping[str, Any]) -> Any:
+    """``current`` (a config dataclass) with ``values`` coerced onto its fields."""
+    known = {f.name for f in dataclasses.fields(current)}
+    changes = {}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"unknown config field {section}.{name}; known: {sorted(known)}")
+        changes[name] = _coerce(section, name, value, getattr(current, name))
+    return dataclasses.replace(current, **changes)
+
+
+def _tier_chain(tables: Any) -> tuple[TierConfig, ...]:
+    """``[[tiers]]`` tables: each a name, a kind and that kind's fields."""
+    if not isinstance(tables, (list, tuple)) or not all(isinstance(t, Mapping) for t in tables):
+        raise ConfigError("tiers must be a list of tables ([[tiers]] in TOML)")
+    chain = []
+    for i, table in enumerate(tables):
+        fields = dict(table)
+        name, kind = str(fields.pop("name", "")), str(fields.pop("kind", ""))
+        cls = TIER_KINDS.get(kind)
+        if cls is None:
+            raise ConfigError(f"tiers[{i}].kind must be one of {sorted(TIER_KINDS)}, "
+                              f"got {kind!r}")
+        chain.append(TierConfig(name, kind, _apply(f"tiers.{name or i}", cls(), fields)))
+    return tuple(chain)
+
+
 def config_from_mapping(data: Mapping[str, Any], base: KVStoreConfig | None = None) -> KVStoreConfig:
-    """Apply ``{"dram": {...}, "ssd": {...}, "server": {...}}`` on top of ``base``."""
+    """Apply ``{"dram": {...}, "ssd": {...}, "server": {...}, "tiers": [...]}`` on ``base``."""
     base = base or KVStoreConfig()
     sections: dict[str, Any] = {}
     for section, values in data.items():
-        cls = _SECTIONS.get(section)
-        if cls is None:
-            raise ConfigError(f"unknown config section {section!r}; expected {sorted(_SECTIONS)}")
+        if section == "tiers":
+            sections["tiers"] = _tier_chain(values)
+            continue
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}; expected "
+                              f"{sorted([*_SECTIONS, 'tiers'])}")
         if not isinstance(values, Mapping):
             raise ConfigError(f"config section {section!r} must be a table")
-        current = getattr(base, section)
-        known = {f.name for f in dataclasses.fields(cls)}
-        changes = {}
-        for name, value in values.items():
-            if name not in known:
-                raise ConfigError(f"unknown config field {section}.{name}; known: {sorted(known)}")
-            changes[name] = _coerce(section, name, value, getattr(current, name))
-        sections[section] = dataclasses.replace(current, **changes)
+        sections[section] = _apply(section, getattr(base, section), values)
     return dataclasses.replace(base, **sections)
 
 

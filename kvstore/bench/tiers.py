@@ -14,7 +14,6 @@ load from other processes on a shared machine hits both sides alike.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import re
 import shutil
@@ -31,11 +30,11 @@ import torch
 from kvstore import codecs
 from kvstore.bench.report import BenchReport, Column
 from kvstore.config import DramConfig, SsdConfig
-from kvstore.decode import PageDecoder
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.page import PageMeta, encode_page
 from kvstore.spec import KVSpec
+from kvstore.store.decode import PageDecoder
 from kvstore.tiers.base import Tier
 
 # 32 layers x 2 x 16 tokens x 8 kv heads x 128 head dim x 2 bytes (bf16) = 2 MiB per block.
@@ -270,10 +269,7 @@ async def _ssd_round(work: _Workload, pages: list[bytes], ring: torch.Tensor, di
                                  persist_on_close=False))
         await tier.open()
         try:
-            # force: skip the admission filter, which refuses first sightings.
-            put_s = await _put_pass(work, pages.__getitem__,
-                                    functools.partial(tier.write, force=True), tier.name,
-                                    queue_depth)
+            put_s = await _put_pass(work, pages.__getitem__, tier.write, tier.name, queue_depth)
             get_s = await _get_pass(work, tier, ring)
             _check_ring(work, ring, tier.name)
             prefix_s = await _get_pass(work, tier, ring, PREFIX_BLOCKS)

@@ -1,5 +1,8 @@
 """Admission for cold tiers: a TinyLFU-style count-min frequency sketch with aging.
 
+``FrequencyAdmission`` admits a block once the sketch saw it ``threshold`` times; ``AdmitAll``
+admits everything (a tier without a filter).
+
 A block earns a place on SSD by being seen often enough; one-off blocks would only wear the
 device. The sketch answers "about how often was this key seen lately" in constant memory: four
 rows of 8-bit saturating counters, each row indexed by its own 32 bits of a 128-bit hash. The
@@ -10,12 +13,14 @@ add). Every ``sample_size`` increments all counters are halved, so old popularit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import BlockKey
+from kvstore.policy.base import AdmissionPolicy
 
 NUM_ROWS = 4
 MAX_COUNT = 255  # uint8 counters saturate here
@@ -118,3 +123,39 @@ class FrequencySketch:
         """Forget every sighting."""
         self._table.fill(0)
         self._num_additions = 0
+
+
+class AdmitAll(AdmissionPolicy):
+    """Every block may enter."""
+
+    def note(self, keys: Iterable[BlockKey]) -> None:
+        return None
+
+    def admits(self, key: BlockKey) -> bool:
+        return True
+
+
+class FrequencyAdmission(AdmissionPolicy):
+    """Admits a block seen at least ``threshold`` times lately (a put or lookup hit each).
+
+    Args:
+        threshold: sightings a block needs; 1 admits any block seen once.
+        expected_keys: distinct keys the sketch is sized for (``FrequencySketch``).
+    """
+
+    def __init__(self, threshold: int, expected_keys: int) -> None:
+        if threshold < 1:
+            raise InvalidArgument(f"admission threshold must be >= 1, got {threshold}")
+        self.threshold = threshold
+        self.sketch = FrequencySketch(expected_keys)
+
+    def note(self, keys: Iterable[BlockKey]) -> None:
+        self.sketch.add_many(list(keys))
+
+    def admits(self, key: BlockKey) -> bool:
+        return self.sketch.estimate(key) >= self.threshold
+
+
+def admission_for(threshold: int, expected_keys: int) -> AdmissionPolicy:
+    """The policy a tier's settings ask for: a threshold of 0 admits everything."""
+    return AdmitAll() if threshold == 0 else FrequencyAdmission(threshold, expected_keys)

@@ -88,8 +88,10 @@ class KVStoreService(pbg.KVStoreServicer):
         self._config = config
         self._is_draining = is_draining
         self._chunk_bytes = chunk_limit(config.server.max_message_bytes)
-        # One Put is assembled in memory before the store sees it: bound it by what DRAM holds.
-        self._max_put_bytes = max(config.dram.capacity_bytes, config.server.max_message_bytes)
+        # One Put is assembled in memory before the store sees it: bound it by what the fastest
+        # tier (memory) holds.
+        self._max_put_bytes = max(config.server.max_message_bytes,
+                                  config.tier_chain()[0].settings.capacity_bytes)
         self._grants = GrantBook()
         self._started = time.monotonic()
 
@@ -161,7 +163,7 @@ class KVStoreService(pbg.KVStoreServicer):
             status="DRAINING" if self._is_draining() else "SERVING", version=__version__,
             uptime_s=time.monotonic() - self._started, pid=os.getpid(),
             tenant=caller.tenant or "", is_admin=caller.is_admin,
-            arena_path=self._store.dram.arena_path,
+            arena_path=self._store.arena_path,
         )
 
     async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:

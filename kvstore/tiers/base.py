@@ -1,8 +1,11 @@
-"""The Tier contract: where encoded pages live (HBM, DRAM, SSD, remote).
+"""The Tier contract and the capabilities a tier may add (slot lending; sharing across hosts).
 
 A tier stores whole encoded pages (``kvstore.page``) by ``BlockKey``. It knows nothing about
-prefixes, namespaces or policy: the store (``kvstore.store``) decides what goes where, and a tier
-only admits, holds, returns and forgets pages within its capacity.
+prefixes, namespaces or policy: the store (``kvstore.store``) walks an ordered chain of tiers,
+fastest first, decides what goes where and makes room; a tier only admits, holds, returns and
+forgets pages within its capacity, and says what it would need freed for a page to fit. The
+store never names a tier: it checks capabilities with ``isinstance`` (``SlotTier``,
+``SharedTier``).
 
 Threading: every method is called from the store's event loop. Async methods may await file or
 device I/O (through threads); sync methods must return quickly and never block on I/O.
@@ -11,20 +14,25 @@ device I/O (through threads); sync methods must return quickly and never block o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
-from kvstore.api import TierStats
+from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
+from kvstore.policy.base import Footprint, RoomNeed
+
+__all__ = ["Footprint", "RoomNeed", "SharedTier", "Slot", "SlotTier", "Tier", "TierStats"]
 
 
 class Tier(ABC):
     """One storage tier. Implementations own their memory or files and their counters.
 
     Contract:
-    - ``write`` stores a complete encoded page under ``key`` or returns False (not admitted,
-      no room); it never leaves a partial page readable. Writing a key already present is a
-      no-op that returns True.
+    - ``write`` stores a complete encoded page under ``key`` or returns False (no room); it never
+      leaves a partial page readable and never evicts: making room is the store's job
+      (``room_for`` says what it takes). Writing a key already present is a no-op that returns
+      True.
     - ``read`` returns the verified, parsed page, or None on a miss. A page that fails
       verification is removed, counted in ``stats().corrupt`` and reported as a miss: a tier
       never returns bytes that fail their checksum.
@@ -37,9 +45,14 @@ class Tier(ABC):
       or meta that does not parse is handled as in a verified read.
     - ``delete`` forgets a key (idempotent). ``close`` flushes what must persist.
     - ``used_bytes`` never exceeds ``capacity_bytes``.
+    - Room: ``room_for(n)`` is None when a page of ``n`` bytes fits now; otherwise the space to
+      free, in ``footprint`` terms: deleting unpinned blocks whose footprints are of
+      ``need.size_class`` (any class if None) and add up to ``need.nbytes`` lets the page fit.
+      ``max_page_bytes`` is the largest page the tier could ever hold.
     """
 
     name: str = "tier"
+    is_persistent: bool = False  # pages survive a restart (``entries`` lists them at open)
 
     @property
     @abstractmethod
@@ -51,17 +64,35 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes currently charged against capacity (slot or segment space)."""
 
+    @property
+    @abstractmethod
+    def max_page_bytes(self) -> int:
+        """The largest page this tier can hold when empty."""
+
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored (no I/O)."""
 
     @abstractmethod
+    def room_for(self, nbytes: int) -> RoomNeed | None:
+        """None if a page of ``nbytes`` fits now; else what must be freed first."""
+
     def can_write(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without evicting anything."""
+        return self.room_for(nbytes) is None
+
+    @abstractmethod
+    def footprint(self, key: BlockKey) -> Footprint | None:
+        """The space the stored page of ``key`` takes (its size class and charge), or None."""
+
+    def moved_keys(self) -> list[BlockKey]:
+        """Stored keys whose footprint changed since the last call (a log-structured tier
+        relocates pages when it compacts); the store re-files them in its eviction order."""
+        return []
 
     @abstractmethod
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
-        """Store an encoded page; True if stored (or already present)."""
+        """Store an encoded page; True if stored (or already present), False if no room."""
 
     @abstractmethod
     async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
@@ -84,10 +115,71 @@ class Tier(ABC):
 
     @abstractmethod
     def stats(self) -> TierStats:
-        """A snapshot of this tier's counters."""
+        """A snapshot of this tier's counters (``evictions`` is the store's to count)."""
 
     async def open(self) -> None:
         """Acquire files, memory and indexes. Called once before use."""
 
     async def close(self) -> None:
         """Flush what must persist and release resources."""
+
+
+class Slot(Protocol):
+    """A fixed piece of a slot tier's memory, lent to one writer at a time."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def slot_bytes(self) -> int: ...
+
+
+class SlotTier(Tier):
+    """A tier of fixed slots in memory other processes on the host map (a shared-memory arena,
+    a GPU pool exported over IPC): it lends slots for zero-copy writes and locates pages for
+    pinned zero-copy reads.
+
+    - ``allocate_slot`` gives a writer a free slot owned by no key (None: no room; the store
+      makes room first). ``slot_view`` is the slot's memory in this process.
+    - ``publish`` makes the page a writer put into the slot readable under ``key``, after the
+      store verified it; if ``key`` was stored meanwhile, the slot is freed and the stored copy
+      kept. ``abort`` frees a slot never published.
+    - ``locate(key)`` is ``(offset, length)`` of a stored page in ``region``: valid while the
+      store keeps the block pinned.
+    """
+
+    @property
+    @abstractmethod
+    def medium(self) -> Medium:
+        """Which memory the slots are in."""
+
+    @property
+    @abstractmethod
+    def region(self) -> str:
+        """What a client maps to reach the slots (the arena path; the pool name)."""
+
+    @abstractmethod
+    async def allocate_slot(self, nbytes: int) -> Slot | None: ...
+
+    @abstractmethod
+    def slot_view(self, slot: Slot) -> memoryview: ...
+
+    @abstractmethod
+    def publish(self, slot: Slot, key: BlockKey, meta: PageMeta) -> int:
+        """Make the slot's page readable as ``key``; return its length."""
+
+    @abstractmethod
+    def abort(self, slot: Slot) -> None: ...
+
+    @abstractmethod
+    def locate(self, key: BlockKey) -> tuple[int, int] | None: ...
+
+
+class SharedTier(Tier):
+    """A tier several hosts see (a Redis/Valkey cluster): blocks may appear in it that this
+    store never wrote, so the store does not own its directory: it probes it for the blocks
+    past the local match with one batched call per prefix."""
+
+    @abstractmethod
+    async def exists_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the tier holds, in one round trip per slot group."""

@@ -1,11 +1,10 @@
 """The DRAM tier: encoded pages in fixed slots of a shared-memory arena other processes can map.
 
-Making room is the store's job: the tier never evicts on its own. When ``write`` returns False
-the store picks victims (LRU, children before parents), calls ``delete(key, evicted=True)`` and
-retries. Deleting a page frees space for a page of ``nbytes`` only if it was in the same size
-class (``slot_bytes_of(key) == victim_class_hint(nbytes)``) or if it empties its chunk
-(``chunk_of(key)``): an empty chunk returns to the free pool and any class can take it.
-``frees_room_for(key, nbytes)`` answers that question for one candidate directly.
+Making room is the store's job: the tier never evicts on its own. Slots come in size classes
+(``SlabAllocator``): when the arena is full, deleting a page frees room for a page of the same
+class, one slot for one slot, so ``room_for(n)`` asks for one slot of the class of ``n`` and
+``footprint(key)`` reports each page's class. (Emptying a whole chunk would also free room for
+any class; the store's watermark demotion does that over time.)
 """
 
 from __future__ import annotations
@@ -24,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.api import Medium
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, page_length, parse_page
+from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.tiers.arena import ShmArena, SlabAllocator, Slot, reclaim_stale_arenas, round_up
-from kvstore.tiers.base import Tier, TierStats
+from kvstore.tiers.base import SlotTier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def _copy_large(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
-class DramTier(Tier):
+class DramTier(SlotTier):
     """Pages in a slab-allocated shared-memory arena; reads are zero-copy views into it.
 
     The arena grows in ``chunk_bytes`` steps, in a thread, one chunk ahead of demand, so the
@@ -86,7 +87,8 @@ class DramTier(Tier):
 
     name = "dram"
 
-    def __init__(self, config: DramConfig) -> None:
+    def __init__(self, config: DramConfig, name: str = "dram") -> None:
+        self.name = name
         self.config = config
         self._alloc = SlabAllocator(config.capacity_bytes, config.chunk_bytes)
         path = os.path.join(_shm_dir(config.shm_dir),
@@ -106,6 +108,18 @@ class DramTier(Tier):
     def arena_path(self) -> str:
         """Path of the arena file (map it MAP_SHARED to read pages at ``locate`` offsets)."""
         return self._arena.path
+
+    @property
+    def medium(self) -> Medium:
+        return Medium.HOST
+
+    @property
+    def region(self) -> str:
+        return self._arena.path
+
+    @property
+    def max_page_bytes(self) -> int:
+        return self._alloc.capacity_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -154,8 +168,17 @@ class DramTier(Tier):
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
 
-    def can_write(self, nbytes: int) -> bool:
-        return self._is_open and self._alloc.plan_growth(nbytes) is not None
+    def room_for(self, nbytes: int) -> RoomNeed | None:
+        if self._is_open and self._alloc.plan_growth(nbytes) is not None:
+            return None
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
+
+    def footprint(self, key: BlockKey) -> Footprint | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        return Footprint(size_class=entry.slot.slot_bytes, nbytes=entry.slot.slot_bytes)
 
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
         """Copy ``page`` into a slot; False (counted ``rejected``) when there is no room."""
@@ -212,13 +235,10 @@ class DramTier(Tier):
         self._stats.bytes_read += entry.length
         return page
 
-    async def delete(self, key: BlockKey, evicted: bool = False) -> bool:
-        """Forget ``key``; ``evicted=True`` counts it in ``stats().evictions``."""
+    async def delete(self, key: BlockKey) -> bool:
         if key not in self._entries:
             return False
         self._remove(key)
-        if evicted:
-            self._stats.evictions += 1
         return True
 
     def entries(self) -> Iterator[PageMeta]:
@@ -270,31 +290,11 @@ class DramTier(Tier):
         """Give back a slot that was never published."""
         self._alloc.release(slot)
 
-    def victim_class_hint(self, nbytes: int) -> int:
-        """Slot size a page of ``nbytes`` needs: deleting a page of this class makes room."""
-        return SlabAllocator.slot_bytes_for(nbytes)
-
-    def slot_bytes_of(self, key: BlockKey) -> int | None:
-        """Slot size (size class) of a stored page, or None."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry.slot.slot_bytes
-
-    def chunk_of(self, key: BlockKey) -> int | None:
-        """Arena offset of the chunk holding ``key``'s page; emptying a chunk frees it for any
-        size class."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry.slot.chunk.offset
-
-    def frees_room_for(self, key: BlockKey, nbytes: int) -> bool:
-        """Whether deleting ``key`` alone would let a page of ``nbytes`` be written."""
-        entry = self._entries.get(key)
-        return entry is not None and self._alloc.frees_room(entry.slot, nbytes)
-
     def stats(self) -> TierStats:
         s = self._stats
         return TierStats(
             name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
-            num_blocks=len(self._entries), hits=s.hits, misses=s.misses, evictions=s.evictions,
+            num_blocks=len(self._entries), hits=s.hits, misses=s.misses,
             corrupt=s.corrupt, rejected=s.rejected, bytes_read=s.bytes_read,
             bytes_written=s.bytes_written,
             extra={

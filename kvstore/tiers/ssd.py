@@ -43,7 +43,7 @@ import mmap
 import os
 import struct
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-from kvstore.policy.admission import FrequencySketch
+from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
 from kvstore.tiers.segments import (
     ALIGN_BYTES,
@@ -92,21 +92,22 @@ class SsdTier(SegmentWriter, Tier):
 
     Called from one event loop. File I/O goes through aiofiles or worker threads, LMDB
     transactions through worker threads, one write transaction at a time (``LmdbIndex``).
-    ``write`` admits a page only if the frequency sketch saw its key ``admit_after_accesses``
-    times (``note_access``), unless ``force``. Space: a reserve of one segment's worth of live
+    Space: a reserve of one segment's worth of live
     bytes (``(1 - compact_dead_fraction) * segment_bytes``) is kept for compaction, so
     compaction can always copy a victim's live pages forward.
     """
 
     name = "ssd"
+    is_persistent = True
 
-    def __init__(self, config: SsdConfig) -> None:
+    def __init__(self, config: SsdConfig, name: str = "ssd") -> None:
+        self.name = name
         self._config = config
         self._dir = Path(config.path)
-        self._sketch = FrequencySketch(config.admit_expected_keys)
         reserve = int((1.0 - config.compact_dead_fraction) * config.segment_bytes)
         self._reserve_bytes = min(aligned(reserve), config.capacity_bytes // 2)
         self._index: dict[bytes, IndexRecord] = {}
+        self._moved: list[BlockKey] = []  # relocated by compaction since moved_keys() was asked
         self._segments: dict[int, Segment] = {}
         self._active: Segment | None = None
         self._next_segment_id = 1
@@ -129,7 +130,7 @@ class SsdTier(SegmentWriter, Tier):
         self._is_closing = False  # refuse new calls
         self._is_stopping = False  # compaction drained: the writer and flusher may exit
         self._o_direct = False
-        self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected", "evictions",
+        self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected",
                                       "bytes_read", "bytes_written", "compactions", "appends"), 0)
 
     @property
@@ -148,24 +149,45 @@ class SsdTier(SegmentWriter, Tier):
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
 
-    def can_write(self, nbytes: int) -> bool:
-        """Whether a page of ``nbytes`` fits now, possibly after compacting dead segments."""
+    @property
+    def max_page_bytes(self) -> int:
+        return self.capacity_bytes - self._reserve_bytes
+
+    def room_for(self, nbytes: int) -> RoomNeed | None:
+        """None if a page of ``nbytes`` fits now, possibly after the write compacts a segment;
+        else the live bytes to delete from one sealed segment (a page's size class is its
+        segment) so that compacting it frees enough: the segment needing the fewest.
+
+        Compacting a segment copies its live pages forward, so it can run only while they fit in
+        the free space, and it frees the segment's dead bytes.
+        """
         padded = aligned(nbytes)
         if self._fits(padded):
-            return True
-        used = self._used_bytes
-        for seg in self._compaction_candidates():
-            if seg.live_bytes <= self.capacity_bytes - used:
-                used -= seg.dead_bytes
-        return used + padded <= self.capacity_bytes - self._reserve_bytes
+            return None
+        deficit = self._used_bytes + padded - (self.capacity_bytes - self._reserve_bytes)
+        free = self.capacity_bytes - self._used_bytes
+        best: tuple[int, int] | None = None
+        for seg in self._segments.values():
+            if seg is self._active or seg.is_compacting or seg.num_inflight or not seg.size_bytes:
+                continue
+            delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
+            if best is None or delete < best[0]:
+                best = (delete, seg.segment_id)
+        if best is None:  # only the active segment holds pages: it must fill and seal first
+            return RoomNeed(nbytes=deficit)
+        if best[0] == 0:
+            return None
+        return RoomNeed(nbytes=best[0], size_class=best[1])
 
-    def note_access(self, key: BlockKey) -> None:
-        """Record a sighting of ``key`` (a put or a lookup hit) for the admission filter."""
-        self._sketch.add(key)
+    def footprint(self, key: BlockKey) -> Footprint | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        return Footprint(size_class=entry.segment_id, nbytes=entry.padded)
 
-    def note_accesses(self, keys: Sequence[BlockKey]) -> None:
-        """``note_access`` for a whole prefix at once."""
-        self._sketch.add_many(keys)
+    def moved_keys(self) -> list[BlockKey]:
+        moved, self._moved = self._moved, []
+        return [key for key in moved if key in self._index]
 
     def entries(self) -> Iterator[PageMeta]:
         for entry in list(self._index.values()):
@@ -180,15 +202,14 @@ class SsdTier(SegmentWriter, Tier):
         return TierStats(
             name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self._used_bytes,
             num_blocks=len(self._index), hits=c["hits"], misses=c["misses"],
-            evictions=c["evictions"], corrupt=c["corrupt"], rejected=c["rejected"],
+            corrupt=c["corrupt"], rejected=c["rejected"],
             bytes_read=c["bytes_read"], bytes_written=c["bytes_written"],
             extra={"segments": len(self._segments),
                    "dead_bytes": sum(s.dead_bytes for s in self._segments.values()),
                    "o_direct": int(self._o_direct), "compactions": c["compactions"],
                    "appends": c["appends"], "read_buffer_bytes": self._read_buffers.kept_bytes})
 
-    async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta, *,
-                    force: bool = False) -> bool:
+    async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
         """Store an encoded page; True once it is durable per ``config.fsync`` and indexed.
 
         Args:
@@ -196,26 +217,22 @@ class SsdTier(SegmentWriter, Tier):
             page: a complete encoded page (``kvstore.page.encode_page``); the page header is
                 authoritative for the meta kept in the index.
             meta: the block's meta as the store knows it.
-            force: skip the admission filter (e.g. a block no other tier can hold).
 
         Returns:
-            False if the filter rejects the key or no room can be made without evicting.
+            False if no room can be made without evicting.
         """
         self._check_open()
         if key in self._index:
             return True
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key].future)
-        if not force and self._sketch.estimate(key) < self._config.admit_after_accesses:
-            self._counts["rejected"] += 1
-            return False
         data, page_meta, checksum = check_page(key, page, meta)
         padded = aligned(len(data))
         if not self._fits(padded):
             await self._reclaim(padded)
             self._check_open()
             if key in self._index or key in self._inflight:  # written while we compacted
-                return await self.write(key, page, meta, force=True)
+                return await self.write(key, page, meta)
             if not self._fits(padded):
                 self._counts["rejected"] += 1
                 return False
@@ -252,7 +269,6 @@ class SsdTier(SegmentWriter, Tier):
             return pending is not None
         self._lmdb.forget(key)  # committed with the next flush: see the module docstring
         self._release(entry)
-        self._counts["evictions"] += 1
         await self._remove_emptied()
         return True
 

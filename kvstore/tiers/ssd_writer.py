@@ -213,6 +213,7 @@ class SegmentWriter:
             return
         if old is not None:
             self._release(old)  # a compaction victim is removed by its compactor, later
+            self._moved.append(p.key)
         entry = IndexRecord(p.meta, seg.segment_id, p.offset, len(p.data), p.checksum)
         self._index[p.key] = entry
         seg.keys.add(p.key)
@@ -283,12 +284,13 @@ class SegmentWriter:
         """Whether a page fits beside the space held back for compaction."""
         return self._used_bytes + padded <= self.capacity_bytes - self._reserve_bytes
 
-    def _compaction_candidates(self) -> list[Segment]:
-        """Sealed, idle segments at least ``compact_dead_fraction`` dead, deadest first."""
-        fraction = self._config.compact_dead_fraction
+    def _compaction_candidates(self, forced: bool = False) -> list[Segment]:
+        """Sealed, idle segments at least ``compact_dead_fraction`` dead, deadest first; with
+        ``forced``, every one with dead bytes (a page that must fit, whatever it costs)."""
+        fraction = 0.0 if forced else self._config.compact_dead_fraction
         found = [s for s in self._segments.values()
                  if s is not self._active and not s.is_compacting and s.num_inflight == 0
-                 and s.size_bytes and s.dead_bytes >= fraction * s.size_bytes]
+                 and s.size_bytes and s.dead_bytes > 0 and s.dead_bytes >= fraction * s.size_bytes]
         return sorted(found, key=lambda s: s.dead_bytes, reverse=True)
 
     def _release(self, entry: IndexRecord) -> None:
@@ -326,12 +328,15 @@ class SegmentWriter:
             await seg.handle.close()  # else the last reader closes it
 
     async def _reclaim(self, padded: int) -> None:
-        """Compact dead segments until a page of ``padded`` bytes fits, or nothing is left."""
+        """Compact dead segments until a page of ``padded`` bytes fits, or nothing is left:
+        those at least ``compact_dead_fraction`` dead first, then, since the store deleted
+        pages to make this room (``room_for`` counts every dead byte), the deadest others."""
         async with self._compact_lock:
             tried: set[Segment] = set()
             while not self._fits(padded) and not self._is_closing:
                 free = self.capacity_bytes - self._used_bytes
-                victim = next((s for s in self._compaction_candidates()
+                victim = next((s for forced in (False, True)
+                               for s in self._compaction_candidates(forced)
                                if s not in tried and s.live_bytes <= free), None)
                 if victim is None:
                     return

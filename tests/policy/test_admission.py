@@ -7,7 +7,13 @@ import random
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.policy.admission import MAX_COUNT, FrequencySketch
+from kvstore.policy.admission import (
+    MAX_COUNT,
+    AdmitAll,
+    FrequencyAdmission,
+    FrequencySketch,
+    admission_for,
+)
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
@@ -93,3 +99,15 @@ def test_add_many_matches_add_key_by_key():
         assert many.estimate(key) >= true and one.estimate(key) >= true
         over += many.estimate(key) - true
     assert over / len(set(keys)) < 0.1
+
+
+def test_frequency_admission_admits_blocks_seen_twice():
+    """Moved from the SSD tier: one-off blocks never reach a tier with a threshold of 2."""
+    policy = FrequencyAdmission(threshold=2, expected_keys=1024)
+    once, twice = keys(2, seed=5)
+    policy.note([once, twice])
+    policy.note([twice])
+    assert not policy.admits(once) and policy.admits(twice)
+    assert isinstance(admission_for(0, 1024), AdmitAll) and AdmitAll().admits(once)
+    with pytest.raises(InvalidArgument):
+        FrequencyAdmission(threshold=0, expected_keys=16)

@@ -145,7 +145,7 @@ async def test_zero_copy_falls_back_to_streaming_without_arena_access(daemon, ns
     real_open = os.open
 
     def deny_arena(path, flags, *args):
-        if str(path) == daemon.store.dram.arena_path:
+        if str(path) == daemon.store.arena_path:
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *args)
 

@@ -36,7 +36,7 @@ async def write_forever(path: str, fsync: str) -> None:
     while True:
         pages = [crash_page(i + j) for j in range(PAGES_PER_ROUND)]
         results = await asyncio.gather(
-            *(tier.write(key, data, meta, force=True) for key, meta, data in pages))
+            *(tier.write(key, data, meta) for key, meta, data in pages))
         for j, stored in enumerate(results):
             if stored:
                 print(i + j, flush=True)

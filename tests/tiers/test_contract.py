@@ -13,6 +13,7 @@ from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page, verify_page
+from kvstore.store.placement import MAX_ROOM_ROUNDS
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.ssd import SsdTier
@@ -26,12 +27,6 @@ def make_page(i: int, payload_bytes: int) -> tuple[BlockKey, PageMeta, bytes]:
     meta = PageMeta(key=key, namespace=b"n" * 16, parent=None, block_index=i, tenant="t",
                     model_id="m", codec="raw", codec_id=1)
     return key, meta, encode_page(meta, os.urandom(payload_bytes))
-
-
-async def _write(tier: Tier, key, data, meta) -> bool:
-    if isinstance(tier, SsdTier):  # the frequency filter is not part of the contract
-        return await tier.write(key, data, meta, force=True)
-    return await tier.write(key, data, meta)
 
 
 @pytest.fixture(params=["dram", "ssd"])
@@ -49,11 +44,11 @@ async def tier(request, tmp_path):
 async def test_write_read_delete(tier):
     key, meta, data = make_page(1, 10_000)
     assert not tier.contains(key) and await tier.read(key) is None
-    assert await _write(tier, key, data, meta)
+    assert await tier.write(key, data, meta)
     assert tier.contains(key) and tier.page_size(key) == len(data)
     page = await tier.read(key)
     assert bytes(page.data) == data and page.meta.key == key
-    assert await _write(tier, key, data, meta)  # rewriting a present key is a no-op
+    assert await tier.write(key, data, meta)  # rewriting a present key is a no-op
     assert [m.key for m in tier.entries()] == [key]
     assert await tier.delete(key) and not tier.contains(key)
     assert not await tier.delete(key)
@@ -63,7 +58,7 @@ async def test_write_read_delete(tier):
 async def test_stats_count_what_happened(tier):
     pages = [make_page(i, 5_000 + 1000 * i) for i in range(5)]
     for key, meta, data in pages:
-        await _write(tier, key, data, meta)
+        await tier.write(key, data, meta)
     for key, _, _ in pages[:3]:
         await tier.read(key)
     await tier.read(BlockKey(b"x" * 16))
@@ -82,7 +77,7 @@ async def test_capacity_is_a_hard_bound(tier):
     live: list[BlockKey] = []
     for i in range(400):
         key, meta, data = make_page(i, 60_000)
-        while not await _write(tier, key, data, meta):
+        while not await tier.write(key, data, meta):
             assert live, "an empty tier must accept a page far below capacity"
             await tier.delete(live.pop(0))
         live.append(key)
@@ -94,7 +89,7 @@ async def test_capacity_is_a_hard_bound(tier):
 
 async def test_concurrent_writers_and_readers(tier):
     pages = [make_page(i, 3_000) for i in range(60)]
-    await asyncio.gather(*(_write(tier, k, d, m) for k, m, d in pages))
+    await asyncio.gather(*(tier.write(k, d, m) for k, m, d in pages))
     pages_read = await asyncio.gather(*(tier.read(k) for k, _, _ in pages))
     assert [bytes(p.data) for p in pages_read] == [d for _, _, d in pages]
 
@@ -125,7 +120,7 @@ async def test_unverified_read_leaves_the_checksum_to_the_caller(tier):
     key, meta, data = make_page(7, 50_000)
     other_key, other_meta, other = make_page(8, 50_000)
     for k, m, d in ((key, meta, data), (other_key, other_meta, other)):
-        assert await _write(tier, k, d, m)
+        assert await tier.write(k, d, m)
     page = await tier.read(key, verify=False)
     assert bytes(page.data) == data and page.meta == meta
     verify_page(page)
@@ -140,3 +135,38 @@ async def test_unverified_read_leaves_the_checksum_to_the_caller(tier):
     assert not tier.contains(key) and tier.stats().corrupt == 1
     assert await tier.read(key, verify=False) is None  # gone: a plain miss
     verify_page(await tier.read(other_key, verify=False))
+
+
+async def test_room_is_what_the_tier_says_it_needs(tier):
+    """room_for agrees with can_write; deleting what it asks for, the way the store picks
+    victims (footprints of its size class whose charges add up to ``need.nbytes``, oldest first),
+    lets the page in within the store's rounds of making room; footprints exist for stored keys
+    only; a page over ``max_page_bytes`` never fits, even in an empty tier."""
+    live: list[BlockKey] = []
+    for i in range(400):
+        key, meta, data = make_page(i, 60_000)
+        if not await tier.write(key, data, meta):
+            break
+        assert tier.footprint(key).nbytes >= len(data)
+        live.append(key)
+    key, meta, data = make_page(999, 60_000)
+    need = tier.room_for(len(data))
+    assert need is not None and not tier.can_write(len(data))
+    for _ in range(MAX_ROOM_ROUNDS):
+        need = tier.room_for(len(data))
+        if need is not None:
+            freed = 0
+            for victim in [k for k in live if need.size_class in (None, tier.footprint(k).size_class)]:
+                if freed >= need.nbytes:
+                    break
+                freed += tier.footprint(victim).nbytes
+                assert await tier.delete(victim)
+                live.remove(victim)
+            assert freed >= need.nbytes
+        if await tier.write(key, data, meta):
+            break
+    assert tier.contains(key) and tier.footprint(BlockKey(b"z" * 16)) is None
+    for victim in live:
+        await tier.delete(victim)
+    assert tier.room_for(tier.max_page_bytes + 1) is not None
+    assert tier.max_page_bytes <= tier.capacity_bytes

@@ -80,7 +80,7 @@ async def test_a_page_kept_by_its_reader_survives_later_reads(tmp_path) -> None:
     try:
         pages = [_page(i, 200_000) for i in range(8)]
         for key, meta, data in pages:
-            assert await tier.write(key, data, meta, force=True)
+            assert await tier.write(key, data, meta)
         kept = await tier.read(pages[0][0])
         payload = torch.frombuffer(kept.payload, dtype=torch.uint8)
         for _ in range(3):

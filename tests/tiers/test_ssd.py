@@ -63,11 +63,11 @@ async def tier(tmp_path):
 async def test_round_trip(tier):
     key, meta, data = make_page(0, 5000)
     assert not tier.contains(key)
-    assert await tier.write(key, data, meta, force=True)
+    assert await tier.write(key, data, meta)
     assert tier.contains(key)
     page = await tier.read(key)
     assert page is not None and bytes(page.data) == data and page.meta == meta
-    assert await tier.write(key, data, meta, force=True)  # present: a no-op
+    assert await tier.write(key, data, meta)  # present: a no-op
     assert tier.stats().num_blocks == 1
     assert await tier.delete(key) and not await tier.delete(key)
     assert not tier.contains(key) and await tier.read(key) is None
@@ -78,7 +78,7 @@ async def test_round_trip(tier):
 async def test_many_pages_of_several_sizes(tier):
     sizes = [0, 1, 100, ALIGN_BYTES - 150, ALIGN_BYTES, 10_000, 300_000, 1_500_000]
     pages = [make_page(i, size) for i, size in enumerate(sizes * 3)]
-    assert all(await asyncio.gather(*(tier.write(k, d, m, force=True) for k, m, d in pages)))
+    assert all(await asyncio.gather(*(tier.write(k, d, m) for k, m, d in pages)))
     for key, meta, data in pages:
         page = await tier.read(key)
         assert bytes(page.data) == data and page.meta == meta
@@ -92,11 +92,11 @@ async def test_rejects_pages_that_do_not_match_their_key(tier):
     key, meta, data = make_page(0, 100)
     other, other_meta, _ = make_page(1, 100)
     with pytest.raises(InvalidArgument, match="does not verify"):
-        await tier.write(other, data, other_meta, force=True)
+        await tier.write(other, data, other_meta)
     with pytest.raises(InvalidArgument, match="does not verify"):
-        await tier.write(key, data[:-1], meta, force=True)
+        await tier.write(key, data[:-1], meta)
     with pytest.raises(InvalidArgument, match="meta is for key"):
-        await tier.write(key, data, other_meta, force=True)
+        await tier.write(key, data, other_meta)
     assert tier.stats().num_blocks == 0
 
 
@@ -104,7 +104,7 @@ async def test_restart_serves_every_block_again(tmp_path):
     cfg = config(tmp_path / "ssd")
     pages = [make_page(i, 1000 + 37 * i) for i in range(200)]
     tier = await opened(cfg)
-    assert all(await asyncio.gather(*(tier.write(k, d, m, force=True) for k, m, d in pages)))
+    assert all(await asyncio.gather(*(tier.write(k, d, m) for k, m, d in pages)))
     await tier.delete(pages[0][0])
     used = tier.used_bytes
     await tier.close()
@@ -151,7 +151,7 @@ async def test_corrupt_page_is_dropped_never_served(tmp_path, caplog):
     tier = await opened(cfg)
     try:
         for key, meta, data in pages:
-            assert await tier.write(key, data, meta, force=True)
+            assert await tier.write(key, data, meta)
         flip_payload_bytes(tmp_path / "ssd", pages[1][2])
         assert await tier.read(pages[1][0]) is None
         assert tier.stats().corrupt == 1 and not tier.contains(pages[1][0])
@@ -215,7 +215,7 @@ async def test_torn_tail_and_short_segment_are_tolerated(tmp_path):
     pages = [make_page(i, 50_000) for i in range(10)]
     tier = await opened(cfg)
     for key, meta, data in pages:
-        assert await tier.write(key, data, meta, force=True)
+        assert await tier.write(key, data, meta)
     await tier.close()
     active = segment_files(directory)[-1]
     size = active.stat().st_size
@@ -226,7 +226,7 @@ async def test_torn_tail_and_short_segment_are_tolerated(tmp_path):
         assert active.stat().st_size == size  # truncated back to the last indexed page
         assert all([await tier.read(k) is not None for k, _, _ in pages])
         extra = make_page(99, 1000)
-        assert await tier.write(extra[0], extra[2], extra[1], force=True)
+        assert await tier.write(extra[0], extra[2], extra[1])
     finally:
         await tier.close()
     os.truncate(active, size - ALIGN_BYTES)  # the last page of that segment is now cut short
@@ -250,7 +250,7 @@ async def test_capacity_is_never_exceeded_and_compaction_reclaims(tmp_path):
     try:
         for i in range(2500):
             key, meta, data = make_page(i, rng.randrange(100, 12_000), seed=3)
-            while not await tier.write(key, data, meta, force=True):
+            while not await tier.write(key, data, meta):
                 victim = rng.choice(list(live))  # what the store does: evict, then retry
                 assert await tier.delete(victim)
                 del live[victim]
@@ -275,7 +275,7 @@ async def test_empty_segment_is_deleted_at_once(tier):
     directory = Path(tier._config.path)
     pages = [make_page(i, 200_000) for i in range(12)]  # about 2.4 segments
     for key, meta, data in pages:
-        assert await tier.write(key, data, meta, force=True)
+        assert await tier.write(key, data, meta)
     first = segment_files(directory)[0]
     first_size, used = first.stat().st_size, tier.used_bytes
     in_first = [k for k, _, d in pages if d in first.read_bytes()]
@@ -292,24 +292,13 @@ async def test_can_write_tracks_capacity(tmp_path):
     try:
         assert tier.can_write(2 * MiB) and not tier.can_write(2 * MiB + 1)
         key, meta, data = make_page(0, MiB)
-        assert await tier.write(key, data, meta, force=True)
+        assert await tier.write(key, data, meta)
         assert not tier.can_write(MiB) and tier.can_write(MiB // 2)
         too_big = make_page(1, MiB)
-        assert not await tier.write(too_big[0], too_big[2], too_big[1], force=True)
+        assert not await tier.write(too_big[0], too_big[2], too_big[1])
         assert tier.stats().rejected == 1
     finally:
         await tier.close()
-
-
-async def test_frequency_filter_admits_blocks_seen_twice(tier):
-    once, twice, forced = make_page(0, 100), make_page(1, 100), make_page(2, 100)
-    for key, _, _ in (once, twice, twice):
-        tier.note_access(key)
-    assert not await tier.write(once[0], once[2], once[1])
-    assert await tier.write(twice[0], twice[2], twice[1])
-    assert await tier.write(forced[0], forced[2], forced[1], force=True)
-    stats = tier.stats()
-    assert stats.rejected == 1 and stats.num_blocks == 2 and not tier.contains(once[0])
 
 
 def o_direct_works(directory: Path) -> bool:
@@ -338,7 +327,7 @@ async def test_buffered_fallback_on_tmpfs():
         tier = await opened(cfg)
         try:
             assert tier.stats().extra["o_direct"] == int(o_direct_works(Path(shm)))
-            assert all(await asyncio.gather(*(tier.write(k, d, m, force=True)
+            assert all(await asyncio.gather(*(tier.write(k, d, m)
                                               for k, m, d in pages)))
         finally:
             await tier.close()
@@ -357,7 +346,7 @@ async def test_o_direct_is_reported(tmp_path):
             expected = wanted and o_direct_works(tmp_path)
             assert tier.o_direct == expected and tier.stats().extra["o_direct"] == int(expected)
             key, meta, data = make_page(0, 7000)
-            assert await tier.write(key, data, meta, force=True)
+            assert await tier.write(key, data, meta)
             assert bytes((await tier.read(key)).data) == data
         finally:
             await tier.close()
@@ -370,13 +359,13 @@ async def test_concurrent_writes_and_reads_are_consistent(tmp_path, fsync):
         pages = [make_page(i, 500 + 911 * i) for i in range(100)]
         duplicate = pages[:10]  # written twice at once: stored once
         results = await asyncio.gather(
-            *(tier.write(k, d, m, force=True) for k, m, d in pages + duplicate))
+            *(tier.write(k, d, m) for k, m, d in pages + duplicate))
         assert all(results) and tier.stats().num_blocks == 100
         assert tier.stats().extra["appends"] < 50  # queued pages were combined into appends
         more = [make_page(i, 4000, seed=1) for i in range(100)]
         reads, writes = await asyncio.gather(
             asyncio.gather(*(tier.read(k) for k, _, _ in pages)),
-            asyncio.gather(*(tier.write(k, d, m, force=True) for k, m, d in more)))
+            asyncio.gather(*(tier.write(k, d, m) for k, m, d in more)))
         assert all(writes)
         assert [bytes(p.data) for p in reads] == [d for _, _, d in pages]
         again = await asyncio.gather(*(tier.read(k) for k, _, _ in pages + more))
@@ -391,11 +380,11 @@ async def test_delete_during_write_then_rewrite(tmp_path):
     tier = await opened(config(tmp_path / "ssd", fsync="batch", fsync_interval_s=0.05))
     try:
         key, meta, data = make_page(0, 3000)
-        first = asyncio.create_task(tier.write(key, data, meta, force=True))
+        first = asyncio.create_task(tier.write(key, data, meta))
         await asyncio.sleep(0)
         assert await tier.delete(key)
         assert await first and not tier.contains(key)
-        assert await tier.write(key, data, meta, force=True) and tier.contains(key)
+        assert await tier.write(key, data, meta) and tier.contains(key)
         assert bytes((await tier.read(key)).data) == data
     finally:
         await tier.close()
@@ -405,7 +394,7 @@ async def test_close_completes_writes_in_flight(tmp_path):
     cfg = config(tmp_path / "ssd", fsync="batch", fsync_interval_s=10.0)
     pages = [make_page(i, 20_000) for i in range(40)]
     tier = await opened(cfg)
-    writes = [asyncio.create_task(tier.write(k, d, m, force=True)) for k, m, d in pages]
+    writes = [asyncio.create_task(tier.write(k, d, m)) for k, m, d in pages]
     await asyncio.sleep(0)  # queued, none appended yet
     await tier.close()
     assert all(w.result() for w in writes)

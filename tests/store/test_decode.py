@@ -1,4 +1,4 @@
-"""Get-side decoding (kvstore/decode.py): every page verified where it is decoded."""
+"""Get-side decoding (kvstore/store/decode.py): every page verified where it is decoded."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import os
 import pytest
 import torch
 
-from kvstore import codecs, decode
-from kvstore.decode import PageDecoder, decode_pages
+from kvstore import codecs
 from kvstore.errors import CodecError
 from kvstore.page import PageMeta, encode_page, parse_page
 from kvstore.spec import KVSpec
+from kvstore.store import decode
+from kvstore.store.decode import PageDecoder, decode_pages
 
-from .conftest import random_kv
+from ..conftest import random_kv
 
 # 4 blocks of 4 KiB are verified and decoded on the loop, 4 of 256 KiB on the decode threads.
 SMALL = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="bfloat16")

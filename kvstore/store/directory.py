@@ -1,21 +1,21 @@
-"""The block directory: key -> placements, pins, leases and per-block counters.
+"""The block directory: key -> placements, pins and per-block counters; one eviction order per
+tier.
 
 The directory is the store's single source of truth about which tier holds which block. It is
-touched only from the store's event loop, so it needs no locks.
+touched only from the store's event loop, so it needs no locks. Tiers are names here, as the
+chain gave them: the directory never knows what a tier is.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.api import BlockInfo
-from kvstore.errors import LeaseNotFound
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
-from kvstore.policy.base import EvictionOrder
+from kvstore.policy.base import EvictionOrder, Footprint, RoomNeed
 from kvstore.policy.lru import LruOrder
 
 
@@ -25,7 +25,7 @@ class BlockEntry:
 
     meta: PageMeta
     sizes: dict[str, int] = field(default_factory=dict)  # tier name -> page bytes there
-    pins: int = 0  # readers and leases holding it; a pinned block is never evicted
+    pins: int = 0  # readers, writers and leases holding it; a pinned block is never evicted
     hits: int = 0
     created_s: float = field(default_factory=time.time)
     last_access_s: float = field(default_factory=time.time)
@@ -36,11 +36,17 @@ class BlockEntry:
 
 
 class BlockDirectory:
-    """Placements of every block, one eviction order per tier."""
+    """Placements of every block, one eviction order per tier.
 
-    def __init__(self, tier_names: Iterable[str]) -> None:
+    Args:
+        tier_names: the chain's tiers, fastest first.
+        order_factory: makes each tier's eviction order.
+    """
+
+    def __init__(self, tier_names: Sequence[str],
+                 order_factory: Callable[[], EvictionOrder] = LruOrder) -> None:
         self._entries: dict[BlockKey, BlockEntry] = {}
-        self._orders: dict[str, EvictionOrder] = {name: LruOrder() for name in tier_names}
+        self._orders: dict[str, EvictionOrder] = {name: order_factory() for name in tier_names}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,14 +60,19 @@ class BlockDirectory:
     def entries(self) -> Iterator[BlockEntry]:
         return iter(list(self._entries.values()))
 
-    def place(self, meta: PageMeta, tier: str, nbytes: int) -> BlockEntry:
-        """Record that ``tier`` now holds the block."""
+    def place(self, meta: PageMeta, tier: str, nbytes: int, footprint: Footprint) -> BlockEntry:
+        """Record that ``tier`` now holds the block, taking ``footprint`` of its space."""
         entry = self._entries.get(meta.key)
         if entry is None:
             entry = self._entries[meta.key] = BlockEntry(meta=meta)
         entry.sizes[tier] = nbytes
-        self._orders[tier].add(meta.key)
+        self._orders[tier].add(meta.key, footprint)
         return entry
+
+    def refile(self, tier: str, key: BlockKey, footprint: Footprint | None) -> None:
+        """The tier moved a block it holds: file it under its new footprint, keeping its rank."""
+        if footprint is not None and key in self._entries:
+            self._orders[tier].refile(key, footprint)
 
     def unplace(self, key: BlockKey, tier: str) -> BlockEntry | None:
         """Record that ``tier`` no longer holds the block; forget it when no tier does.
@@ -106,14 +117,20 @@ class BlockDirectory:
         for entry in entries:
             entry.pins = max(0, entry.pins - 1)
 
-    def victims(self, tier: str) -> Iterator[BlockKey]:
-        """Unpinned keys of ``tier`` from least to most valuable."""
+    def is_protected(self, key: BlockKey) -> bool:
+        """Whether ``key`` must not be evicted now (pinned, or already gone)."""
+        entry = self._entries.get(key)
+        return entry is None or entry.pins > 0
 
-        def evictable(key: BlockKey) -> bool:
-            entry = self._entries.get(key)
-            return entry is not None and entry.pins == 0 and tier in entry.sizes
+    def victims(self, tier: str, need: RoomNeed) -> list[BlockKey] | None:
+        """Unpinned blocks of ``tier`` whose removal frees ``need``, least valuable first, or
+        None when no such set exists (nothing should be evicted then)."""
+        return self._orders[tier].evict(need, self.is_protected)
 
-        return self._orders[tier].victims(evictable)
+    def coldest(self, tier: str, nbytes: int) -> list[BlockKey]:
+        """The least valuable unpinned blocks of ``tier`` worth about ``nbytes`` (fewer if the
+        tier holds less), for background demotion."""
+        return self._orders[tier].coldest(nbytes, self.is_protected)
 
     def info(self, entry: BlockEntry, now: float | None = None) -> BlockInfo:
         now = time.time() if now is None else now
@@ -128,44 +145,3 @@ class BlockDirectory:
             block_index=entry.meta.block_index,
             parent=entry.meta.parent,
         )
-
-
-@dataclass(slots=True)
-class Held:
-    """A lease or reservation: pinned entries (or reserved slots) with a deadline."""
-
-    held_id: str
-    deadline: float
-    entries: list[BlockEntry]
-    payload: object = None  # what the holder was given (Lease or Reservation)
-
-
-class HeldTable:
-    """Leases (pinned reads) or reservations (slots being written), expiring at a deadline."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._held: dict[str, Held] = {}
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def add(self, entries: list[BlockEntry], lease_s: float, payload: object = None) -> Held:
-        held = Held(secrets.token_hex(12), time.time() + lease_s, entries, payload)
-        self._held[held.held_id] = held
-        return held
-
-    def pop(self, held_id: str) -> Held:
-        """Remove and return a holding; one past its deadline but not yet reaped still counts."""
-        held = self._held.pop(held_id, None)
-        if held is None:
-            raise LeaseNotFound(f"{self.kind} {held_id!r} does not exist or has expired")
-        return held
-
-    def expired(self, now: float | None = None) -> list[Held]:
-        """Remove and return everything past its deadline."""
-        now = time.time() if now is None else now
-        gone = [h for h in self._held.values() if h.deadline < now]
-        for held in gone:
-            del self._held[held.held_id]
-        return gone

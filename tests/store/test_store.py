@@ -18,7 +18,7 @@ from kvstore.page import PageMeta, decode_page, encode_page
 from kvstore.spec import KVSpec
 from kvstore.store import Store
 
-from .conftest import random_kv, random_tokens
+from ..conftest import random_kv, random_tokens
 
 MiB = 1 << 20
 
@@ -380,8 +380,8 @@ async def test_cold_tier_codec_transcodes_on_demotion(tmp_path, ns, spec, ssd_co
 
 def _damage_dram_copy(store: Store, key) -> None:
     """Flip bytes at the end of a block's DRAM page through a mapping of the arena file."""
-    offset, length = store.dram.locate(key)
-    with open(store.dram.arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    offset, length = store.tiers["dram"].locate(key)
+    with open(store.tiers["dram"].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
         at = offset + length - 40
         arena[at:at + 8] = bytes(b ^ 0xFF for b in arena[at:at + 8])
 
@@ -403,7 +403,7 @@ async def test_get_never_returns_bytes_of_a_damaged_dram_page(store, spec, big):
     got = await store.get(ns, tokens)
     assert got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])
     assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
-    assert store.stats().tiers["dram"].corrupt == 1 and not store.dram.contains(keys[2])
+    assert store.stats().tiers["dram"].corrupt == 1 and not store.tiers["dram"].contains(keys[2])
     assert (await store.lookup(ns, tokens)).matched_tokens == 32
     _damage_dram_copy(store, keys[0])
     assert await store.get(ns, tokens) is None

@@ -1,0 +1,416 @@
+"""The Store: put / lookup / get / evict / stats and leases over an ordered chain of tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import torch
+
+from kvstore.api import (
+    BlockInfo,
+    Counters,
+    Lease,
+    LookupResult,
+    Medium,
+    Reservation,
+    StoreStats,
+    TierStats,
+)
+from kvstore.config import KVStoreConfig
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.keys import BlockKey, Namespace, block_keys, token_array
+from kvstore.page import Page, PageMeta, encode_page
+from kvstore.spec import KVSpec
+from kvstore.store.decode import PageDecoder, decode_pages
+from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.leases import LeaseManager, page_bound
+from kvstore.store.placement import Link, Placement
+from kvstore.tiers.base import Tier
+
+log = logging.getLogger("kvstore.store")
+
+Tokens = Sequence[int] | torch.Tensor
+
+
+@dataclass(slots=True)
+class _Encoded:
+    meta: PageMeta
+    data: bytes
+
+
+class Store:
+    """An embedded, asyncio KV block store over the tier chain of ``config``; the daemon serves
+    one of these.
+
+    All methods run on one event loop; codec and copy work goes to threads.
+    """
+
+    def __init__(self, config: KVStoreConfig | None = None) -> None:
+        self.config = config or KVStoreConfig()
+        links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
+        self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
+        self._dir = BlockDirectory([link.name for link in links])
+        self._placement = Placement(links, self._dir, self._count)
+        self._leases = LeaseManager(self._dir, self._placement,
+                                    self.config.server.lease_timeout_s, self._count, self._spawn)
+        # Blocks an in-process put is writing; a put of the same block waits on it.
+        self._writing: dict[BlockKey, asyncio.Future[None]] = {}
+        self._totals = Counters()
+        self._by_tenant: dict[str, Counters] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._demote_wakeup: asyncio.Event | None = None
+        self._is_open = False
+
+    @property
+    def arena_path(self) -> str:
+        """The host arena same-host clients map for zero-copy reads and writes ("" if none)."""
+        link = self._placement.slot_link()
+        if link is None or link.tier.medium is not Medium.HOST:  # type: ignore[attr-defined]
+            return ""
+        return link.tier.region  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Open every tier and rebuild the directory from what persistent tiers hold."""
+        opened: list[Tier] = []
+        try:
+            for tier in self.tiers.values():
+                await tier.open()
+                opened.append(tier)
+        except BaseException:
+            for tier in reversed(opened):
+                await tier.close()
+            raise
+        for link in self._placement.links:
+            for meta in link.tier.entries():
+                self._dir.place(meta, link.name, link.tier.page_size(meta.key),
+                                link.tier.footprint(meta.key))
+        self._demote_wakeup = asyncio.Event()
+        self._spawn(self._demoter())
+        self._spawn(self._leases.reaper())
+        self._is_open = True
+        log.info("store open: %d blocks restored", len(self._dir))
+
+    async def close(self) -> None:
+        """Stop background work, persist memory-only blocks if configured, close the tiers."""
+        if not self._is_open:
+            return
+        self._is_open = False
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        saved = await self._placement.persist()
+        if saved:
+            log.info("persisted %d memory-only blocks on close", saved)
+        for tier in self.tiers.values():
+            await tier.close()
+
+    # ----------------------------------------------------------------------------- requests
+
+    async def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
+        """Store the full blocks of ``kv`` for ``tokens``; return the tokens newly written.
+
+        ``kv`` is in the canonical layout with exactly ``len(tokens)`` tokens; blocks already
+        stored are not rewritten and a trailing partial block is ignored. Every block written is
+        reachable by a following lookup: blocks the put holds are pinned until it returns, so
+        making room for later blocks never evicts earlier ones, and when a block finds no room
+        anywhere the put stops there (CapacityError if that is the first block to write).
+        """
+        self._check_open()
+        arr = token_array(tokens)
+        kv = ns.spec.check_kv(kv, num_tokens=arr.size)
+        keys = block_keys(ns, arr)
+        self._placement.note(keys)
+        self._count(ns.tenant, puts=1)
+        in_flight = [self._writing[k] for k in keys if k in self._writing]
+        held = [e for e in map(self._dir.get, keys) if e is not None]
+        todo = [i for i, k in enumerate(keys) if k not in self._dir and k not in self._writing]
+        claimed = self._claim_writes(keys[i] for i in todo)
+        self._dir.pin(held)
+        written = 0
+        try:
+            if todo:
+                encoded = await asyncio.to_thread(self._encode_blocks, ns, keys, kv, todo)
+                for block in encoded:
+                    try:
+                        entry = await self._placement.store_new(block.meta, block.data)
+                    except CapacityError:
+                        if written == 0:
+                            raise
+                        break  # the blocks after this one could never be matched
+                    self._dir.pin([entry])
+                    held.append(entry)
+                    written += 1
+        finally:
+            self._release_writes(claimed)
+            self._dir.unpin(held)
+        if in_flight:  # another put is storing some of these blocks: return once it has
+            await asyncio.gather(*(asyncio.shield(f) for f in in_flight))
+        self._dir.touch(self._dir.match_prefix(keys), hit=False)
+        self._wake_demoter()
+        self._count(ns.tenant, put_tokens=written * ns.spec.block_tokens)
+        return written * ns.spec.block_tokens
+
+    async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupResult:
+        """The longest stored prefix of ``tokens`` and which tier holds each of its blocks."""
+        self._check_open()
+        arr = token_array(tokens)
+        entries = self._dir.match_prefix(block_keys(ns, arr))
+        bt = ns.spec.block_tokens
+        per_tier: dict[str, int] = {}
+        for entry in entries:
+            name = self._placement.fastest_holder(entry).name
+            per_tier[name] = per_tier.get(name, 0) + bt
+        self._dir.touch(entries)
+        keys = tuple(e.meta.key for e in entries)
+        self._placement.note(keys)
+        matched = len(entries) * bt
+        self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
+                    lookup_miss_tokens=arr.size - matched)
+        return LookupResult(arr.size, matched, per_tier, keys)
+
+    async def get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
+        """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
+
+        The blocks are read concurrently without verification, and each is verified on a
+        decode thread right before it is decoded, as soon as it is read. A block that fails is
+        read again, verified (the tier drops and counts a corrupt copy; the next tier may serve
+        the block), and the prefix ends at the first block that cannot be served: only
+        verified bytes are returned. Blocks served from below the fastest tier are promoted.
+        """
+        self._check_open()
+        entries = self._dir.match_prefix(block_keys(ns, token_array(tokens)))
+        if not entries:
+            return None
+        bt = ns.spec.block_tokens
+        out = torch.empty(ns.spec.shape(len(entries) * bt), dtype=ns.spec.torch_dtype)
+        outs = out.split(bt, dim=2)
+        self._dir.pin(entries)
+        try:
+            async with PageDecoder(outs) as decoder:
+                sources = await self._read_pages(entries, decoder.add)
+            failed = [i for i in decoder.failed if i < len(sources)]  # after a miss: unused
+            num_blocks = await self._redo_failed(entries, failed, sources, outs)
+        finally:
+            self._dir.unpin(entries)
+        if num_blocks == 0:
+            return None
+        if num_blocks < len(entries):  # copy out the verified prefix: the rest is not returned
+            out = out[:, :, :num_blocks * bt].clone()
+        self._dir.touch(entries[:num_blocks])
+        first = self._placement.links[0]
+        for entry, source in zip(entries[:num_blocks], sources):
+            if source is not first:  # a block fetched from further down is likely reused
+                self._spawn(self._promote(entry, first))
+        self._count(ns.tenant, gets=1, get_tokens=out.shape[2])
+        return out
+
+    async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
+                    keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
+        """Remove matching unpinned blocks from every tier, children first; return the count."""
+        self._check_open()
+        if not (everything or tenant or model_id or keys):
+            raise InvalidArgument("evict needs tenant, model_id, keys or everything=True")
+        wanted = set(keys) if keys is not None else None
+        chosen = [
+            e for e in self._dir.entries()
+            if e.pins == 0
+            and (tenant is None or e.meta.tenant == tenant)
+            and (model_id is None or e.meta.model_id == model_id)
+            and (wanted is None or e.meta.key in wanted)
+        ]
+        chosen.sort(key=lambda e: -e.meta.block_index)
+        for entry in chosen:
+            for name in list(entry.sizes):
+                await self.tiers[name].delete(entry.meta.key)
+                self._dir.unplace(entry.meta.key, name)
+        return len(chosen)
+
+    def stats(self, tenant: str | None = None) -> StoreStats:
+        """Counters per tier and per request type; with ``tenant``, only that tenant's blocks."""
+        if tenant is None:
+            tiers = {}
+            for link in self._placement.links:
+                tiers[link.name] = link.tier.stats()
+                tiers[link.name].evictions = link.evictions
+            return StoreStats(
+                tiers=tiers, counters=dataclasses.replace(self._totals),
+                active_leases=self._leases.num_leases,
+                active_reservations=self._leases.num_reservations,
+                num_blocks=len(self._dir),
+            )
+        tiers = {name: TierStats(name=name, capacity_bytes=t.capacity_bytes)
+                 for name, t in self.tiers.items()}
+        num_blocks = 0
+        for entry in self._dir.entries():
+            if entry.meta.tenant != tenant:
+                continue
+            num_blocks += 1
+            for name, nbytes in entry.sizes.items():
+                tiers[name].used_bytes += nbytes
+                tiers[name].num_blocks += 1
+                tiers[name].hits += entry.hits
+        counters = dataclasses.replace(self._by_tenant.get(tenant, Counters()))
+        return StoreStats(tiers=tiers, counters=counters, num_blocks=num_blocks)
+
+    def list_blocks(self, *, tenant: str | None = None, model_id: str | None = None,
+                    tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
+        """Stored blocks matching the filters, most recently used first."""
+        if tier is not None and tier not in self.tiers:
+            raise InvalidArgument(f"unknown tier {tier[:64]!r}; tiers are {list(self.tiers)}")
+        if limit < 0:
+            raise InvalidArgument(f"limit must be >= 0, got {limit}")
+        now = time.time()
+        rows = [
+            self._dir.info(e, now) for e in self._dir.entries()
+            if (tenant is None or e.meta.tenant == tenant)
+            and (model_id is None or e.meta.model_id == model_id)
+            and (tier is None or tier in e.sizes)
+        ]
+        rows.sort(key=lambda r: r.age_s)
+        return rows[:limit]
+
+    # Leases, reservations and hints live in kvstore.store.leases; these delegate to it.
+
+    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
+                      ) -> Lease:
+        """Pin the stored prefix of ``tokens`` where same-host clients map it, until
+        ``release`` or the lease's deadline."""
+        self._check_open()
+        return await self._leases.acquire(ns, block_keys(ns, token_array(tokens)), lease_s)
+
+    async def release(self, lease_id: str) -> None:
+        self._check_open()
+        self._leases.release(lease_id)
+
+    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
+                      ) -> Reservation:
+        """Slots for the blocks of ``tokens`` not stored yet; publish them with ``commit``."""
+        self._check_open()
+        return await self._leases.reserve(ns, block_keys(ns, token_array(tokens)), lease_s)
+
+    async def commit(self, reservation_id: str) -> int:
+        self._check_open()
+        written = await self._leases.commit(reservation_id)
+        self._wake_demoter()
+        return written
+
+    async def abort(self, reservation_id: str) -> None:
+        """Free a reservation's slots (a writer that gave up); LeaseNotFound if unknown."""
+        self._check_open()
+        self._leases.abort(reservation_id)
+
+    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
+        """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a request."""
+        self._check_open()
+        return self._leases.hint(block_keys(ns, token_array(tokens)), deadline_s)
+
+    def slot_page_bytes(self, spec: KVSpec) -> int:
+        """The slot a zero-copy writer gets for one block of ``spec`` (0 if no tier lends)."""
+        link = self._placement.slot_link()
+        return 0 if link is None else page_bound(link.codec, spec)
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _claim_writes(self, keys) -> list[BlockKey]:
+        """Mark blocks as being written so concurrent puts wait instead of writing twice."""
+        loop = asyncio.get_running_loop()
+        claimed = []
+        for key in keys:
+            self._writing[key] = loop.create_future()
+            claimed.append(key)
+        return claimed
+
+    def _release_writes(self, keys) -> None:
+        for key in keys:
+            future = self._writing.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    def _check_open(self) -> None:
+        if not self._is_open:
+            raise KVStoreError("store is not open (use 'async with Store(config)')")
+
+    def _count(self, tenant: str, **deltas: int) -> None:
+        self._totals.add(**deltas)
+        self._by_tenant.setdefault(tenant, Counters()).add(**deltas)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _encode_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
+                       todo: list[int]) -> list[_Encoded]:
+        """Encode the blocks at ``todo`` into pages with the fastest tier's codec (runs in a
+        worker thread)."""
+        bt = ns.spec.block_tokens
+        codec = self._placement.links[0].codec
+        kv = kv.detach().cpu()
+        out = []
+        for i in todo:
+            meta = PageMeta(key=keys[i], namespace=ns.fingerprint,
+                            parent=keys[i - 1] if i else None, block_index=i,
+                            tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
+                            codec_id=codec.codec_id)
+            payload = codec.encode(kv[:, :, i * bt:(i + 1) * bt])
+            out.append(_Encoded(meta, encode_page(meta, payload)))
+        return out
+
+    async def _read_pages(self, entries: list[BlockEntry],
+                          on_page: Callable[[int, Page], None]) -> list[Link]:
+        """Read pinned entries concurrently from their fastest tiers, unverified, handing each
+        page to ``on_page(index, page)`` as it arrives (the caller verifies it before any use);
+        return the link each block came from, up to the first that could not be read (the
+        prefix ends there)."""
+
+        async def read(i: int, entry: BlockEntry) -> Link | None:
+            page, source = await self._placement.read(entry, verify=False)
+            if page is not None:
+                on_page(i, page)
+            return source
+
+        sources = await asyncio.gather(*(read(i, e) for i, e in enumerate(entries)))
+        return list(itertools.takewhile(lambda source: source is not None, sources))
+
+    async def _redo_failed(self, entries: list[BlockEntry], failed: list[int],
+                           sources: list[Link], outs: Sequence[torch.Tensor]) -> int:
+        """Read the blocks at ``failed`` (ascending) again, verified, and decode them; return
+        how many leading blocks hold verified K/V (``len(sources)`` when all read ones do)."""
+        for i in failed:
+            page, source = await self._placement.read(entries[i], verify=True)
+            if page is None or await decode_pages([page], [outs[i]]):
+                return i
+            sources[i] = source
+        return len(sources)
+
+    async def _promote(self, entry: BlockEntry, target: Link) -> None:
+        if await self._placement.promote(entry, target):
+            self._wake_demoter()
+
+    def _wake_demoter(self) -> None:
+        if any(link.is_above_high_watermark() for link in self._placement.links[:-1]):
+            self._demote_wakeup.set()
+
+    async def _demoter(self) -> None:
+        """Background: tiers above their high watermark demote down to their low one."""
+        while True:
+            await self._demote_wakeup.wait()
+            self._demote_wakeup.clear()
+            await self._placement.demote_above_watermarks()
+

@@ -1,0 +1,290 @@
+"""Leases (pinned zero-copy reads), reservations (zero-copy writes) and prefetch hints, over
+whichever tier of the chain lends slots (``SlotTier``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
+from kvstore.codecs.base import Codec
+from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.keys import BlockKey, Namespace
+from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page
+from kvstore.spec import KVSpec
+from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.placement import Count, Link, Placement
+from kvstore.tiers.base import Slot, SlotTier
+
+log = logging.getLogger("kvstore.leases")
+
+REAPER_INTERVAL_S = 0.25  # how often expired leases and reservations are reclaimed
+
+
+def page_bound(codec: Codec, spec: KVSpec) -> int:
+    """Upper bound on the encoded page of one block of ``spec`` under ``codec`` (the slot size a
+    zero-copy writer is given)."""
+    payload = codec.bytes_per_element(spec) * spec.elements_per_block
+    # zstd can expand incompressible data by a few bytes per 128 KiB block plus its frame.
+    slack = 64 + spec.block_bytes // 1024 if "zstd" in codec.name else 0
+    return HEADER_BYTES + MAX_META_BYTES // 64 + int(payload) + 64 + slack
+
+
+@dataclass(slots=True)
+class LeaseHold:
+    """Pinned entries of a lease."""
+
+    held_id: str
+    deadline: float
+    entries: list[BlockEntry]
+
+
+@dataclass(slots=True)
+class ReservedSlot:
+    """A slot lent for one block of a reservation."""
+
+    key: BlockKey
+    block_index: int
+    link: Link
+    slot: Slot
+
+
+@dataclass(slots=True)
+class ReservationHold:
+    held_id: str
+    deadline: float
+    ns: Namespace
+    slots: list[ReservedSlot]
+
+
+H = TypeVar("H", LeaseHold, ReservationHold)
+
+
+class HeldTable(Generic[H]):
+    """Leases or reservations by id, expiring at their deadline."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._held: dict[str, H] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, held: H) -> H:
+        self._held[held.held_id] = held
+        return held
+
+    def pop(self, held_id: str) -> H:
+        """Remove and return a holding; one past its deadline but not yet reaped still counts."""
+        held = self._held.pop(held_id, None)
+        if held is None:
+            raise LeaseNotFound(f"{self.kind} {held_id[:64]!r} does not exist or has expired")
+        return held
+
+    def expired(self, now: float | None = None) -> list[H]:
+        """Remove and return everything past its deadline."""
+        now = time.time() if now is None else now
+        gone = [h for h in self._held.values() if h.deadline < now]
+        for held in gone:
+            del self._held[held.held_id]
+        return gone
+
+
+class LeaseManager:
+    """Owns the store's leases and reservations and reclaims them at their deadline.
+
+    Args:
+        directory: the store's block directory.
+        placement: the store's placement over the chain (promotion, making room).
+        lease_timeout_s: lease length when a caller does not ask for one.
+        count: adds to the store's request counters.
+        spawn: runs a coroutine in the background, owned by the store.
+    """
+
+    def __init__(self, directory: BlockDirectory, placement: Placement, lease_timeout_s: float,
+                 count: Count, spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+        self._dir = directory
+        self._placement = placement
+        self._lease_timeout_s = lease_timeout_s
+        self._count = count
+        self._spawn = spawn
+        self._leases: HeldTable[LeaseHold] = HeldTable("lease")
+        self._reservations: HeldTable[ReservationHold] = HeldTable("reservation")
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def _deadline(self, lease_s: float | None) -> float:
+        if lease_s is None:
+            lease_s = self._lease_timeout_s
+        elif not 0 < lease_s <= MAX_LEASE_S:
+            raise InvalidArgument(f"lease_s must be in (0, {MAX_LEASE_S}], got {lease_s}")
+        return time.time() + lease_s
+
+    def _slot_link(self) -> Link:
+        link = self._placement.slot_link()
+        if link is None:
+            raise InvalidArgument("no tier of this store lends slots for zero-copy reads and "
+                                  "writes; use put and get")
+        return link
+
+    # ------------------------------------------------------------------------------ leases
+
+    async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None) -> Lease:
+        """Pin the stored prefix of ``keys`` in the fastest slot tier (promoting into it)."""
+        deadline = self._deadline(lease_s)
+        link = self._slot_link()
+        tier: SlotTier = link.tier  # type: ignore[assignment]
+        entries = self._dir.match_prefix(keys)
+        self._dir.pin(entries)
+        held: list[BlockEntry] = []
+        try:
+            for entry in entries:
+                if not await self._placement.promote(entry, link):
+                    break
+                held.append(entry)
+        finally:
+            self._dir.unpin(entries[len(held):])
+        blocks = []
+        for entry in held:
+            offset, length = tier.locate(entry.meta.key)
+            blocks.append(BlockLocation(entry.meta.key, tier.medium, tier.region, offset, length))
+        hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, held))
+        self._dir.touch(held)
+        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks))
+
+    def release(self, lease_id: str) -> None:
+        self._dir.unpin(self._leases.pop(lease_id).entries)
+
+    # ------------------------------------------------------------------------------ reservations
+
+    async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None
+                      ) -> Reservation:
+        """Slots in the fastest slot tier for the blocks of ``keys`` not stored yet.
+
+        A reservation claims nothing: a second writer of the same prefix (a put, or another
+        reservation) proceeds at once, and whichever publishes a block first keeps it, so a
+        writer that died never holds a prefix back until its deadline.
+        """
+        deadline = self._deadline(lease_s)
+        link = self._slot_link()
+        tier: SlotTier = link.tier  # type: ignore[assignment]
+        slot_bytes = page_bound(link.codec, ns.spec)
+        if slot_bytes > tier.max_page_bytes:
+            raise CapacityError(f"a {slot_bytes}-byte slot for one block can never fit tier "
+                                f"{link.name} (largest page {tier.max_page_bytes} bytes)")
+        stored = [e for e in map(self._dir.get, keys) if e is not None]
+        self._dir.pin(stored)  # making room for later blocks never evicts earlier ones
+        slots: list[ReservedSlot] = []
+        grants = []
+        try:
+            for i, key in enumerate(keys):
+                if key in self._dir:
+                    continue
+                if not await self._placement.make_room(link, slot_bytes):
+                    break
+                slot = await tier.allocate_slot(slot_bytes)
+                if slot is None:
+                    break
+                slots.append(ReservedSlot(key, i, link, slot))
+                grants.append(SlotGrant(key, i, keys[i - 1] if i else None, tier.medium,
+                                        tier.region, slot.offset, slot.slot_bytes))
+        except BaseException:
+            self._abort_slots(slots)
+            raise
+        finally:
+            self._dir.unpin(stored)
+        hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
+        return Reservation(hold.held_id, hold.deadline, link.codec.name, tuple(grants))
+
+    async def commit(self, reservation_id: str) -> int:
+        """Verify every page written into the reservation's slots and publish them; return the
+        tokens newly published.
+
+        A page that fails verification (or names the wrong key, parent, namespace or codec)
+        aborts the whole commit and frees every slot: nothing half-written is served. A block
+        stored meanwhile by another writer keeps that copy and frees this slot.
+        """
+        hold = self._reservations.pop(reservation_id)
+        try:
+            metas = [self._verify_slot(hold.ns, reserved) for reserved in hold.slots]
+        except KVStoreError:
+            self._abort_slots(hold.slots)
+            raise
+        published = []
+        for reserved, meta in zip(hold.slots, metas):
+            tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+            if reserved.key in self._dir or tier.contains(reserved.key):
+                tier.abort(reserved.slot)
+                continue
+            length = tier.publish(reserved.slot, reserved.key, meta)
+            self._dir.place(meta, reserved.link.name, length, tier.footprint(reserved.key))
+            published.append(reserved.key)
+        self._dir.touch(self._dir.match_prefix(published), hit=False)
+        written = len(published) * hold.ns.spec.block_tokens
+        self._count(hold.ns.tenant, puts=1, put_tokens=written)
+        return written
+
+    def abort(self, reservation_id: str) -> None:
+        """Give a reservation's slots back without publishing anything."""
+        self._abort_slots(self._reservations.pop(reservation_id).slots)
+
+    def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> PageMeta:
+        tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+        key = reserved.key
+        meta = decode_page(tier.slot_view(reserved.slot), expected_key=key).meta
+        if meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index:
+            raise CorruptPage(f"page for key {key.hex()} names another namespace or position")
+        if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
+            raise CorruptPage(f"page for key {key.hex()} names tenant/model "
+                              f"{meta.tenant[:64]}/{meta.model_id[:64]}, reserved for "
+                              f"{ns.tenant}/{ns.model_id}")
+        codec = reserved.link.codec.name
+        if meta.codec != codec:
+            raise InvalidArgument(f"page for key {key.hex()} is encoded with "
+                                  f"{meta.codec[:64]!r}; the reservation asked for {codec!r}")
+        return meta
+
+    @staticmethod
+    def _abort_slots(slots: list[ReservedSlot]) -> None:
+        for reserved in slots:
+            reserved.link.tier.abort(reserved.slot)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------------------ hints
+
+    def hint(self, keys: list[BlockKey], deadline_s: float) -> int:
+        """Start promoting the prefix's blocks into the fastest tier now; return how many were
+        scheduled."""
+        if deadline_s <= 0:
+            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s}")
+        first = self._placement.links[0]
+        todo = [e for e in self._dir.match_prefix(keys) if first.name not in e.sizes]
+        for entry in todo:
+            self._spawn(asyncio.wait_for(self._placement.promote(entry, first),
+                                         timeout=deadline_s))
+        return len(todo)
+
+    # ------------------------------------------------------------------------------ background
+
+    async def reaper(self) -> None:
+        """Background: reclaim expired leases (unpin) and reservations (free their slots)."""
+        while True:
+            await asyncio.sleep(REAPER_INTERVAL_S)
+            now = time.time()
+            for lease in self._leases.expired(now):
+                log.info("lease %s expired; unpinning %d blocks", lease.held_id,
+                         len(lease.entries))
+                self._dir.unpin(lease.entries)
+            for reservation in self._reservations.expired(now):
+                log.info("reservation %s expired; freeing its slots", reservation.held_id)
+                self._abort_slots(reservation.slots)

@@ -1,0 +1,278 @@
+"""Placement over the tier chain: write new blocks, make room, demote, promote, transcode.
+
+The chain is an ordered list of ``Link``s, fastest first, built from config. Nothing here names
+a tier: a link is a position, a tier object and that tier's codec, admission policy and
+watermarks. The rules:
+
+- A new block goes to the fastest tier that can make room for it (``store_new``).
+- Making room in a tier is atomic: the tier says what it needs (``Tier.room_for``), the tier's
+  eviction order names victims that free exactly that, or nothing changes. Pinned blocks are
+  never victims; a put pins the blocks it holds so it never evicts its own.
+- A victim is demoted to the next tier down that admits it (``AdmissionPolicy``) and can make
+  room for it; a block that no lower tier takes is dropped.
+- A tier above its high watermark demotes its coldest blocks until it is below its low one.
+- Promotion copies a block into a faster tier (after a get served it from further down, for a
+  lease, or for a hint).
+- Pages move between tiers re-encoded with the target tier's codec (``transcode``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore import codecs
+from kvstore.codecs.base import Codec
+from kvstore.config import TierConfig, TierSettings
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.page import Page, PageMeta, decode_page, encode_page
+from kvstore.policy.admission import admission_for
+from kvstore.policy.base import AdmissionPolicy
+from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.tiers import build_tier
+from kvstore.tiers.base import SlotTier, Tier
+
+log = logging.getLogger("kvstore.store")
+
+# A log-structured tier frees deleted bytes only once compaction rewrites their segment, so a
+# write after making room may find the tier still short; this bounds the rounds of evicting.
+MAX_ROOM_ROUNDS = 4
+
+
+@dataclass(slots=True)
+class Link:
+    """One tier of the chain, with what the store keeps beside it."""
+
+    index: int  # position in the chain, 0 = fastest
+    name: str
+    tier: Tier
+    codec: Codec
+    settings: TierSettings
+    admission: AdmissionPolicy
+    evictions: int = 0  # pages removed from this tier to make room (demoted or dropped)
+
+    @classmethod
+    def build(cls, index: int, config: TierConfig) -> Link:
+        settings = config.settings
+        return cls(index=index, name=config.name, tier=build_tier(config),
+                   codec=codecs.get(settings.codec), settings=settings,
+                   admission=admission_for(settings.admit_after_accesses,
+                                           settings.admit_expected_keys))
+
+    def is_above_high_watermark(self) -> bool:
+        return self.tier.used_bytes > self.settings.high_watermark * self.tier.capacity_bytes
+
+
+Count = Callable[..., None]  # count(tenant, **deltas) adds to the store's request counters
+
+
+class Placement:
+    """Moves blocks between the links of one chain and keeps the directory in step.
+
+    Called only from the store's event loop; codec work goes to threads.
+    """
+
+    def __init__(self, links: Sequence[Link], directory: BlockDirectory, count: Count) -> None:
+        self.links = list(links)
+        self.by_name = {link.name: link for link in self.links}
+        self._dir = directory
+        self._count = count
+
+    # ------------------------------------------------------------------------------ queries
+
+    def fastest_holder(self, entry: BlockEntry) -> Link:
+        return next(link for link in self.links if link.name in entry.sizes)
+
+    def slot_link(self) -> Link | None:
+        """The fastest tier that lends slots (zero-copy writes and pinned reads), if any."""
+        return next((link for link in self.links if isinstance(link.tier, SlotTier)), None)
+
+    def note(self, keys: Sequence[BlockKey]) -> None:
+        """Sightings of a prefix's blocks, for every tier's admission policy."""
+        for link in self.links:
+            link.admission.note(keys)
+
+    # ------------------------------------------------------------------------------ writes
+
+    async def store_new(self, meta: PageMeta, data: bytes | memoryview) -> BlockEntry:
+        """Place a page encoded with the first tier's codec in the fastest tier that takes it.
+
+        New blocks skip admission: a tier's filter only decides what moves down into it.
+        Raises CapacityError, naming sizes, when no tier can hold the page.
+        """
+        for link in self.links:
+            page = await self.transcode(meta, data, link)
+            if await self.write(link, meta, page):
+                return self._dir.get(meta.key)
+        sizes = ", ".join(f"{link.name} {link.tier.max_page_bytes} bytes" for link in self.links)
+        raise CapacityError(f"no tier can hold the {len(data)}-byte page of block "
+                            f"{meta.key.hex()} now (largest page per tier: {sizes})")
+
+    async def write(self, link: Link, meta: PageMeta, data: bytes | memoryview) -> bool:
+        """Make room in ``link``'s tier and write the page; record the placement on success.
+
+        A page larger than the tier could ever hold is refused without evicting anything.
+        """
+        if len(data) > link.tier.max_page_bytes:
+            return False
+        for _ in range(MAX_ROOM_ROUNDS):
+            if not await self.make_room(link, len(data)):
+                return False
+            written = await link.tier.write(meta.key, data, meta)
+            for moved in link.tier.moved_keys():
+                self._dir.refile(link.name, moved, link.tier.footprint(moved))
+            if written:
+                footprint = link.tier.footprint(meta.key)
+                if footprint is None:  # deleted while the write finished: not placed
+                    return False
+                self._dir.place(meta, link.name, len(data), footprint)
+                return True
+        return False
+
+    async def make_room(self, link: Link, nbytes: int) -> bool:
+        """Free what ``link``'s tier needs for a page of ``nbytes``: True if it fits now.
+
+        Atomic: victims are chosen only if together they free enough, and only blocks whose
+        removal frees room for this size; otherwise nothing is evicted.
+        """
+        need = link.tier.room_for(nbytes)
+        if need is None:
+            return True
+        victims = self._dir.victims(link.name, need)
+        if victims is None:
+            return False
+        for key in victims:
+            await self.give_up(link, key)
+        return link.tier.can_write(nbytes)
+
+    async def give_up(self, link: Link, key: BlockKey) -> None:
+        """Remove ``key`` from ``link``'s tier, demoting it first if no other tier holds it."""
+        entry = self._dir.get(key)
+        if entry is None or entry.pins or link.name not in entry.sizes:
+            return
+        if len(entry.sizes) == 1:
+            self._dir.pin([entry])  # the page must outlive its copy down the chain
+            try:
+                if await self.demote(link, entry):
+                    self._count(entry.meta.tenant, demotions=1)
+            finally:
+                self._dir.unpin([entry])
+            if entry.pins:  # a reader arrived while it was copied: keep this copy too
+                return
+        if self._dir.get(key) is not entry or link.name not in entry.sizes:
+            return
+        await link.tier.delete(key)
+        link.evictions += 1
+        if self._dir.unplace(key, link.name) is None:
+            self._count(entry.meta.tenant, dropped=1)
+
+    async def demote(self, link: Link, entry: BlockEntry) -> bool:
+        """Copy the block to the next tier below ``link`` that admits it and has room."""
+        page = None
+        for lower in self.links[link.index + 1:]:
+            if lower.name in entry.sizes:
+                return True
+            if not lower.admission.admits(entry.meta.key):
+                continue
+            if page is None:
+                page = await link.tier.read(entry.meta.key)
+                if page is None:  # corrupt or lost: the tier dropped it
+                    self._dir.unplace(entry.meta.key, link.name)
+                    return False
+            data = await self.transcode(entry.meta, page.data, lower)
+            if await self.write(lower, entry.meta, data):
+                return True
+        return False
+
+    async def promote(self, entry: BlockEntry, target: Link) -> bool:
+        """Copy a block into ``target`` from the fastest tier holding it; True if it is in
+        ``target`` afterwards."""
+        key = entry.meta.key
+        if target.name in entry.sizes:
+            return True
+        if self._dir.get(key) is not entry:
+            return False
+        self._dir.pin([entry])
+        try:
+            page, _ = await self.read(entry)
+            if page is None:
+                return False
+            data = await self.transcode(entry.meta, page.data, target)
+            if target.name in entry.sizes:  # another promotion won the race
+                return True
+            ok = await self.write(target, entry.meta, bytes(data))
+        finally:
+            self._dir.unpin([entry])
+        if ok:
+            self._count(entry.meta.tenant, promotions=1)
+        return ok
+
+    # ------------------------------------------------------------------------------ reads
+
+    async def read(self, entry: BlockEntry, verify: bool = True
+                   ) -> tuple[Page | None, Link | None]:
+        """The page from the fastest tier holding it (forgetting copies that are gone)."""
+        for link in self.links:
+            if link.name not in entry.sizes:
+                continue
+            page = await link.tier.read(entry.meta.key, verify=verify)
+            if page is not None:
+                return page, link
+            self._dir.unplace(entry.meta.key, link.name)  # corrupt or lost: forget this copy
+        return None, None
+
+    async def transcode(self, meta: PageMeta, data: bytes | memoryview, target: Link
+                        ) -> bytes | memoryview:
+        """The page re-encoded with ``target``'s codec (unchanged if it already matches)."""
+        codec = target.codec
+        if meta.codec == codec.name:
+            return data
+
+        def work() -> bytes:
+            kv = codecs.decode(decode_page(data).payload)
+            new_meta = dataclasses.replace(meta, codec=codec.name, codec_id=codec.codec_id)
+            return encode_page(new_meta, codec.encode(kv))
+
+        return await asyncio.to_thread(work)
+
+    # ------------------------------------------------------------------------------ background
+
+    async def demote_above_watermarks(self) -> None:
+        """Every tier above its high watermark gives up its coldest blocks down to its low one."""
+        for link in self.links[:-1]:
+            if not link.is_above_high_watermark():
+                continue
+            target = link.settings.low_watermark * link.tier.capacity_bytes
+            excess = int(link.tier.used_bytes - target)
+            try:
+                for key in self._dir.coldest(link.name, excess):
+                    if link.tier.used_bytes <= target:
+                        break
+                    await self.give_up(link, key)
+            except KVStoreError:
+                log.exception("demotion from %s failed; will retry on the next write", link.name)
+
+    async def persist(self) -> int:
+        """Write every block held only by non-persistent tiers to the first persistent tier
+        that asks for it (``persist_on_close``), parents first; return how many were saved."""
+        target = next((link for link in self.links
+                       if link.tier.is_persistent and link.settings.persist_on_close), None)
+        if target is None:
+            return 0
+        saved = 0
+        for entry in sorted(self._dir.entries(), key=lambda e: e.meta.block_index):
+            if any(self.by_name[name].tier.is_persistent for name in entry.sizes):
+                continue
+            page, _ = await self.read(entry)
+            if page is None:
+                continue
+            data = await self.transcode(entry.meta, page.data, target)
+            try:
+                saved += await self.write(target, entry.meta, data)
+            except KVStoreError as exc:
+                log.warning("could not persist block %s: %s", entry.meta.key.hex(), exc)
+        return saved

@@ -1,0 +1,204 @@
+"""The store over a chain of tiers it never names: placement, atomic room-making, demotion down
+the chain, promotion back up, and puts that never evict their own blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvstore.config import (
+    DramConfig,
+    KVStoreConfig,
+    SsdConfig,
+    TierConfig,
+    config_from_mapping,
+)
+from kvstore.errors import CapacityError, ConfigError
+from kvstore.keys import Namespace, block_keys
+from kvstore.spec import KVSpec
+from kvstore.store import Store
+
+from ..conftest import random_kv, random_tokens
+
+MiB = 1 << 20
+# 64 KiB of K/V per block: a raw page takes one 68 KiB slot, 15 to a 1 MiB arena chunk.
+SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=16)
+BLOCKS_PER_MIB = 15
+
+
+def dram(capacity_bytes: int = MiB, **fields) -> DramConfig:
+    # Watermarks at 1.0: blocks move down only when room is made, so counts are exact.
+    return DramConfig(capacity_bytes=capacity_bytes, chunk_bytes=MiB, high_watermark=1.0,
+                      low_watermark=1.0, **fields)
+
+
+def ssd(tmp_path, **fields) -> SsdConfig:
+    return SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=64 * MiB, segment_bytes=MiB,
+                     fsync="never", admit_after_accesses=0, **fields)
+
+
+def three_tiers(tmp_path, **ssd_fields) -> KVStoreConfig:
+    return KVStoreConfig(tiers=(TierConfig("hot", "dram", dram()),
+                                TierConfig("warm", "dram", dram()),
+                                TierConfig("cold", "ssd", ssd(tmp_path, **ssd_fields))))
+
+
+def namespace(seed: int = 0, tenant: str = "acme") -> Namespace:
+    return Namespace(model_id=f"m{seed}", spec=SPEC, tenant=tenant)
+
+
+async def test_three_tier_chain_demotes_down_and_promotes_up(tmp_path):
+    """Blocks fill the first tier, spill to the second as the first makes room, then to the
+    third; every block stays readable bit-exact; a get from the bottom brings blocks back up."""
+    ns = namespace()
+    prompts = [(random_tokens(16 * 10, seed=i), random_kv(SPEC, 16 * 10, seed=i))
+               for i in range(5)]  # 50 blocks: more than the two 15-block DRAM tiers hold
+    async with Store(three_tiers(tmp_path)) as store:
+        assert list(store.tiers) == ["hot", "warm", "cold"]
+        for tokens, kv in prompts:
+            assert await store.put(ns, tokens, kv) == 160
+        stats = store.stats()
+        assert stats.tiers["hot"].num_blocks == BLOCKS_PER_MIB
+        assert stats.tiers["warm"].num_blocks == BLOCKS_PER_MIB
+        assert stats.tiers["cold"].num_blocks >= 50 - 2 * BLOCKS_PER_MIB
+        assert stats.counters.demotions >= 50 - BLOCKS_PER_MIB and stats.counters.dropped == 0
+        assert stats.tiers["hot"].evictions > 0 and stats.tiers["warm"].evictions > 0
+        oldest_tokens, oldest_kv = prompts[0]
+        hit = await store.lookup(ns, oldest_tokens)
+        assert hit.matched_tokens == 160 and set(hit.tokens_per_tier) <= {"warm", "cold"}
+        assert torch.equal(await store.get(ns, oldest_tokens), oldest_kv)
+        for _ in range(100):  # promotion into the fastest tier runs in the background
+            if (await store.lookup(ns, oldest_tokens)).tokens_per_tier.get("hot") == 160:
+                break
+            await asyncio.sleep(0.02)
+        assert (await store.lookup(ns, oldest_tokens)).tokens_per_tier == {"hot": 160}
+        for tokens, kv in prompts:
+            assert torch.equal(await store.get(ns, tokens), kv)
+        assert {row.tiers[0] for row in store.list_blocks(limit=100)} <= {"hot", "warm", "cold"}
+        removed = 0
+        for _ in range(100):  # blocks pinned by promotions still running are skipped
+            removed += await store.evict(model_id=ns.model_id)
+            if removed == 50:
+                break
+            await asyncio.sleep(0.02)
+        assert removed == 50 and store.stats().num_blocks == 0
+
+
+async def test_codecs_are_per_tier_and_pages_transcode_on_the_way_down(tmp_path):
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 40, seed=3), random_kv(SPEC, 16 * 40, seed=3)
+    async with Store(three_tiers(tmp_path, codec="fp8_e4m3")) as store:
+        await store.put(ns, tokens, kv)
+        cold = [row for row in store.list_blocks(limit=100) if row.tiers == ("cold",)]
+        assert cold
+        got = await store.get(ns, tokens)
+        assert got.shape == kv.shape
+        first_cold = min(row.block_index for row in cold) * 16
+        # Raw tiers above are exact; fp8 below is close, not exact.
+        assert torch.equal(got[:, :, :first_cold], kv[:, :, :first_cold])
+        error = (got.float() - kv.float()).abs().max().item()
+        assert 0 < error < 0.2 * kv.float().abs().max().item()
+
+
+async def test_a_put_never_evicts_its_own_blocks(tmp_path):
+    """One tier of 15 blocks, a prompt of 40: the put stores what fits and says so exactly,
+    instead of evicting its own earlier blocks to make room for later ones."""
+    ns = namespace()
+    config = KVStoreConfig(tiers=(TierConfig("only", "dram", dram()),))
+    tokens, kv = random_tokens(16 * 40, seed=1), random_kv(SPEC, 16 * 40, seed=1)
+    async with Store(config) as store:
+        written = await store.put(ns, tokens, kv)
+        assert written == 16 * BLOCKS_PER_MIB
+        assert (await store.lookup(ns, tokens)).matched_tokens == written
+        assert torch.equal(await store.get(ns, tokens), kv[:, :, :written])
+        # A second prompt does evict the first one's blocks (they are not its own).
+        other_tokens, other_kv = random_tokens(16 * 3, seed=2), random_kv(SPEC, 16 * 3, seed=2)
+        assert await store.put(ns, other_tokens, other_kv) == 48
+        assert store.stats().counters.dropped == 3
+
+
+async def test_a_page_no_tier_can_hold_is_refused_without_evicting(tmp_path):
+    ns = namespace()
+    config = KVStoreConfig(tiers=(TierConfig("only", "dram", dram()),))
+    huge = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)  # 2 MiB pages
+    async with Store(config) as store:
+        tokens, kv = random_tokens(16 * 5), random_kv(SPEC, 16 * 5)
+        assert await store.put(ns, tokens, kv) == 80
+        with pytest.raises(CapacityError, match="bytes"):
+            await store.put(Namespace(model_id="big", spec=huge), random_tokens(16),
+                            random_kv(huge, 16))
+        assert store.stats().tiers["only"].num_blocks == 5
+        assert store.stats().tiers["only"].evictions == 0
+
+
+async def test_making_room_takes_only_blocks_of_the_size_class_that_frees_it(tmp_path):
+    """A full arena of one slot class and a page of another class: evicting slots of the wrong
+    class would not free room, so none is evicted; the page goes down the chain instead."""
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram()),
+                                  TierConfig("disk", "ssd", ssd(tmp_path))))
+    small = namespace(1)
+    other_spec = KVSpec(num_layers=4, num_kv_heads=4, head_dim=32, block_tokens=16)
+    other = Namespace(model_id="half", spec=other_spec, tenant="acme")
+    async with Store(config) as store:
+        tokens, kv = random_tokens(16 * 15, seed=4), random_kv(SPEC, 16 * 15, seed=4)
+        assert await store.put(small, tokens, kv) == 240
+        assert store.stats().tiers["mem"].num_blocks == 15
+        other_tokens = random_tokens(16, seed=5)
+        assert await store.put(other, other_tokens, random_kv(other_spec, 16, seed=5)) == 16
+        stats = store.stats()
+        assert stats.tiers["mem"].num_blocks == 15 and stats.tiers["mem"].evictions == 0
+        assert (await store.lookup(other, other_tokens)).tokens_per_tier == {"disk": 16}
+
+
+async def test_a_dead_writers_reservation_does_not_hold_a_prefix_back(tmp_path):
+    """A writer reserves slots and dies before committing: another put of the same prefix
+    stores it at once (not after the lease timeout); the late commit frees its slots."""
+    ns = namespace()
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(4 * MiB)),))
+    tokens, kv = random_tokens(16 * 4, seed=6), random_kv(SPEC, 16 * 4, seed=6)
+    async with Store(config) as store:
+        reservation = await store.reserve(ns, tokens, lease_s=600)
+        assert len(reservation.blocks) == 4
+        used_with_slots = store.stats().tiers["mem"].used_bytes
+        written = await asyncio.wait_for(store.put(ns, tokens, kv), timeout=5)
+        assert written == 64 and (await store.lookup(ns, tokens)).matched_tokens == 64
+        assert store.stats().tiers["mem"].used_bytes == 2 * used_with_slots
+        with pytest.raises(Exception, match="checksum|truncated|magic|page"):
+            await store.commit(reservation.reservation_id)  # its slots were never written
+        assert store.stats().tiers["mem"].used_bytes == used_with_slots
+        assert torch.equal(await store.get(ns, tokens), kv)
+
+
+def test_tier_chain_from_toml_tables(tmp_path):
+    config = config_from_mapping({"tiers": [
+        {"name": "hot", "kind": "dram", "capacity_bytes": "2MiB", "chunk_bytes": "1MiB"},
+        {"name": "cold", "kind": "ssd", "path": str(tmp_path), "codec": "fp8_e4m3+zstd",
+         "admit_after_accesses": 1},
+    ]})
+    chain = config.tier_chain()
+    assert [(t.name, t.kind) for t in chain] == [("hot", "dram"), ("cold", "ssd")]
+    assert chain[0].settings.capacity_bytes == 2 * MiB
+    assert chain[1].settings.codec == "fp8_e4m3+zstd"
+    assert [t.name for t in KVStoreConfig().tier_chain()] == ["dram", "ssd"]
+    with pytest.raises(ConfigError, match="kind"):
+        config_from_mapping({"tiers": [{"name": "x", "kind": "tape"}]})
+    with pytest.raises(ConfigError, match="unique"):
+        config_from_mapping({"tiers": [{"name": "x", "kind": "dram"},
+                                       {"name": "x", "kind": "dram"}]})
+    with pytest.raises(ConfigError, match="tiers.hot.capacity_bytes"):
+        config_from_mapping({"tiers": [{"name": "hot", "kind": "dram", "capacity_bytes": "lots"}]})
+
+
+async def test_restart_rebuilds_the_directory_from_every_persistent_tier(tmp_path):
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 20, seed=8), random_kv(SPEC, 16 * 20, seed=8)
+    async with Store(three_tiers(tmp_path, persist_on_close=True)) as store:
+        assert await store.put(ns, tokens, kv) == 320
+    async with Store(three_tiers(tmp_path)) as store:
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"cold": 320}
+        assert torch.equal(await store.get(ns, tokens), kv)
+        keys = block_keys(ns, tokens)
+        assert [row.key for row in store.list_blocks(tier="cold", limit=100)
+                if row.key in set(keys)]
