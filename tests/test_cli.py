@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from kvstore import __version__
 from kvstore.bench.report import BenchReport, Column
-from kvstore.cli import app, load_runner
+from kvstore.cli import app
+from kvstore.cli.bench import load_runner
 from kvstore.client import Client
 from kvstore.config import DramConfig, KVStoreConfig, ServerConfig, SsdConfig
 from kvstore.errors import KVStoreError
@@ -228,7 +229,7 @@ def test_stats_watch_refreshes_until_ctrl_c(daemon: Daemon, monkeypatch) -> None
         if len(naps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvstore.cli.time.sleep", sleep)
+    monkeypatch.setattr("kvstore.cli.admin.time.sleep", sleep)
     lines = invoke("stats", "--address", daemon.unix_address, "--watch", "0.5", "--json")
     assert lines.exit_code == 0
     assert [json.loads(line)["tiers"].keys() for line in lines.stdout.splitlines()] == [
