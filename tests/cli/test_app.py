@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 
 from kvstore import __version__
+from kvstore.cli import app
 from kvstore.server.daemon import Daemon
 
 from .helpers import REPO, invoke
@@ -29,6 +31,14 @@ def test_real_process(argv: list[str]) -> None:
                           check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"kvstore {__version__}"
+
+
+def test_help_lists_the_commands_in_order() -> None:
+    """The command modules register on import; `kvstore --help` keeps serve first."""
+    group = typer.main.get_command(app)
+    assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version",
+                                    "bench"]
+    assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs"]
 
 
 def test_usage_error_exits_2() -> None:
