@@ -1,0 +1,179 @@
+"""The commands that inspect and manage a daemon or this host: stats, ls, evict, doctor, version."""
+
+import json
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+from rich.console import RenderableType
+from rich.live import Live
+
+from kvstore import __version__
+from kvstore.cli.app import (
+    AddressOpt,
+    ConfigOpt,
+    JsonOpt,
+    TokenOpt,
+    app,
+    boundary,
+    connect,
+    console,
+    default_address,
+    print_json,
+    usage_error,
+)
+from kvstore.cli.render import block_row, blocks_table, checks_table, render_stats
+from kvstore.config import load_config
+
+KEY_HEX_CHARS = 32  # a BlockKey is 16 bytes
+
+
+def _watch(render: Callable[[], RenderableType], interval_s: float) -> None:
+    """Redraw ``render()`` every ``interval_s`` until Ctrl-C."""
+    with Live(render(), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(interval_s)
+                live.update(render(), refresh=True)
+        except KeyboardInterrupt:
+            return
+
+
+@app.command()
+@boundary
+def stats(
+    address: AddressOpt = None,
+    token: TokenOpt = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's blocks and requests.",
+                                               show_default=False)] = None,
+    as_json: JsonOpt = False,
+    watch: Annotated[float | None, typer.Option(
+        "--watch", min=0.1, metavar="SECONDS", show_default=False,
+        help="Refresh every SECONDS until Ctrl-C (with --json: one JSON line each time).")] = None,
+) -> None:
+    """Capacity, use and hit rates per tier, and request counters."""
+    with connect(address, token) as client:
+        if watch is None:
+            snapshot = client.stats(tenant)
+            if as_json:
+                print_json(snapshot.as_dict())
+            else:
+                console.print(render_stats(snapshot))
+        elif as_json:
+            try:
+                while True:
+                    typer.echo(json.dumps(client.stats(tenant).as_dict(), default=str))
+                    time.sleep(watch)
+            except KeyboardInterrupt:
+                return
+        else:
+            _watch(lambda: render_stats(client.stats(tenant)), watch)
+
+
+@app.command("ls")
+@boundary
+def list_blocks(
+    address: AddressOpt = None,
+    token: TokenOpt = None,
+    tenant: Annotated[str | None, typer.Option(show_default=False, help="Only this tenant.")
+                      ] = None,
+    model: Annotated[str | None, typer.Option(show_default=False, help="Only this model id.")
+                     ] = None,
+    tier: Annotated[str | None, typer.Option(show_default=False,
+                                             help="Only blocks held by this tier (dram, ssd).")
+                    ] = None,
+    limit: Annotated[int, typer.Option(min=0, help="At most this many blocks.")] = 1000,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stored blocks, most recently used first."""
+    with connect(address, token) as client:
+        rows = [block_row(b) for b in client.list_blocks(tenant=tenant, model_id=model,
+                                                          tier=tier, limit=limit)]
+    if as_json:
+        print_json(rows)
+        return
+    console.print(blocks_table(rows, limit))
+
+
+def parse_key(text: str) -> bytes:
+    """A block key from its 32 hex digits (as ``kvstore ls`` prints it)."""
+    text = text.strip().lower()
+    if len(text) != KEY_HEX_CHARS:
+        usage_error(f"--key {text!r}: a block key is {KEY_HEX_CHARS} hex digits")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        usage_error(f"--key {text!r} is not hexadecimal")
+
+
+def describe_selection(tenant: str | None, model: str | None, keys: list[bytes],
+                       everything: bool) -> str:
+    """What an evict will remove, in words, for the confirmation prompt."""
+    if everything:
+        return "every block"
+    parts = [f"tenant {tenant!r}" if tenant else "", f"model {model!r}" if model else "",
+             f"{len(keys)} listed key(s)" if keys else ""]
+    return "the blocks of " + " and ".join(p for p in parts if p)
+
+
+@app.command()
+@boundary
+def evict(
+    address: AddressOpt = None,
+    token: TokenOpt = None,
+    tenant: Annotated[str | None, typer.Option(show_default=False,
+                                               help="Blocks of this tenant.")] = None,
+    model: Annotated[str | None, typer.Option(show_default=False,
+                                              help="Blocks of this model id.")] = None,
+    key: Annotated[list[str] | None, typer.Option(
+        show_default=False, metavar="HEX", help="A block key (repeatable), as `ls` shows it.")
+    ] = None,
+    everything: Annotated[bool, typer.Option("--all", help="Every block.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")
+                   ] = False,
+) -> None:
+    """Remove blocks from every tier; the filters combine (a block must match all given)."""
+    keys = [parse_key(k) for k in key or []]
+    if everything and (tenant or model or keys):
+        usage_error("--all cannot be combined with --tenant, --model or --key")
+    if not (everything or tenant or model or keys):
+        usage_error("say what to evict: --tenant, --model, --key or --all")
+    target = address or default_address()
+    if not yes:
+        what = describe_selection(tenant, model, keys, everything)
+        typer.confirm(f"Evict {what} from {target}?", abort=True)
+    with connect(target, token) as client:
+        removed = client.evict(tenant=tenant, model_id=model, keys=keys or None,
+                               everything=everything)
+    typer.echo(f"evicted {removed} block{'s' if removed != 1 else ''}")
+
+
+@app.command()
+@boundary
+def doctor(
+    config: ConfigOpt = None,
+    address: AddressOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check the host (torch, CUDA, shared memory, pinning, SSD directory) and the daemon.
+
+    Exits 1 if a required check fails; optional ones (CUDA, cupy, ...) only warn.
+    """
+    from kvstore.doctor import failed, run_checks
+
+    cfg = load_config(config)
+    checks = run_checks(cfg, address or f"unix://{cfg.server.socket_path}", token)
+    if as_json:
+        print_json([c.as_dict() for c in checks])
+    else:
+        console.print(checks_table(checks))
+    if failed(checks):
+        raise typer.Exit(1)
+
+
+@app.command()
+def version() -> None:
+    """Print the kvstore version."""
+    typer.echo(f"kvstore {__version__}")

@@ -1,0 +1,117 @@
+"""``kvstore bench``: run a benchmark module on use, print its table and write its JSON."""
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvstore.cli.app import bench_app, boundary, console, usage_error
+from kvstore.config import load_config, parse_size
+from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.bench.report import BenchReport
+
+JsonPathOpt = Annotated[Path | None, typer.Option(
+    "--json", dir_okay=False, show_default=False,
+    help="Where to write the JSON results [default: bench/results/<bench>-<date>.json]")]
+
+
+def _size_option(value: str, name: str) -> int:
+    try:
+        return parse_size(value, name)
+    except KVStoreError as exc:
+        usage_error(str(exc))
+
+
+def _publish(report: "BenchReport", path: Path | None) -> None:
+    from kvstore.bench.report import write_report
+
+    try:
+        write_report(report, path, console=console)
+    except OSError as exc:
+        raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
+                           ) from None
+
+
+def load_runner(module: str, function: str, command: str) -> Callable[..., Any]:
+    """``module.function``, imported on use; KVStoreError if this build lacks it."""
+    try:
+        return getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            raise KVStoreError(f"`{command}` needs {module}, which is not part of this "
+                               "build") from None
+        raise KVStoreError(f"`{command}` cannot load {module}: {exc}") from None
+    except AttributeError:
+        raise KVStoreError(f"`{command}`: {module} has no {function}()") from None
+
+
+@bench_app.command("tiers")
+@boundary
+def bench_tiers(
+    total_bytes: Annotated[str, typer.Option(help="Bytes each pass moves, e.g. 256MiB.")
+                           ] = "1GiB",
+    ssd_path: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Directory for the SSD tier and dd [default: ssd.path]")] = None,
+    json_path: JsonPathOpt = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Passes; the table shows the best.")] = 3,
+    queue_depth: Annotated[int, typer.Option(min=1, help="SSD puts in flight.")] = 16,
+    tier: Annotated[list[str] | None, typer.Option(
+        show_default=False, help="Only this tier (dram or ssd; repeatable).")] = None,
+) -> None:
+    """Put/get GB/s of the DRAM and SSD tiers (2 MiB blocks) against memcpy and dd O_DIRECT."""
+    from kvstore.bench.tiers import TIERS, run_tier_bench
+
+    report = run_tier_bench(_size_option(total_bytes, "--total-bytes"),
+                            ssd_path if ssd_path is not None else load_config().ssd.path,
+                            tuple(tier or TIERS), repeat, queue_depth)
+    _publish(report, json_path)
+
+
+@bench_app.command("rpc")
+@boundary
+def bench_rpc(
+    total_bytes: Annotated[str, typer.Option(help="Bytes each put/get measurement moves.")
+                           ] = "256MiB",
+    lookup_repeats: Annotated[int, typer.Option(min=1, help="Timed Lookups per prefix.")] = 200,
+    small_call_s: Annotated[float, typer.Option(
+        "--small-call-seconds", min=0.1, help="Seconds per small-call measurement.")] = 2.0,
+    concurrency: Annotated[int, typer.Option(min=1, help="Small calls in flight.")] = 32,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Put/get GB/s and call latency through a fresh daemon, against a bare gRPC echo."""
+    run = load_runner("kvstore.server.bench_rpc", "run_rpc_bench", "kvstore bench rpc")
+    _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"),
+                 lookup_repeats=lookup_repeats, small_call_s=small_call_s,
+                 concurrency=concurrency), json_path)
+
+
+@bench_app.command("codecs")
+@boundary
+def bench_codecs(
+    quick: Annotated[bool, typer.Option(help="Small shapes, one repeat (seconds on a CPU).")
+                     ] = False,
+    real: Annotated[bool, typer.Option(help="Also measure real K/V captured from a model.")
+                    ] = True,
+    gpu: Annotated[bool | None, typer.Option(
+        "--gpu/--no-gpu", show_default=False,
+        help="Run the GPU sections [default: when CUDA is available]")] = None,
+    minilm_dir: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Model files for the real K/V [default: $KVSTORE_MINILM_DIR]")] = None,
+    codec: Annotated[list[str] | None, typer.Option(
+        show_default=False, help="Only this codec chain (repeatable), e.g. fp8_e4m3+zstd.")
+    ] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Size, error and encode/decode speed of each codec (kvstore.bench.codecs)."""
+    run = load_runner("kvstore.bench.codecs", "run_codec_bench", "kvstore bench codecs")
+    options: dict[str, Any] = {"quick": quick, "real": real, "gpu": gpu,
+                               "minilm_dir": minilm_dir}
+    if codec:
+        options["codec_names"] = tuple(codec)
+    _publish(run(**options), json_path)
