@@ -140,6 +140,33 @@ class SsdConfig(TierSettings):
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaConfig:
+    """What one tenant may hold, so no tenant can flush or pin another's blocks.
+
+    Quotas apply when ``server.tenant_tokens`` names two or more tenants (or ``tier_share`` is
+    set): each tenant may fill ``tier_share`` of every tier (default: an equal share), and making
+    room for a tenant's page evicts only that tenant's blocks, or blocks of tenants above their
+    share.
+    """
+
+    tier_share: float = 0.0  # fraction of each tier per tenant; 0 = 1 / number of tenants
+    max_open_leases: int = 1024  # leases one tenant may hold at once
+    max_open_reservations: int = 256  # reservations one tenant may hold at once
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tier_share <= 1.0:
+            raise ConfigError(f"quota.tier_share must be in [0, 1], got {self.tier_share!r}")
+        if self.max_open_leases < 1 or self.max_open_reservations < 1:
+            raise ConfigError("quota.max_open_leases and quota.max_open_reservations must be >= 1")
+
+    def share(self, num_tenants: int) -> float | None:
+        """The fraction of a tier each tenant may fill, or None when quotas are off."""
+        if self.tier_share:
+            return self.tier_share
+        return 1.0 / num_tenants if num_tenants >= 2 else None
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The sidecar daemon: sockets, auth, limits."""
 
@@ -199,6 +226,7 @@ class KVStoreConfig:
     dram: DramConfig = field(default_factory=DramConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    quota: QuotaConfig = field(default_factory=QuotaConfig)
     tiers: tuple[TierConfig, ...] = ()  # the chain, fastest first; empty: [dram] then [ssd]
 
     def __post_init__(self) -> None:
@@ -216,7 +244,8 @@ class KVStoreConfig:
         return tuple(chain)
 
 
-_SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig}
+_SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig,
+             "quota": QuotaConfig}
 
 
 def _coerce(section: str, name: str, value: Any, current: Any) -> Any:

@@ -47,6 +47,8 @@ class BlockDirectory:
                  order_factory: Callable[[], EvictionOrder] = LruOrder) -> None:
         self._entries: dict[BlockKey, BlockEntry] = {}
         self._orders: dict[str, EvictionOrder] = {name: order_factory() for name in tier_names}
+        # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
+        self._usage: dict[str, dict[str, int]] = {name: {} for name in tier_names}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,21 +68,29 @@ class BlockDirectory:
         if entry is None:
             entry = self._entries[meta.key] = BlockEntry(meta=meta)
         entry.sizes[tier] = nbytes
-        self._orders[tier].add(meta.key, footprint)
+        order = self._orders[tier]
+        self.charge(tier, entry.meta.tenant, footprint.nbytes - order.charge(meta.key))
+        order.add(meta.key, footprint)
         return entry
 
     def refile(self, tier: str, key: BlockKey, footprint: Footprint | None) -> None:
         """The tier moved a block it holds: file it under its new footprint, keeping its rank."""
-        if footprint is not None and key in self._entries:
-            self._orders[tier].refile(key, footprint)
+        entry = self._entries.get(key)
+        if footprint is not None and entry is not None:
+            order = self._orders[tier]
+            self.charge(tier, entry.meta.tenant, footprint.nbytes - order.charge(key))
+            order.refile(key, footprint)
 
     def unplace(self, key: BlockKey, tier: str) -> BlockEntry | None:
         """Record that ``tier`` no longer holds the block; forget it when no tier does.
 
         Returns the entry if the block is still held somewhere, else None.
         """
-        self._orders[tier].remove(key)
         entry = self._entries.get(key)
+        order = self._orders[tier]
+        if entry is not None:
+            self.charge(tier, entry.meta.tenant, -order.charge(key))
+        order.remove(key)
         if entry is None:
             return None
         entry.sizes.pop(tier, None)
@@ -117,15 +127,31 @@ class BlockDirectory:
         for entry in entries:
             entry.pins = max(0, entry.pins - 1)
 
+    def charge(self, tier: str, tenant: str, nbytes: int) -> None:
+        """Add ``nbytes`` (negative: give back) to what ``tenant`` is charged in ``tier``."""
+        usage = self._usage[tier]
+        usage[tenant] = usage.get(tenant, 0) + nbytes
+        if usage[tenant] <= 0:
+            del usage[tenant]
+
+    def usage(self, tier: str, tenant: str) -> int:
+        """Bytes ``tenant`` is charged in ``tier``."""
+        return self._usage[tier].get(tenant, 0)
+
+    def owner(self, key: BlockKey) -> str | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.meta.tenant
+
     def is_protected(self, key: BlockKey) -> bool:
         """Whether ``key`` must not be evicted now (pinned, or already gone)."""
         entry = self._entries.get(key)
         return entry is None or entry.pins > 0
 
-    def victims(self, tier: str, need: RoomNeed) -> list[BlockKey] | None:
-        """Unpinned blocks of ``tier`` whose removal frees ``need``, least valuable first, or
-        None when no such set exists (nothing should be evicted then)."""
-        return self._orders[tier].evict(need, self.is_protected)
+    def victims(self, tier: str, need: RoomNeed,
+                is_protected: Callable[[BlockKey], bool] | None = None) -> list[BlockKey] | None:
+        """Unprotected blocks of ``tier`` (default: unpinned) whose removal frees ``need``,
+        least valuable first, or None when no such set exists (nothing is evicted then)."""
+        return self._orders[tier].evict(need, is_protected or self.is_protected)
 
     def coldest(self, tier: str, nbytes: int) -> list[BlockKey]:
         """The least valuable unpinned blocks of ``tier`` worth about ``nbytes`` (fewer if the

@@ -57,9 +57,11 @@ class Store:
         links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
         self._dir = BlockDirectory([link.name for link in links])
-        self._placement = Placement(links, self._dir, self._count)
+        share = self.config.quota.share(len(self.config.server.tenant_tokens))
+        self._placement = Placement(links, self._dir, self._count, share)
         self._leases = LeaseManager(self._dir, self._placement,
-                                    self.config.server.lease_timeout_s, self._count, self._spawn)
+                                    self.config.server.lease_timeout_s, self.config.quota,
+                                    self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
         self._totals = Counters()

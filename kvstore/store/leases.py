@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
 from kvstore.codecs.base import Codec
+from kvstore.config import QuotaConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page
@@ -41,6 +42,7 @@ class LeaseHold:
 
     held_id: str
     deadline: float
+    tenant: str
     entries: list[BlockEntry]
 
 
@@ -61,6 +63,10 @@ class ReservationHold:
     ns: Namespace
     slots: list[ReservedSlot]
 
+    @property
+    def tenant(self) -> str:
+        return self.ns.tenant
+
 
 H = TypeVar("H", LeaseHold, ReservationHold)
 
@@ -68,15 +74,24 @@ H = TypeVar("H", LeaseHold, ReservationHold)
 class HeldTable(Generic[H]):
     """Leases or reservations by id, expiring at their deadline."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, max_per_tenant: int) -> None:
         self.kind = kind
         self._held: dict[str, H] = {}
+        self._per_tenant: dict[str, int] = {}
+        self._max_per_tenant = max_per_tenant
 
     def __len__(self) -> int:
         return len(self._held)
 
+    def check_room(self, tenant: str) -> None:
+        """CapacityError if ``tenant`` already holds as many as it may."""
+        if self._per_tenant.get(tenant, 0) >= self._max_per_tenant:
+            raise CapacityError(f"tenant {tenant[:64]!r} holds {self._max_per_tenant} open "
+                                f"{self.kind}s, its quota; release or commit some first")
+
     def add(self, held: H) -> H:
         self._held[held.held_id] = held
+        self._per_tenant[held.tenant] = self._per_tenant.get(held.tenant, 0) + 1
         return held
 
     def pop(self, held_id: str) -> H:
@@ -84,6 +99,7 @@ class HeldTable(Generic[H]):
         held = self._held.pop(held_id, None)
         if held is None:
             raise LeaseNotFound(f"{self.kind} {held_id[:64]!r} does not exist or has expired")
+        self._forget(held)
         return held
 
     def expired(self, now: float | None = None) -> list[H]:
@@ -92,7 +108,15 @@ class HeldTable(Generic[H]):
         gone = [h for h in self._held.values() if h.deadline < now]
         for held in gone:
             del self._held[held.held_id]
+            self._forget(held)
         return gone
+
+    def _forget(self, held: H) -> None:
+        left = self._per_tenant[held.tenant] - 1
+        if left:
+            self._per_tenant[held.tenant] = left
+        else:
+            del self._per_tenant[held.tenant]
 
 
 class LeaseManager:
@@ -107,14 +131,16 @@ class LeaseManager:
     """
 
     def __init__(self, directory: BlockDirectory, placement: Placement, lease_timeout_s: float,
-                 count: Count, spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+                 quota: QuotaConfig, count: Count,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
         self._dir = directory
         self._placement = placement
         self._lease_timeout_s = lease_timeout_s
         self._count = count
         self._spawn = spawn
-        self._leases: HeldTable[LeaseHold] = HeldTable("lease")
-        self._reservations: HeldTable[ReservationHold] = HeldTable("reservation")
+        self._leases: HeldTable[LeaseHold] = HeldTable("lease", quota.max_open_leases)
+        self._reservations: HeldTable[ReservationHold] = HeldTable(
+            "reservation", quota.max_open_reservations)
 
     @property
     def num_leases(self) -> int:
@@ -143,6 +169,7 @@ class LeaseManager:
     async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None) -> Lease:
         """Pin the stored prefix of ``keys`` in the fastest slot tier (promoting into it)."""
         deadline = self._deadline(lease_s)
+        self._leases.check_room(ns.tenant)
         link = self._slot_link()
         tier: SlotTier = link.tier  # type: ignore[assignment]
         entries = self._dir.match_prefix(keys)
@@ -159,7 +186,7 @@ class LeaseManager:
         for entry in held:
             offset, length = tier.locate(entry.meta.key)
             blocks.append(BlockLocation(entry.meta.key, tier.medium, tier.region, offset, length))
-        hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, held))
+        hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
         return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks))
 
@@ -177,6 +204,7 @@ class LeaseManager:
         writer that died never holds a prefix back until its deadline.
         """
         deadline = self._deadline(lease_s)
+        self._reservations.check_room(ns.tenant)
         link = self._slot_link()
         tier: SlotTier = link.tier  # type: ignore[assignment]
         slot_bytes = page_bound(link.codec, ns.spec)
@@ -191,16 +219,18 @@ class LeaseManager:
             for i, key in enumerate(keys):
                 if key in self._dir:
                     continue
-                if not await self._placement.make_room(link, slot_bytes):
+                if not await self._placement.make_room(link, slot_bytes, ns.tenant):
                     break
                 slot = await tier.allocate_slot(slot_bytes)
                 if slot is None:
                     break
+                # An open slot counts against the tenant's share until it is published or freed.
+                self._dir.charge(link.name, ns.tenant, slot.slot_bytes)
                 slots.append(ReservedSlot(key, i, link, slot))
                 grants.append(SlotGrant(key, i, keys[i - 1] if i else None, tier.medium,
                                         tier.region, slot.offset, slot.slot_bytes))
         except BaseException:
-            self._abort_slots(slots)
+            self._abort_slots(ns.tenant, slots)
             raise
         finally:
             self._dir.unpin(stored)
@@ -219,11 +249,12 @@ class LeaseManager:
         try:
             metas = [self._verify_slot(hold.ns, reserved) for reserved in hold.slots]
         except KVStoreError:
-            self._abort_slots(hold.slots)
+            self._abort_slots(hold.tenant, hold.slots)
             raise
         published = []
         for reserved, meta in zip(hold.slots, metas):
             tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+            self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
             if reserved.key in self._dir or tier.contains(reserved.key):
                 tier.abort(reserved.slot)
                 continue
@@ -237,7 +268,8 @@ class LeaseManager:
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back without publishing anything."""
-        self._abort_slots(self._reservations.pop(reservation_id).slots)
+        hold = self._reservations.pop(reservation_id)
+        self._abort_slots(hold.tenant, hold.slots)
 
     def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> PageMeta:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
@@ -255,10 +287,10 @@ class LeaseManager:
                                   f"{meta.codec[:64]!r}; the reservation asked for {codec!r}")
         return meta
 
-    @staticmethod
-    def _abort_slots(slots: list[ReservedSlot]) -> None:
+    def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:
         for reserved in slots:
             reserved.link.tier.abort(reserved.slot)  # type: ignore[attr-defined]
+            self._dir.charge(reserved.link.name, tenant, -reserved.slot.slot_bytes)
 
     # ------------------------------------------------------------------------------ hints
 
@@ -287,4 +319,4 @@ class LeaseManager:
                 self._dir.unpin(lease.entries)
             for reservation in self._reservations.expired(now):
                 log.info("reservation %s expired; freeing its slots", reservation.held_id)
-                self._abort_slots(reservation.slots)
+                self._abort_slots(reservation.tenant, reservation.slots)

@@ -31,7 +31,7 @@ from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page
 from kvstore.policy.admission import admission_for
-from kvstore.policy.base import AdmissionPolicy
+from kvstore.policy.base import AdmissionPolicy, RoomNeed
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import SlotTier, Tier
@@ -76,11 +76,13 @@ class Placement:
     Called only from the store's event loop; codec work goes to threads.
     """
 
-    def __init__(self, links: Sequence[Link], directory: BlockDirectory, count: Count) -> None:
+    def __init__(self, links: Sequence[Link], directory: BlockDirectory, count: Count,
+                 tenant_share: float | None = None) -> None:
         self.links = list(links)
         self.by_name = {link.name: link for link in self.links}
         self._dir = directory
         self._count = count
+        self._share = tenant_share  # fraction of each tier a tenant may fill; None: no quotas
 
     # ------------------------------------------------------------------------------ queries
 
@@ -90,6 +92,10 @@ class Placement:
     def slot_link(self) -> Link | None:
         """The fastest tier that lends slots (zero-copy writes and pinned reads), if any."""
         return next((link for link in self.links if isinstance(link.tier, SlotTier)), None)
+
+    def quota_bytes(self, link: Link) -> int | None:
+        """Bytes of ``link``'s tier one tenant may fill, or None when quotas are off."""
+        return None if self._share is None else int(self._share * link.tier.capacity_bytes)
 
     def note(self, keys: Sequence[BlockKey]) -> None:
         """Sightings of a prefix's blocks, for every tier's admission policy."""
@@ -120,7 +126,7 @@ class Placement:
         if len(data) > link.tier.max_page_bytes:
             return False
         for _ in range(MAX_ROOM_ROUNDS):
-            if not await self.make_room(link, len(data)):
+            if not await self.make_room(link, len(data), meta.tenant):
                 return False
             written = await link.tier.write(meta.key, data, meta)
             for moved in link.tier.moved_keys():
@@ -133,21 +139,53 @@ class Placement:
                 return True
         return False
 
-    async def make_room(self, link: Link, nbytes: int) -> bool:
-        """Free what ``link``'s tier needs for a page of ``nbytes``: True if it fits now.
+    async def make_room(self, link: Link, nbytes: int, tenant: str) -> bool:
+        """Free what ``link``'s tier needs for ``tenant``'s page of ``nbytes``: True if it fits.
 
         Atomic: victims are chosen only if together they free enough, and only blocks whose
-        removal frees room for this size; otherwise nothing is evicted.
+        removal frees room for this size; otherwise nothing is evicted. With quotas, a tenant
+        at its share gives up its own blocks first, and the tier makes room only from that
+        tenant's blocks or from tenants above their share: nobody flushes a tenant within its
+        share.
         """
+        quota = self.quota_bytes(link)
+        is_protected = self._dir.is_protected
+        if quota is not None:
+            if nbytes > quota:
+                return False
+            over = self._dir.usage(link.name, tenant) + nbytes - quota
+            own = self._not_owned_by(tenant)
+            if over > 0 and not await self._evict(link, RoomNeed(over), own):
+                return False
+            is_protected = self._fair_game_for(tenant, link.name, quota)
         need = link.tier.room_for(nbytes)
-        if need is None:
-            return True
-        victims = self._dir.victims(link.name, need)
+        if need is not None and not await self._evict(link, need, is_protected):
+            return False
+        return link.tier.can_write(nbytes)
+
+    async def _evict(self, link: Link, need: RoomNeed, is_protected: Callable[[BlockKey], bool]
+                     ) -> bool:
+        victims = self._dir.victims(link.name, need, is_protected)
         if victims is None:
             return False
         for key in victims:
             await self.give_up(link, key)
-        return link.tier.can_write(nbytes)
+        return True
+
+    def _not_owned_by(self, tenant: str) -> Callable[[BlockKey], bool]:
+        def is_protected(key: BlockKey) -> bool:
+            return self._dir.is_protected(key) or self._dir.owner(key) != tenant
+
+        return is_protected
+
+    def _fair_game_for(self, tenant: str, tier: str, quota: int) -> Callable[[BlockKey], bool]:
+        def is_protected(key: BlockKey) -> bool:
+            if self._dir.is_protected(key):
+                return True
+            owner = self._dir.owner(key)
+            return owner != tenant and self._dir.usage(tier, owner) <= quota
+
+        return is_protected
 
     async def give_up(self, link: Link, key: BlockKey) -> None:
         """Remove ``key`` from ``link``'s tier, demoting it first if no other tier holds it."""

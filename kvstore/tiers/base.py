@@ -1,11 +1,11 @@
-"""The Tier contract and the capabilities a tier may add (slot lending; sharing across hosts).
+"""The Tier contract and the capabilities a tier may add (lending slots of shared memory).
 
 A tier stores whole encoded pages (``kvstore.page``) by ``BlockKey``. It knows nothing about
 prefixes, namespaces or policy: the store (``kvstore.store``) walks an ordered chain of tiers,
 fastest first, decides what goes where and makes room; a tier only admits, holds, returns and
 forgets pages within its capacity, and says what it would need freed for a page to fit. The
-store never names a tier: it checks capabilities with ``isinstance`` (``SlotTier``,
-``SharedTier``).
+store never names a tier: it checks capabilities with ``isinstance`` (``SlotTier`` lends slots
+of memory other processes map; a tier several hosts share is the next capability to add).
 
 Threading: every method is called from the store's event loop. Async methods may await file or
 device I/O (through threads); sync methods must return quickly and never block on I/O.
@@ -14,7 +14,7 @@ device I/O (through threads); sync methods must return quickly and never block o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Protocol
 
 from kvstore.api import Medium, TierStats
@@ -22,7 +22,7 @@ from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
 
-__all__ = ["Footprint", "RoomNeed", "SharedTier", "Slot", "SlotTier", "Tier", "TierStats"]
+__all__ = ["Footprint", "RoomNeed", "Slot", "SlotTier", "Tier", "TierStats"]
 
 
 class Tier(ABC):
@@ -173,13 +173,3 @@ class SlotTier(Tier):
 
     @abstractmethod
     def locate(self, key: BlockKey) -> tuple[int, int] | None: ...
-
-
-class SharedTier(Tier):
-    """A tier several hosts see (a Redis/Valkey cluster): blocks may appear in it that this
-    store never wrote, so the store does not own its directory: it probes it for the blocks
-    past the local match with one batched call per prefix."""
-
-    @abstractmethod
-    async def exists_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` the tier holds, in one round trip per slot group."""

@@ -11,6 +11,8 @@ import torch
 from kvstore.config import (
     DramConfig,
     KVStoreConfig,
+    QuotaConfig,
+    ServerConfig,
     SsdConfig,
     TierConfig,
     config_from_mapping,
@@ -202,3 +204,51 @@ async def test_restart_rebuilds_the_directory_from_every_persistent_tier(tmp_pat
         keys = block_keys(ns, tokens)
         assert [row.key for row in store.list_blocks(tier="cold", limit=100)
                 if row.key in set(keys)]
+
+
+def two_tenants(**quota) -> KVStoreConfig:
+    return KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(2 * MiB)),),
+                         server=ServerConfig(tenant_tokens={"acme": "a", "globex": "g"}),
+                         quota=QuotaConfig(**quota))
+
+
+async def test_one_tenant_cannot_flush_another(tmp_path):
+    """Two tenants share a tier half and half: a tenant writing far more than its share evicts
+    only its own blocks; the other tenant keeps every block it stored within its share."""
+    acme, globex = namespace(1, "acme"), namespace(2, "globex")
+    a_tokens, a_kv = random_tokens(16 * 10, seed=10), random_kv(SPEC, 16 * 10, seed=10)
+    async with Store(two_tenants()) as store:
+        assert await store.put(acme, a_tokens, a_kv) == 160
+        for i in range(6):  # 60 blocks: four times globex's share
+            tokens = random_tokens(16 * 10, seed=20 + i)
+            assert await store.put(globex, tokens, random_kv(SPEC, 16 * 10, seed=20 + i)) > 0
+        assert (await store.lookup(acme, a_tokens)).matched_tokens == 160
+        assert torch.equal(await store.get(acme, a_tokens), a_kv)
+        assert store.stats(tenant="acme").num_blocks == 10
+        assert store.stats(tenant="globex").num_blocks <= BLOCKS_PER_MIB
+        # Reservations count against the share too: globex cannot reserve acme's half.
+        reservation = await store.reserve(globex, random_tokens(16 * 40, seed=40))
+        assert len(reservation.blocks) <= BLOCKS_PER_MIB
+        assert (await store.lookup(acme, a_tokens)).matched_tokens == 160
+        await store.abort(reservation.reservation_id)
+
+
+async def test_open_leases_and_reservations_are_capped_per_tenant(tmp_path):
+    acme, globex = namespace(1, "acme"), namespace(2, "globex")
+    tokens, kv = random_tokens(16 * 2, seed=11), random_kv(SPEC, 16 * 2, seed=11)
+    async with Store(two_tenants(max_open_leases=2, max_open_reservations=1)) as store:
+        await store.put(acme, tokens, kv)
+        leases = [await store.acquire(acme, tokens) for _ in range(2)]
+        with pytest.raises(CapacityError, match="lease"):
+            await store.acquire(acme, tokens)
+        await store.put(globex, tokens, kv)
+        other = await store.acquire(globex, tokens)  # another tenant's cap is its own
+        await store.release(leases[0].lease_id)
+        leases[0] = await store.acquire(acme, tokens)
+        first = await store.reserve(acme, random_tokens(32, seed=12))
+        with pytest.raises(CapacityError, match="reservation"):
+            await store.reserve(acme, random_tokens(32, seed=13))
+        await store.abort(first.reservation_id)
+        await store.abort((await store.reserve(acme, random_tokens(32, seed=13))).reservation_id)
+        for lease in [*leases, other]:
+            await store.release(lease.lease_id)
