@@ -30,16 +30,14 @@ from kvstore.config import ServerConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server.base import (
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.tensors import (
     ChunkAssembler,
-    error_from_status,
     iter_chunks,
-    namespace_to_proto,
     tensor_from_buffer,
     tensor_header,
     tensor_view,
-    tokens_to_bytes,
 )
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
@@ -116,14 +114,6 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def translate(err: grpc.RpcError) -> KVStoreError:
-    """The kvstore exception for a failed call."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else ()
-    return error_from_status(code, details or "", tuple(metadata or ()))
 
 
 def rpc_code(err: grpc.RpcError) -> grpc.StatusCode | None:

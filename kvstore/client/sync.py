@@ -25,16 +25,14 @@ from kvstore.client.base import (
     put_stream,
     read_lease,
     rpc_code,
-    translate,
     write_reservation,
 )
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server import kvstore_pb2_grpc as pbg
-from kvstore.server.base import (
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.convert import (
     block_info_from_proto,
-    chunk_limit,
     lease_from_proto,
     lookup_from_proto,
     namespace_to_proto,
@@ -42,6 +40,8 @@ from kvstore.server.base import (
     stats_from_proto,
     tokens_to_bytes,
 )
+from kvstore.rpc.status import translate
+from kvstore.rpc.tensors import chunk_limit
 
 if TYPE_CHECKING:
     from typing import Self

@@ -28,8 +28,9 @@ from kvstore.bench.report import BenchReport, Column, write_report
 from kvstore.client import NO_RETRY, AsyncClient, Client
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server.base import chunk_limit, namespace_to_proto, tokens_to_bytes
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.tensors import chunk_limit
 from kvstore.spec import KVSpec
 
 MiB = 1 << 20
