@@ -22,10 +22,10 @@ lint:
 GRPC_STUB_FLOOR := 1.65.0
 
 proto:
-	$(VENV)/python -m grpc_tools.protoc -I kvstore/server --python_out=kvstore/server \
-	    --grpc_python_out=kvstore/server --pyi_out=kvstore/server kvstore/server/kvstore.proto
-	sed -i 's/^import kvstore_pb2/from kvstore.server import kvstore_pb2/' kvstore/server/kvstore_pb2_grpc.py
+	$(VENV)/python -m grpc_tools.protoc -I kvstore/rpc --python_out=kvstore/rpc \
+	    --grpc_python_out=kvstore/rpc --pyi_out=kvstore/rpc kvstore/rpc/kvstore.proto
+	sed -i 's/^import kvstore_pb2/from kvstore.rpc import kvstore_pb2/' kvstore/rpc/kvstore_pb2_grpc.py
 	sed -i -e '/^from google.protobuf import runtime_version/d' \
-	    -e '/^_runtime_version.ValidateProtobufRuntimeVersion(/,/^)/d' kvstore/server/kvstore_pb2.py
+	    -e '/^_runtime_version.ValidateProtobufRuntimeVersion(/,/^)/d' kvstore/rpc/kvstore_pb2.py
 	sed -i "s/^GRPC_GENERATED_VERSION = .*/GRPC_GENERATED_VERSION = '$(GRPC_STUB_FLOOR)'/" \
-	    kvstore/server/kvstore_pb2_grpc.py
+	    kvstore/rpc/kvstore_pb2_grpc.py

@@ -1,12 +1,19 @@
-"""Shared fixtures: small specs, namespaces and K/V tensors."""
+"""Shared fixtures: small specs, namespaces and K/V tensors; what a fresh interpreter imports."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # a subprocess there imports this checkout
 
 
 @pytest.fixture
@@ -27,3 +34,16 @@ def random_kv(spec: KVSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
 def random_tokens(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50_000, (n,), generator=g).tolist()
+
+
+def modules_loaded_by(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code`` (nothing else imported)."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=REPO_ROOT)
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def under(modules: set[str], *packages: str) -> list[str]:
+    """The modules in ``modules`` that are one of ``packages`` or inside one."""
+    return sorted(m for m in modules for p in packages if m == p or m.startswith(p + "."))

@@ -1,8 +1,15 @@
-"""Clients of the kvstore daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio)."""
+"""Clients of the kvstore daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Both plan their calls through ``requests.py`` (request building, response parsing) and add
+only their transport; ``address.py`` and ``retry.py`` say how to reach the daemon and when to
+try again, ``arena.py`` holds the zero-copy page paths through the shared DRAM arena. Nothing
+here imports the store, its tiers or the server: the wire forms come from ``kvstore.rpc``.
+"""
 
 from kvstore.api import HealthInfo
+from kvstore.client.address import default_address
 from kvstore.client.aio import AsyncClient
-from kvstore.client.base import NO_RETRY, RetryPolicy, default_address
+from kvstore.client.retry import NO_RETRY, RetryPolicy
 from kvstore.client.sync import Client
 
 __all__ = ["NO_RETRY", "AsyncClient", "Client", "HealthInfo", "RetryPolicy", "default_address"]

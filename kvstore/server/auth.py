@@ -21,7 +21,8 @@ import grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import PermissionDenied, Unauthenticated
-from kvstore.server.base import Behavior, HandlerInterceptor, error_metadata
+from kvstore.rpc.status import error_metadata
+from kvstore.server.interceptors import Behavior, HandlerInterceptor
 
 _BEARER = "bearer "
 _UNIX_PEER_PREFIX = "unix:"

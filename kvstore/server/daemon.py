@@ -31,7 +31,7 @@ import grpc
 from kvstore.config import KVStoreConfig, load_config, parse_assignments
 from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
 from kvstore.server.auth import AuthInterceptor, TokenTable
-from kvstore.server.base import ErrorInterceptor
+from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
 from kvstore.server.service import KVStoreService, add_to_server
 from kvstore.store import Store

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.server.base import Behavior, HandlerInterceptor
+from kvstore.server.interceptors import Behavior, HandlerInterceptor
 
 _log = logging.getLogger("kvstore.server.metrics")
 # From 100 us (a Lookup on a warm loop) to 30 s (a multi-GiB streamed Get).

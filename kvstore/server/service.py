@@ -1,6 +1,6 @@
 """The KVStore gRPC servicer: a thin layer that validates requests and calls the Store.
 
-Authentication, error translation and metrics are interceptors (auth.py, base.py,
+Authentication, error translation and metrics are interceptors (auth.py, interceptors.py,
 metrics.py); this module only parses each request, applies the tenant rules of the caller
 (``auth.current_caller()``) and converts values to and from their wire form.
 """
@@ -19,26 +19,28 @@ from kvstore.api import MAX_LEASE_S
 from kvstore.config import KVStoreConfig
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.keys import Namespace
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server import kvstore_pb2_grpc as pbg
-from kvstore.server.auth import Caller, current_caller
-from kvstore.server.base import (
-    ChunkAssembler,
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.convert import (
     block_info_to_proto,
-    chunk_limit,
-    expected_tensor,
-    iter_chunks,
     key_from_bytes,
     lease_to_proto,
     lookup_to_proto,
     namespace_from_proto,
     reservation_to_proto,
     stats_to_proto,
+    tokens_from_bytes,
+)
+from kvstore.rpc.tensors import (
+    ChunkAssembler,
+    chunk_limit,
+    expected_tensor,
+    iter_chunks,
     tensor_from_buffer,
     tensor_header,
     tensor_view,
-    tokens_from_bytes,
 )
+from kvstore.server.auth import Caller, current_caller
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0

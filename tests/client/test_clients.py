@@ -11,7 +11,7 @@ import torch
 
 from kvstore.api import LookupResult, StoreStats
 from kvstore.client import AsyncClient, Client, HealthInfo, default_address
-from kvstore.client.base import Target, parse_address
+from kvstore.client.address import Target, parse_address
 from kvstore.errors import InvalidArgument, LeaseNotFound, PermissionDenied
 from tests.server.helpers import DaemonThread, small_config
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvstore.client import Client
-from kvstore.client.base import ArenaMaps, write_reservation
+from kvstore.client.arena import ArenaMaps, write_reservation
 from kvstore.errors import LeaseNotFound
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server import kvstore_pb2_grpc as pbg
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc import kvstore_pb2_grpc as pbg
 
 from ..conftest import random_kv, random_tokens
 from .helpers import DaemonThread

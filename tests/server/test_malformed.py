@@ -11,9 +11,10 @@ import grpc
 import pytest
 
 from kvstore.client import AsyncClient
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server import kvstore_pb2_grpc as pbg
-from kvstore.server.base import namespace_to_proto, tensor_header, tokens_to_bytes
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.tensors import tensor_header
 from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens

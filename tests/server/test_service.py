@@ -21,9 +21,10 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import block_keys
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server import kvstore_pb2_grpc as pbg
-from kvstore.server.base import namespace_to_proto, tensor_view, tokens_to_bytes
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.tensors import tensor_view
 
 from ..conftest import random_kv, random_tokens
 

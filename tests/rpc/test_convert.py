@@ -1,13 +1,11 @@
-"""Status mapping and wire conversions shared by the server and the clients."""
+"""Value types <-> proto messages: tokens, keys, namespaces, lookups, stats, leases."""
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
-from kvstore import errors
 from kvstore.api import (
     BlockLocation,
     Counters,
@@ -19,15 +17,10 @@ from kvstore.api import (
     StoreStats,
     TierStats,
 )
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, Namespace, token_array
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server.base import (
-    ChunkAssembler,
-    chunk_limit,
-    error_from_status,
-    error_metadata,
-    expected_tensor,
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.convert import (
     key_from_bytes,
     lease_from_proto,
     lease_to_proto,
@@ -39,54 +32,9 @@ from kvstore.server.base import (
     reservation_to_proto,
     stats_from_proto,
     stats_to_proto,
-    status_for,
-    tensor_from_buffer,
-    tensor_header,
-    tensor_view,
     tokens_from_bytes,
     tokens_to_bytes,
 )
-
-from ..conftest import random_kv
-
-SC = grpc.StatusCode
-
-
-@pytest.mark.parametrize("exc, code", [
-    (errors.InvalidArgument("x"), SC.INVALID_ARGUMENT),
-    (errors.ConfigError("x"), SC.INVALID_ARGUMENT),
-    (errors.CodecError("x"), SC.INVALID_ARGUMENT),
-    (errors.NotFound("x"), SC.NOT_FOUND),
-    (errors.LeaseNotFound("x"), SC.NOT_FOUND),
-    (errors.CapacityError("x"), SC.RESOURCE_EXHAUSTED),
-    (errors.PermissionDenied("x"), SC.PERMISSION_DENIED),
-    (errors.Unauthenticated("x"), SC.UNAUTHENTICATED),
-    (errors.CorruptPage("x"), SC.DATA_LOSS),
-    (errors.Unavailable("x"), SC.UNAVAILABLE),
-    (errors.KVStoreError("x"), SC.INTERNAL),
-    (RuntimeError("x"), SC.INTERNAL),
-])
-def test_status_for_every_exception(exc, code):
-    assert status_for(exc) == code
-
-
-@pytest.mark.parametrize("cls", [errors.InvalidArgument, errors.CodecError, errors.LeaseNotFound,
-                                 errors.CapacityError, errors.CorruptPage,
-                                 errors.PermissionDenied, errors.Unauthenticated])
-def test_error_class_survives_the_wire(cls):
-    exc = cls("what went wrong")
-    back = error_from_status(status_for(exc), str(exc), error_metadata(exc))
-    assert type(back) is cls and str(back) == "what went wrong"
-
-
-def test_error_from_status_without_metadata_uses_the_code():
-    assert type(error_from_status(SC.NOT_FOUND, "gone")) is errors.NotFound
-    assert type(error_from_status(SC.UNAVAILABLE, "down")) is errors.Unavailable
-    unknown = error_from_status(SC.INTERNAL, "boom")
-    assert type(unknown) is KVStoreError and "INTERNAL" in str(unknown)
-    # a class name that is not a kvstore error is ignored, not imported
-    forged = error_from_status(SC.INVALID_ARGUMENT, "x", (("kvstore-error", "SystemExit"),))
-    assert type(forged) is errors.InvalidArgument
 
 
 def test_tokens_wire_form():
@@ -120,48 +68,6 @@ def test_namespace_from_proto_rejects_malformed(ns):
     bad.spec.dtype = "int8"
     with pytest.raises(InvalidArgument, match="dtype"):
         namespace_from_proto(bad)
-
-
-def test_expected_tensor_checks_dtype_shape_and_size(spec):
-    kv = random_kv(spec, 32)
-    assert expected_tensor(spec, 32, tensor_header(kv)) == kv.numel() * 2
-    for change, match in [({"dtype": "float16"}, "dtype"), ({"dtype": "qint8"}, "unknown"),
-                          ({"shape": [2, 2, 31, 2, 16]}, "shape"),
-                          ({"total_bytes": 5}, "declares")]:
-        header = tensor_header(kv)
-        for name, value in change.items():
-            if name == "shape":
-                del header.shape[:]
-                header.shape.extend(value)
-            else:
-                setattr(header, name, value)
-        with pytest.raises(InvalidArgument, match=match):
-            expected_tensor(spec, 32, header)
-
-
-def test_tensor_bytes_round_trip_bit_exact(spec):
-    kv = random_kv(spec, 48)
-    buf = bytearray(tensor_view(kv))
-    back = tensor_from_buffer(buf, tensor_header(kv))
-    assert back.dtype == kv.dtype and torch.equal(back, kv)
-
-
-def test_chunk_assembler_refuses_short_long_and_oversized():
-    with pytest.raises(CapacityError):
-        ChunkAssembler(100, max_bytes=99)
-    a = ChunkAssembler(4, max_bytes=4)
-    a.add(b"ab")
-    with pytest.raises(InvalidArgument, match="ended after 2"):
-        a.finish()
-    a.add(b"cd")
-    with pytest.raises(InvalidArgument, match="more than"):
-        a.add(b"e")
-    assert a.finish() == bytearray(b"abcd")
-
-
-def test_chunk_limit_stays_under_the_message_limit():
-    assert chunk_limit(256 << 20) == 4 << 20
-    assert chunk_limit(1 << 20) < 1 << 20
 
 
 def test_key_from_bytes():

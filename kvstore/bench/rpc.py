@@ -28,8 +28,9 @@ from kvstore.bench.report import BenchReport, Column, write_report
 from kvstore.client import NO_RETRY, AsyncClient, Client
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.server import kvstore_pb2 as pb
-from kvstore.server.base import chunk_limit, namespace_to_proto, tokens_to_bytes
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.tensors import chunk_limit
 from kvstore.spec import KVSpec
 
 MiB = 1 << 20
@@ -296,7 +297,7 @@ def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
                        "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "ssd.enabled=false",
                        "--set", "server.log_level=WARNING", "--set", "server.metrics_port=0",
                        "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
-        echo_args = ["-m", "kvstore.server.bench_rpc", "--echo-server", f"unix://{echo_path}"]
+        echo_args = ["-m", "kvstore.bench.rpc", "--echo-server", f"unix://{echo_path}"]
         address, echo_address = f"unix://{socket_path}", f"unix://{echo_path}"
         with _process(daemon_args, root / "daemon.log") as daemon, \
                 _process(echo_args, root / "echo.log") as echo_proc, \
@@ -325,7 +326,7 @@ def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.server.bench_rpc")
+    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.rpc")
     parser.add_argument("--echo-server", metavar="ADDRESS", help="serve the echo baseline only")
     parser.add_argument("--total-bytes", type=int, default=256 * MiB)
     parser.add_argument("--json", help="results file [default: bench/results/rpc-<date>.json]")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvstore.server import kvstore_pb2 as kvstore__pb2
+from kvstore.rpc import kvstore_pb2 as kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.65.0'
 GRPC_VERSION = grpc.__version__

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.bench.rpc import run_rpc_bench
 from kvstore.errors import InvalidArgument
-from kvstore.server.bench_rpc import run_rpc_bench
 
 
 def test_rpc_bench_smoke():

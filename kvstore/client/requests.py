@@ -1,0 +1,176 @@
+"""The calls both clients make, planned once: each request built from a method's arguments and
+its response read back into kvstore values. ``Client`` and ``AsyncClient`` add only their
+transport (a blocking or an asyncio channel) and the zero-copy paths around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+from google.protobuf.message import Message
+
+from kvstore.api import BlockInfo, HealthInfo, Lease, LookupResult, Reservation, StoreStats
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey, Namespace
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.convert import (
+    block_info_from_proto,
+    health_from_proto,
+    lease_from_proto,
+    lookup_from_proto,
+    namespace_to_proto,
+    reservation_from_proto,
+    stats_from_proto,
+    tokens_to_bytes,
+)
+from kvstore.rpc.tensors import (
+    ChunkAssembler,
+    iter_chunks,
+    tensor_from_buffer,
+    tensor_header,
+    tensor_view,
+)
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Unary(Generic[R]):
+    """One unary call: which stub method, its request, and how to read its response."""
+
+    method: str  # the KVStore stub's method name, e.g. "Lookup"
+    request: Message
+    parse: Callable[[Any], R]  # response message -> what the client method returns
+
+
+def _nothing(_response: Message) -> None:
+    return None
+
+
+def _block_infos(response: pb.ListBlocksResponse) -> list[BlockInfo]:
+    return [block_info_from_proto(b) for b in response.blocks]
+
+
+def lookup(ns: Namespace, tokens: Tokens) -> Unary[LookupResult]:
+    request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+    return Unary("Lookup", request, lookup_from_proto)
+
+
+def evict(tenant: str | None, model_id: str | None, keys: Sequence[BlockKey] | None,
+          everything: bool) -> Unary[int]:
+    request = pb.EvictRequest(tenant=tenant or "", model_id=model_id or "",
+                              keys=list(keys or ()), everything=everything)
+    return Unary("Evict", request, attrgetter("num_blocks"))
+
+
+def stats(tenant: str | None) -> Unary[StoreStats]:
+    return Unary("Stats", pb.StatsRequest(tenant=tenant or ""), stats_from_proto)
+
+
+def list_blocks(tenant: str | None, model_id: str | None, tier: str | None,
+                limit: int) -> Unary[list[BlockInfo]]:
+    request = pb.ListBlocksRequest(tenant=tenant or "", model_id=model_id or "",
+                                   tier=tier or "", limit=limit)
+    return Unary("ListBlocks", request, _block_infos)
+
+
+def hint(ns: Namespace, tokens: Tokens, deadline_s: float) -> Unary[int]:
+    request = pb.HintRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                             deadline_s=deadline_s)
+    return Unary("Hint", request, attrgetter("num_blocks"))
+
+
+def health() -> Unary[HealthInfo]:
+    return Unary("Health", pb.HealthRequest(), health_from_proto)
+
+
+def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None) -> Unary[Lease]:
+    request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                                lease_s=lease_s or 0.0)
+    return Unary("Acquire", request, lease_from_proto)
+
+
+def release(lease_id: str) -> Unary[None]:
+    return Unary("Release", pb.ReleaseRequest(lease_id=lease_id), _nothing)
+
+
+def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None) -> Unary[Reservation]:
+    request = pb.ReserveRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                                lease_s=lease_s or 0.0)
+    return Unary("Reserve", request, reservation_from_proto)
+
+
+def commit(reservation_id: str) -> Unary[int]:
+    request = pb.CommitRequest(reservation_id=reservation_id)
+    return Unary("Commit", request, attrgetter("tokens_published"))
+
+
+def abort(reservation_id: str) -> Unary[None]:
+    return Unary("Abort", pb.AbortRequest(reservation_id=reservation_id), _nothing)
+
+
+# ------------------------------------------------------------------------------ streamed calls
+
+
+def check_put(ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> bytes:
+    """The wire form of ``tokens``, once ``kv`` is checked against the namespace spec."""
+    token_bytes = tokens_to_bytes(tokens)
+    ns.spec.check_kv(kv, num_tokens=len(token_bytes) // 4)
+    return token_bytes
+
+
+class PutStream:
+    """The messages of a streamed Put: a header validated against the namespace spec, then the
+    tensor bytes in chunks. Each iteration starts over, so a retried call sends it all again."""
+
+    def __init__(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, chunk_bytes: int) -> None:
+        token_bytes = check_put(ns, tokens, kv)
+        self.header = pb.PutHeader(namespace=namespace_to_proto(ns), tokens=token_bytes,
+                                   tensor=tensor_header(kv))
+        self._view = tensor_view(kv)
+        self._chunk_bytes = chunk_bytes
+
+    def __iter__(self) -> Iterator[pb.PutRequest]:
+        yield pb.PutRequest(header=self.header)
+        for chunk in iter_chunks(self._view, self._chunk_bytes):
+            yield pb.PutRequest(chunk=chunk)
+
+    @staticmethod
+    def parse(response: pb.PutResponse) -> int:
+        """Tokens newly written."""
+        return response.tokens_written
+
+
+def get_request(ns: Namespace, tokens: Tokens) -> pb.GetRequest:
+    return pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+
+
+class GetAssembler:
+    """Builds the tensor of a streamed Get from its header and chunks."""
+
+    def __init__(self) -> None:
+        self._header: pb.GetHeader | None = None
+        self._chunks: ChunkAssembler | None = None
+
+    def add(self, message: pb.GetResponse) -> None:
+        if message.WhichOneof("part") == "header":
+            self._header = message.header
+            if message.header.found:
+                total = message.header.tensor.total_bytes
+                self._chunks = ChunkAssembler(total, max_bytes=total)
+        elif self._chunks is None:
+            raise KVStoreError("Get stream sent data without a header")
+        else:
+            self._chunks.add(message.chunk)
+
+    def result(self) -> torch.Tensor | None:
+        if self._header is None:
+            raise KVStoreError("Get stream ended without a header")
+        if self._chunks is None:
+            return None
+        return tensor_from_buffer(self._chunks.finish(), self._header.tensor)

@@ -1,0 +1,94 @@
+"""Tensors on the wire: raw bytes + dtype name + shape in the canonical layout, streamed in
+chunks below the message limit (Put from the client, Get from the server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvstore.errors import CapacityError, InvalidArgument
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.spec import DTYPES, KVSpec
+
+DEFAULT_CHUNK_BYTES = 4 << 20  # streamed tensor chunk; big enough to amortise per-message cost
+_MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the proto framing around a chunk
+
+
+def chunk_limit(max_message_bytes: int) -> int:
+    """The largest tensor chunk that fits in one message under ``max_message_bytes``."""
+    return max(64 << 10, min(DEFAULT_CHUNK_BYTES, max_message_bytes - _MESSAGE_OVERHEAD_BYTES))
+
+
+def tensor_header(kv: torch.Tensor) -> pb.TensorHeader:
+    return pb.TensorHeader(dtype=str(kv.dtype).removeprefix("torch."), shape=list(kv.shape),
+                           total_bytes=kv.numel() * kv.element_size())
+
+
+def expected_tensor(spec: KVSpec, num_tokens: int, header: pb.TensorHeader) -> int:
+    """Check a declared tensor against the spec and token count; return its byte size."""
+    if header.dtype not in DTYPES:
+        raise InvalidArgument(f"unknown tensor dtype {header.dtype!r}; expected one of "
+                              f"{sorted(DTYPES)}")
+    if header.dtype != spec.dtype:
+        raise InvalidArgument(f"kv dtype is {header.dtype}, the namespace spec says {spec.dtype}")
+    expected = spec.shape(num_tokens)
+    if tuple(header.shape) != expected:
+        raise InvalidArgument(f"kv shape is {tuple(header.shape)}, expected {expected} for "
+                              f"{num_tokens} tokens under the namespace spec")
+    nbytes = num_tokens * spec.block_bytes // spec.block_tokens
+    if header.total_bytes != nbytes:
+        raise InvalidArgument(f"kv declares {header.total_bytes} bytes, its shape needs {nbytes}")
+    return nbytes
+
+
+def tensor_from_buffer(buf: bytearray, header: pb.TensorHeader) -> torch.Tensor:
+    """A tensor viewing ``buf`` (no copy) with the header's dtype and shape."""
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"unknown tensor dtype {header.dtype!r}")
+    numel = int(np.prod(header.shape)) if len(header.shape) else 1
+    if numel * torch.empty((), dtype=dtype).element_size() != len(buf):
+        raise InvalidArgument(f"tensor of shape {tuple(header.shape)} {header.dtype} does not "
+                              f"match its {len(buf)} bytes")
+    if not buf:
+        return torch.empty(tuple(header.shape), dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(header.shape))
+
+
+def tensor_view(kv: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor (copied only if it is not contiguous)."""
+    flat = kv.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def iter_chunks(view: memoryview, chunk_bytes: int) -> Iterator[bytes]:
+    for start in range(0, len(view), chunk_bytes):
+        yield bytes(view[start : start + chunk_bytes])
+
+
+class ChunkAssembler:
+    """Collects streamed chunks into one preallocated buffer, refusing more than declared."""
+
+    def __init__(self, total_bytes: int, max_bytes: int) -> None:
+        if total_bytes > max_bytes:
+            raise CapacityError(f"tensor of {total_bytes} bytes exceeds the {max_bytes}-byte "
+                                "limit for one request")
+        self.buffer = bytearray(total_bytes)
+        self._view = memoryview(self.buffer)
+        self.received = 0
+
+    def add(self, chunk: bytes) -> None:
+        end = self.received + len(chunk)
+        if end > len(self.buffer):
+            raise InvalidArgument(f"received more than the {len(self.buffer)} bytes declared")
+        self._view[self.received : end] = chunk
+        self.received = end
+
+    def finish(self) -> bytearray:
+        if self.received != len(self.buffer):
+            raise InvalidArgument(f"stream ended after {self.received} of "
+                                  f"{len(self.buffer)} declared bytes")
+        self._view.release()
+        return self.buffer
