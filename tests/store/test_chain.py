@@ -252,3 +252,26 @@ async def test_open_leases_and_reservations_are_capped_per_tenant(tmp_path):
         await store.abort((await store.reserve(acme, random_tokens(32, seed=13))).reservation_id)
         for lease in [*leases, other]:
             await store.release(lease.lease_id)
+
+
+async def test_long_prefixes_are_hashed_off_the_event_loop(tmp_path, monkeypatch):
+    """One maximal request must not stall every other: keys of a prefix over
+    INLINE_HASH_TOKENS are computed on a worker thread, short ones inline."""
+    import threading
+
+    from kvstore.store import facade
+
+    threads: list[str] = []
+
+    def recording(ns, tokens):
+        threads.append(threading.current_thread().name)
+        return block_keys(ns, tokens)
+
+    monkeypatch.setattr(facade, "block_keys", recording)
+    ns = namespace()
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram()),))
+    async with Store(config) as store:
+        await store.lookup(ns, random_tokens(64))
+        await store.lookup(ns, random_tokens(facade.INLINE_HASH_TOKENS + 16))
+    assert threads[0] == threading.main_thread().name
+    assert threads[1] != threading.main_thread().name
