@@ -28,6 +28,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
+from kvstore.policy.cost import ModelProfile, PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
@@ -77,6 +78,7 @@ class Store:
                                     self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
+        self._prefill: dict[str, PrefillModel] = {}  # by model id: the cost model's recompute
         self._totals = Counters()
         self._by_tenant: dict[str, Counters] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -197,7 +199,8 @@ class Store:
         matched = len(entries) * bt
         self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
                     lookup_miss_tokens=arr.size - matched)
-        return LookupResult(arr.size, matched, per_tier, keys)
+        return LookupResult(arr.size, matched, per_tier, keys,
+                            advised_tokens=self._advise(ns, entries, arr.size))
 
     async def get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
         """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
@@ -216,9 +219,11 @@ class Store:
         out = torch.empty(ns.spec.shape(len(entries) * bt), dtype=ns.spec.torch_dtype)
         outs = out.split(bt, dim=2)
         self._dir.pin(entries)
+        started = time.perf_counter()
         try:
             async with PageDecoder(outs) as decoder:
                 sources = await self._read_pages(entries, decoder.add)
+            self._observe_read(entries, sources, time.perf_counter() - started)
             failed = [i for i in decoder.failed if i < len(sources)]  # after a miss: unused
             num_blocks = await self._redo_failed(entries, failed, sources, outs)
         finally:
@@ -335,6 +340,20 @@ class Store:
         self._check_open()
         return self._leases.hint(await _keys(ns, token_array(tokens)), deadline_s)
 
+    def set_model_profile(self, model_id: str, profile: ModelProfile) -> None:
+        """What prefill of ``model_id`` costs; lookups then advise how much to fetch."""
+        current = self._prefill.get(model_id)
+        if current is None or current.profile != profile:
+            self._prefill[model_id] = PrefillModel(profile)
+
+    def report_prefill(self, ns: Namespace, new_tokens: int, cached_tokens: int,
+                       seconds: float) -> None:
+        """The engine prefilled ``new_tokens`` after ``cached_tokens`` in ``seconds``: corrects
+        the model's FLOP rate (ignored until a profile is set)."""
+        model = self._prefill.get(ns.model_id)
+        if model is not None:
+            model.observe(new_tokens, cached_tokens, seconds)
+
     def slot_page_bytes(self, spec: KVSpec) -> int:
         """The slot a zero-copy writer gets for one block of ``spec`` (0 if no tier lends)."""
         link = self._placement.slot_link()
@@ -413,6 +432,28 @@ class Store:
                 return i
             sources[i] = source
         return len(sources)
+
+    def _advise(self, ns: Namespace, entries: list[BlockEntry], num_tokens: int) -> int | None:
+        """The prefix worth fetching per the cost model, or None without a prefill model."""
+        prefill = self._prefill.get(ns.model_id)
+        if prefill is None or not entries:
+            return None
+        links = [self._placement.fastest_holder(e) for e in entries]
+        advice = advise([link.name for link in links],
+                        [e.sizes[link.name] for e, link in zip(entries, links)],
+                        ns.spec.block_tokens, num_tokens,
+                        {link.name: link.path for link in self._placement.links}, prefill)
+        return advice.fetch_tokens
+
+    def _observe_read(self, entries: list[BlockEntry], sources: list[Link],
+                      seconds: float) -> None:
+        """Feed a get's read-and-decode time to the path model of the tier it came from (only
+        when one tier served every block: then the time is that path's alone)."""
+        if not sources or any(source is not sources[0] for source in sources):
+            return
+        link = sources[0]
+        link.path.observe(sum(e.sizes.get(link.name, 0) for e in entries[:len(sources)]),
+                          seconds)
 
     async def _promote(self, entry: BlockEntry, target: Link) -> None:
         if await self._placement.promote(entry, target):

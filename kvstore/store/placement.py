@@ -32,6 +32,7 @@ from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page
 from kvstore.policy.admission import admission_for
 from kvstore.policy.base import AdmissionPolicy, RoomNeed
+from kvstore.policy.cost import PathModel
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import SlotTier, Tier
@@ -53,6 +54,7 @@ class Link:
     codec: Codec
     settings: TierSettings
     admission: AdmissionPolicy
+    path: PathModel  # the cost model's estimate of reading out of this tier
     evictions: int = 0  # pages removed from this tier to make room (demoted or dropped)
 
     @classmethod
@@ -61,7 +63,8 @@ class Link:
         return cls(index=index, name=config.name, tier=build_tier(config),
                    codec=codecs.get(settings.codec), settings=settings,
                    admission=admission_for(settings.admit_after_accesses,
-                                           settings.admit_expected_keys))
+                                           settings.admit_expected_keys),
+                   path=PathModel(settings.read_bytes_per_s, settings.read_fixed_s))
 
     def is_above_high_watermark(self) -> bool:
         return self.tier.used_bytes > self.settings.high_watermark * self.tier.capacity_bytes

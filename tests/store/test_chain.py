@@ -275,3 +275,28 @@ async def test_long_prefixes_are_hashed_off_the_event_loop(tmp_path, monkeypatch
         await store.lookup(ns, random_tokens(facade.INLINE_HASH_TOKENS + 16))
     assert threads[0] == threading.main_thread().name
     assert threads[1] != threading.main_thread().name
+
+
+async def test_lookup_advises_fetching_the_fast_head_and_recomputing_the_slow_tail(tmp_path):
+    """DRAM holds the head of a prefix and a (modelled) slow SSD the tail: with a model profile,
+    lookups advise fetching only the DRAM part; without one, they give no advice; an engine
+    that reports slower prefills moves the advice to fetching everything."""
+    from kvstore.policy.cost import ModelProfile
+
+    slow_ssd = ssd(tmp_path, read_bytes_per_s=1e6, read_fixed_s=0.0)  # ~70 ms per block
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(read_bytes_per_s=10e9)),
+                                  TierConfig("disk", "ssd", slow_ssd)))
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 20, seed=30), random_kv(SPEC, 16 * 20, seed=30)
+    async with Store(config) as store:
+        assert await store.put(ns, tokens, kv) == 320  # 15 blocks in DRAM, 5 on SSD
+        hit = await store.lookup(ns, tokens)
+        assert hit.tokens_per_tier == {"mem": 240, "disk": 80} and hit.advised_tokens is None
+        # ~1 ms of prefill per 16-token block: DRAM reads (~7 us) win, SSD reads (~70 ms) lose.
+        profile = ModelProfile(num_params=1e9, num_layers=4, hidden_size=256, flops_per_s=3.2e13)
+        store.set_model_profile(ns.model_id, profile)
+        assert (await store.lookup(ns, tokens)).advised_tokens == 240
+        for _ in range(200):  # the engine reports prefills 1000x slower than the profile
+            store.report_prefill(ns, 320, 0, 1000 * 2 * 1e9 * 320 / 3.2e13)
+        advised = (await store.lookup(ns, tokens)).advised_tokens
+        assert advised == 320
