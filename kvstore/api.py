@@ -142,6 +142,10 @@ class Counters:
     demotions: int = 0
     promotions: int = 0
     dropped: int = 0  # blocks that left the last tier holding them
+    hint_blocks: int = 0  # blocks hints scheduled for promotion (those that could arrive in time)
+    hint_skipped: int = 0  # blocks hints left alone: they could not arrive before the deadline
+    hint_landed: int = 0  # scheduled blocks in the fastest tier before their deadline
+    hint_late: int = 0  # scheduled blocks that did not land before the deadline
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -338,7 +338,7 @@ class Store:
     async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
         """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a request."""
         self._check_open()
-        return self._leases.hint(await _keys(ns, token_array(tokens)), deadline_s)
+        return self._leases.hint(ns, await _keys(ns, token_array(tokens)), deadline_s)
 
     def set_model_profile(self, model_id: str, profile: ModelProfile) -> None:
         """What prefill of ``model_id`` costs; lookups then advise how much to fetch."""

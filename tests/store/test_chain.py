@@ -300,3 +300,30 @@ async def test_lookup_advises_fetching_the_fast_head_and_recomputing_the_slow_ta
             store.report_prefill(ns, 320, 0, 1000 * 2 * 1e9 * 320 / 3.2e13)
         advised = (await store.lookup(ns, tokens)).advised_tokens
         assert advised == 320
+
+
+async def test_hints_schedule_only_blocks_that_can_arrive_before_the_deadline(tmp_path):
+    """The SSD path is modelled at 10 MB/s (~7 ms a 68 KiB block): a 35 ms deadline fits the
+    first few blocks of the prefix, in prefix order, and no more; a generous one fits all."""
+    config = KVStoreConfig(tiers=(
+        TierConfig("mem", "dram", dram(4 * MiB)),
+        TierConfig("disk", "ssd", ssd(tmp_path, read_bytes_per_s=10e6, read_fixed_s=0.0,
+                                      persist_on_close=True))))
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 12, seed=31), random_kv(SPEC, 16 * 12, seed=31)
+    async with Store(config) as store:
+        await store.put(ns, tokens, kv)
+    async with Store(config) as store:  # a restart: every block is on SSD only
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"disk": 192}
+        scheduled = await store.hint(ns, tokens, deadline_s=0.035)
+        assert 1 <= scheduled < 12
+        for _ in range(200):
+            counters = store.stats().counters
+            if counters.hint_landed + counters.hint_late == scheduled:
+                break
+            await asyncio.sleep(0.01)
+        assert counters.hint_blocks == scheduled and counters.hint_skipped == 12 - scheduled
+        hit = await store.lookup(ns, tokens)
+        assert hit.tokens_per_tier.get("mem", 0) == 16 * counters.hint_landed
+        assert await store.hint(ns, tokens, deadline_s=60) == 12 - counters.hint_landed
+        assert torch.equal(await store.get(ns, tokens), kv)
