@@ -12,13 +12,12 @@ from typing import Any
 import lmdb
 
 from kvstore.errors import CapacityError, KVStoreError
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import KEY_BYTES, NO_PARENT, BlockKey
 from kvstore.page import PageMeta
 from kvstore.tiers.segments import aligned
 
 _RECORD = struct.Struct("<BIQIIHQ16s16s")  # version, segment, offset, length, block, codec, xxh3
 _RECORD_VERSION = 1
-_NO_PARENT = bytes(KEY_BYTES)
 
 
 @dataclass(slots=True)
@@ -39,7 +38,7 @@ class IndexRecord:
         m = self.meta
         fixed = _RECORD.pack(_RECORD_VERSION, self.segment_id, self.offset, self.length,
                              m.block_index, m.codec_id, self.checksum, m.namespace,
-                             m.parent or _NO_PARENT)
+                             m.parent or NO_PARENT)
         names = json.dumps({"t": m.tenant, "m": m.model_id, "c": m.codec}, separators=(",", ":"))
         return fixed + names.encode()
 
@@ -52,7 +51,7 @@ class IndexRecord:
             raise ValueError(f"index record version {version}, key of {len(key)} bytes")
         names = json.loads(raw[_RECORD.size:])
         meta = PageMeta(key=BlockKey(key), namespace=namespace,
-                        parent=None if parent == _NO_PARENT else BlockKey(parent),
+                        parent=None if parent == NO_PARENT else BlockKey(parent),
                         block_index=block_index, tenant=names["t"], model_id=names["m"],
                         codec=names["c"], codec_id=codec_id)
         return cls(meta, segment_id, offset, length, checksum)
