@@ -266,8 +266,11 @@ class Store:
         if tenant is None:
             tiers = {}
             for link in self._placement.links:
-                tiers[link.name] = link.tier.stats()
-                tiers[link.name].evictions = link.evictions
+                tiers[link.name] = stats = link.tier.stats()
+                stats.evictions = link.evictions
+                # The cost model's current estimate of reading out of this tier.
+                stats.extra["read_bytes_per_s"] = link.path.bytes_per_s
+                stats.extra["read_fixed_s"] = link.path.fixed_s
             return StoreStats(
                 tiers=tiers, counters=dataclasses.replace(self._totals),
                 active_leases=self._leases.num_leases,
