@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.api import ModelProfile
 from kvstore.errors import InvalidArgument
 
 # Moving estimates weigh the newest observation this much (about the last ten transfers).
@@ -99,21 +100,6 @@ class PathModel:
         """Estimated time to move ``nbytes`` now (behind the queue, if ``queued``)."""
         return fetch_s(nbytes, self._bytes_per_s, self._fixed_s,
                        self.queue_s() if queued else 0.0, convert_s)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelProfile:
-    """What prefill costs for one model: its shape and the FLOP rate the engine achieves."""
-
-    num_params: float  # weights (a 7-8B model: ~8e9)
-    num_layers: int
-    hidden_size: int
-    flops_per_s: float  # achieved during prefill (an H200 at bf16 reaches ~4e14-6e14)
-
-    def __post_init__(self) -> None:
-        if min(self.num_params, self.num_layers, self.hidden_size, self.flops_per_s) <= 0:
-            raise InvalidArgument("a model profile needs positive params, layers, hidden size "
-                                  "and FLOP rate")
 
 
 class PrefillModel:

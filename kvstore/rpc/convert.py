@@ -24,6 +24,7 @@ from kvstore.api import (
     Lease,
     LookupResult,
     Medium,
+    ModelProfile,
     Reservation,
     SlotGrant,
     StoreStats,
@@ -189,3 +190,14 @@ def health_from_proto(msg: pb.HealthResponse) -> HealthInfo:
     return HealthInfo(status=msg.status, version=msg.version, uptime_s=msg.uptime_s,
                       pid=msg.pid, tenant=msg.tenant, is_admin=msg.is_admin,
                       arena_path=msg.arena_path)
+
+
+def profile_to_proto(profile: ModelProfile) -> pb.ModelProfile:
+    return pb.ModelProfile(num_params=profile.num_params, num_layers=profile.num_layers,
+                           hidden_size=profile.hidden_size, flops_per_s=profile.flops_per_s)
+
+
+def profile_from_proto(msg: pb.ModelProfile) -> ModelProfile:
+    """A validated ModelProfile; InvalidArgument if a field is missing or not positive."""
+    return ModelProfile(num_params=msg.num_params, num_layers=msg.num_layers,
+                        hidden_size=msg.hidden_size, flops_per_s=msg.flops_per_s)

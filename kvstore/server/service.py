@@ -27,6 +27,7 @@ from kvstore.rpc.convert import (
     lease_to_proto,
     lookup_to_proto,
     namespace_from_proto,
+    profile_from_proto,
     reservation_to_proto,
     stats_to_proto,
     tokens_from_bytes,
@@ -214,6 +215,16 @@ class KVStoreService(pbg.KVStoreServicer):
         deadline_s = _seconds(request.deadline_s, "deadline_s", MAX_HINT_DEADLINE_S, False)
         scheduled = await self._store.hint(ns, tokens_from_bytes(request.tokens), deadline_s)
         return pb.HintResponse(num_blocks=scheduled)
+
+    async def ReportPrefill(self, request: pb.ReportPrefillRequest, context
+                            ) -> pb.ReportPrefillResponse:
+        ns = self._namespace(request.namespace, "report prefills for")
+        if request.HasField("profile"):
+            self._store.set_model_profile(ns, profile_from_proto(request.profile))
+        if request.new_tokens:
+            seconds = _seconds(request.seconds, "seconds", MAX_HINT_DEADLINE_S, False)
+            self._store.report_prefill(ns, request.new_tokens, request.cached_tokens, seconds)
+        return pb.ReportPrefillResponse()
 
 
 def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:

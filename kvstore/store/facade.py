@@ -20,6 +20,7 @@ from kvstore.api import (
     Lease,
     LookupResult,
     Medium,
+    ModelProfile,
     Reservation,
     StoreStats,
     TierStats,
@@ -28,7 +29,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
-from kvstore.policy.cost import ModelProfile, PrefillModel, advise
+from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
@@ -78,7 +79,8 @@ class Store:
                                     self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
-        self._prefill: dict[str, PrefillModel] = {}  # by model id: the cost model's recompute
+        # The cost model's recompute estimate, by (tenant, model id).
+        self._prefill: dict[tuple[str, str], PrefillModel] = {}
         self._totals = Counters()
         self._by_tenant: dict[str, Counters] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -343,17 +345,19 @@ class Store:
         self._check_open()
         return self._leases.hint(ns, await _keys(ns, token_array(tokens)), deadline_s)
 
-    def set_model_profile(self, model_id: str, profile: ModelProfile) -> None:
-        """What prefill of ``model_id`` costs; lookups then advise how much to fetch."""
-        current = self._prefill.get(model_id)
+    def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
+        """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.
+        Kept per tenant and model: one tenant's reports never steer another's advice."""
+        key = (ns.tenant, ns.model_id)
+        current = self._prefill.get(key)
         if current is None or current.profile != profile:
-            self._prefill[model_id] = PrefillModel(profile)
+            self._prefill[key] = PrefillModel(profile)
 
     def report_prefill(self, ns: Namespace, new_tokens: int, cached_tokens: int,
                        seconds: float) -> None:
         """The engine prefilled ``new_tokens`` after ``cached_tokens`` in ``seconds``: corrects
         the model's FLOP rate (ignored until a profile is set)."""
-        model = self._prefill.get(ns.model_id)
+        model = self._prefill.get((ns.tenant, ns.model_id))
         if model is not None:
             model.observe(new_tokens, cached_tokens, seconds)
 
@@ -438,7 +442,7 @@ class Store:
 
     def _advise(self, ns: Namespace, entries: list[BlockEntry], num_tokens: int) -> int | None:
         """The prefix worth fetching per the cost model, or None without a prefill model."""
-        prefill = self._prefill.get(ns.model_id)
+        prefill = self._prefill.get((ns.tenant, ns.model_id))
         if prefill is None or not entries:
             return None
         links = [self._placement.fastest_holder(e) for e in entries]

@@ -294,12 +294,16 @@ async def test_lookup_advises_fetching_the_fast_head_and_recomputing_the_slow_ta
         assert hit.tokens_per_tier == {"mem": 240, "disk": 80} and hit.advised_tokens is None
         # ~1 ms of prefill per 16-token block: DRAM reads (~7 us) win, SSD reads (~70 ms) lose.
         profile = ModelProfile(num_params=1e9, num_layers=4, hidden_size=256, flops_per_s=3.2e13)
-        store.set_model_profile(ns.model_id, profile)
+        store.set_model_profile(ns, profile)
         assert (await store.lookup(ns, tokens)).advised_tokens == 240
         for _ in range(200):  # the engine reports prefills 1000x slower than the profile
             store.report_prefill(ns, 320, 0, 1000 * 2 * 1e9 * 320 / 3.2e13)
         advised = (await store.lookup(ns, tokens)).advised_tokens
         assert advised == 320
+        # Profiles and reports are per tenant: another tenant's lookups get no advice from them.
+        other = namespace(0, tenant="globex")
+        await store.put(other, tokens, kv)
+        assert (await store.lookup(other, tokens)).advised_tokens is None
 
 
 async def test_hints_schedule_only_blocks_that_can_arrive_before_the_deadline(tmp_path):
