@@ -118,8 +118,10 @@ class Placement:
             if await self.write(link, meta, page):
                 return self._dir.get(meta.key)
         sizes = ", ".join(f"{link.name} {link.tier.max_page_bytes} bytes" for link in self.links)
+        share = "" if self._share is None else (
+            f"; tenant {meta.tenant[:64]!r} may fill {self._share:.0%} of each tier")
         raise CapacityError(f"no tier can hold the {len(data)}-byte page of block "
-                            f"{meta.key.hex()} now (largest page per tier: {sizes})")
+                            f"{meta.key.hex()} now (largest page per tier: {sizes}{share})")
 
     async def write(self, link: Link, meta: PageMeta, data: bytes | memoryview) -> bool:
         """Make room in ``link``'s tier and write the page; record the placement on success.
