@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.api import BlockInfo
-from kvstore.errors import LeaseNotFound
+from kvstore.errors import LeaseNotFound, shown
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
 from kvstore.policy.base import EvictionOrder
@@ -159,7 +159,7 @@ class HeldTable:
         """Remove and return a holding; one past its deadline but not yet reaped still counts."""
         held = self._held.pop(held_id, None)
         if held is None:
-            raise LeaseNotFound(f"{self.kind} {held_id!r} does not exist or has expired")
+            raise LeaseNotFound(f"{self.kind} {shown(held_id)} does not exist or has expired")
         return held
 
     def expired(self, now: float | None = None) -> list[Held]:

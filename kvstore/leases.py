@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
-from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
+from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, shown
 from kvstore.index import BlockEntry, HeldTable
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import PageMeta, decode_page
@@ -118,7 +118,7 @@ class LeaseManager:
             for meta in metas:
                 if meta.codec != store._codecs["dram"].name:
                     raise InvalidArgument(
-                        f"page for key {meta.key.hex()} is encoded with {meta.codec!r}; the "
+                        f"page for key {meta.key.hex()} is encoded with {shown(meta.codec)}; the "
                         f"reservation asked for {store._codecs['dram'].name!r}")
         except KVStoreError:
             self._abort_slots(slots)
@@ -144,7 +144,7 @@ class LeaseManager:
             raise CorruptPage(f"page for key {key.hex()} names another namespace or position")
         if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
             raise CorruptPage(f"page for key {key.hex()} names tenant/model "
-                              f"{meta.tenant}/{meta.model_id}, reserved for "
+                              f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
                               f"{ns.tenant}/{ns.model_id}")
         return meta
 

@@ -28,7 +28,7 @@ from kvstore.api import (
 )
 from kvstore.config import KVStoreConfig
 from kvstore.decode import PageDecoder, decode_pages
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.index import BlockDirectory, BlockEntry
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.leases import LeaseManager
@@ -251,7 +251,7 @@ class Store:
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
         """Stored blocks matching the filters, most recently used first."""
         if tier is not None and tier not in self.tiers:
-            raise InvalidArgument(f"unknown tier {tier!r}; tiers are {list(self.tiers)}")
+            raise InvalidArgument(f"unknown tier {shown(tier)}; tiers are {list(self.tiers)}")
         if limit < 0:
             raise InvalidArgument(f"limit must be >= 0, got {limit}")
         now = time.time()

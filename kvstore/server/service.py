@@ -17,7 +17,7 @@ import grpc
 from kvstore import __version__
 from kvstore.api import MAX_LEASE_S
 from kvstore.config import KVStoreConfig
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, PermissionDenied, shown
 from kvstore.keys import Namespace
 from kvstore.server import kvstore_pb2 as pb
 from kvstore.server import kvstore_pb2_grpc as pbg
@@ -73,7 +73,7 @@ class GrantBook:
     def check(self, grant_id: str, caller: Caller, what: str) -> None:
         owner = self._owners.get(grant_id)
         if owner is not None and caller.tenant is not None and owner[0] != caller.tenant:
-            raise PermissionDenied(f"{what} {grant_id!r} belongs to another tenant")
+            raise PermissionDenied(f"{what} {shown(grant_id)} belongs to another tenant")
 
     def discard(self, grant_id: str) -> None:
         self._owners.pop(grant_id, None)
