@@ -62,8 +62,9 @@ from kvstore.tiers.segments import (
     Segment,
     aligned,
     check_page,
-    direct_opener,
     lock_directory,
+    private_directory,
+    private_opener,
     probe_o_direct,
     read_page,
     scan_segments,
@@ -260,7 +261,7 @@ class SsdTier(SegmentWriter, Tier):
         """Lock the directory, probe O_DIRECT, open the index and recover the segments."""
         if self._writer_task is not None:
             raise InvalidArgument(f"ssd tier at {self._dir} was opened before; make a new one")
-        await aiofiles.os.makedirs(self._dir, exist_ok=True)
+        await asyncio.to_thread(private_directory, self._dir, "ssd.path")
         self._lock_fd = await asyncio.to_thread(lock_directory, self._dir)
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
@@ -332,7 +333,7 @@ class SsdTier(SegmentWriter, Tier):
             log.warning("ssd segment %s: truncating %d bytes past its last indexed page",
                         path.name, size - end)
             await asyncio.to_thread(os.truncate, path, end)
-        opener = direct_opener if self._o_direct else None
+        opener = private_opener(self._o_direct)  # also tightens a segment of an older version
         handle = await aiofiles.open(path, "rb", buffering=0, opener=opener)
         self._segments[segment_id] = Segment(segment_id, path, handle, end)
         self._used_bytes += end

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import lmdb
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.page import PageMeta
-from kvstore.tiers.segments import aligned
+from kvstore.tiers.segments import PRIVATE_FILE_MODE, aligned, private_directory
 
 _RECORD = struct.Struct("<BIQIIHQ16s16s")  # version, segment, offset, length, block, codec, xxh3
 _RECORD_VERSION = 1
@@ -113,10 +114,14 @@ class LmdbIndex:
             self._env = None
 
     def _open_env(self) -> tuple[lmdb.Environment, Any]:
+        path = self._dir / "index"
+        private_directory(path, "ssd index directory")
         try:
-            env = lmdb.open(str(self._dir / "index"), map_size=self._map_bytes,
-                            max_dbs=1, lock=True, subdir=True, readahead=False,
-                            sync=self._sync)
+            env = lmdb.open(str(path), map_size=self._map_bytes, max_dbs=1, lock=True,
+                            subdir=True, readahead=False, sync=self._sync,
+                            mode=PRIVATE_FILE_MODE)
+            for name in ("data.mdb", "lock.mdb"):  # LMDB's mode is subject to the umask
+                os.chmod(path / name, PRIVATE_FILE_MODE)
             return env, env.open_db(b"pages")
         except lmdb.Error as exc:
             raise KVStoreError(f"cannot open the ssd index in {self._dir}: {exc}") from None

@@ -28,7 +28,7 @@ from kvstore.tiers.segments import (
     Segment,
     aligned,
     append,
-    direct_opener,
+    private_opener,
     segment_path,
     sync_directory,
 )
@@ -155,8 +155,8 @@ class SegmentWriter:
         segment_id = self._next_segment_id
         self._next_segment_id += 1
         path = segment_path(self._dir, segment_id)
-        opener = direct_opener if self._o_direct else None
-        handle = await aiofiles.open(path, "x+b", buffering=0, opener=opener)
+        handle = await aiofiles.open(path, "x+b", buffering=0,
+                                     opener=private_opener(self._o_direct))
         if self._config.fsync != "never":
             await asyncio.to_thread(sync_directory, self._dir)
         seg = Segment(segment_id, path, handle, 0)
