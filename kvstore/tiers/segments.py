@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.errors import AlreadyRunning, ConfigError, CorruptPage, InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, parse_page
+from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, page_length, parse_page
 
 if TYPE_CHECKING:
     from kvstore.tiers.ssd_index import IndexRecord
@@ -211,6 +211,54 @@ def scan_segments(directory: Path) -> dict[int, int]:
             if match and item.is_file():
                 sizes[int(match.group(1))] = item.stat().st_size
     return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class FoundPage:
+    """A page found, and verified, by reading a segment file from its start."""
+
+    offset: int
+    length: int
+    checksum: int
+    meta: PageMeta
+
+
+def find_pages(path: Path) -> list[FoundPage]:
+    """Every page in a segment file that verifies, in file order (in a worker thread).
+
+    Pages start on ``ALIGN_BYTES`` boundaries and describe themselves (``kvstore.page``), so
+    the segments alone can rebuild a lost index. Where no page verifies (a torn append, a
+    damaged page) the scan moves on one ``ALIGN_BYTES`` block at a time.
+    """
+    found = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offset = 0
+        while offset + HEADER_BYTES <= size:
+            page = _page_at(fd, offset, size)
+            if page is None:
+                offset += ALIGN_BYTES
+                continue
+            found.append(page)
+            offset += aligned(page.length)
+    finally:
+        os.close(fd)
+    return found
+
+
+def _page_at(fd: int, offset: int, size: int) -> FoundPage | None:
+    try:
+        length = page_length(os.pread(fd, HEADER_BYTES, offset))
+        # Whole with its padding, as every append writes it; index records hold u32 lengths.
+        if aligned(length) > size - offset or length >= 1 << 32:
+            return None
+        data = os.pread(fd, length, offset)
+        page = decode_page(data)
+    except (CorruptPage, OSError):  # OSError: an unreadable block is no page either
+        return None
+    checksum = struct.unpack_from("<Q", data, _CHECKSUM_OFFSET)[0]
+    return FoundPage(offset, length, checksum, page.meta)
 
 
 @dataclass(eq=False, slots=True)

@@ -32,7 +32,12 @@ deletion lost in a crash only brings back a still valid page for its key. Compac
 fdatasyncs the copies before committing their new places and only then removes the old file.
 
 On open, index entries that point past a segment's end (or into a missing segment) are
-dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated.
+dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated. An
+index that is missing, or found damaged (it is read whole in a child process first, so that
+damage which would crash LMDB's reader costs a child, not the daemon; see ``ssd_index``), is
+rebuilt from the segments: every page describes and verifies itself. The damaged one is kept
+as ``index.corrupt-<time>`` and counted in ``stats().extra["index_resets"]``. Pages deleted
+before the damage may come back that way: still valid pages for their keys.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from kvstore.tiers.segments import (
     Segment,
     aligned,
     check_page,
+    find_pages,
     lock_directory,
     private_directory,
     private_opener,
@@ -70,7 +76,7 @@ from kvstore.tiers.segments import (
     scan_segments,
     segment_path,
 )
-from kvstore.tiers.ssd_index import IndexRecord, LmdbIndex
+from kvstore.tiers.ssd_index import IndexOpen, IndexRecord, IndexState, LmdbIndex
 from kvstore.tiers.ssd_writer import (
     GROUP_COMMIT_BYTES,
     MAX_BATCH_BYTES,
@@ -131,7 +137,8 @@ class SsdTier(SegmentWriter, Tier):
         self._is_stopping = False  # compaction drained: the writer and flusher may exit
         self._o_direct = False
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected", "evictions",
-                                      "bytes_read", "bytes_written", "compactions", "appends"), 0)
+                                      "bytes_read", "bytes_written", "compactions", "appends",
+                                      "index_resets"), 0)
 
     @property
     def capacity_bytes(self) -> int:
@@ -186,7 +193,8 @@ class SsdTier(SegmentWriter, Tier):
             extra={"segments": len(self._segments),
                    "dead_bytes": sum(s.dead_bytes for s in self._segments.values()),
                    "o_direct": int(self._o_direct), "compactions": c["compactions"],
-                   "appends": c["appends"], "read_buffer_bytes": self._read_buffers.kept_bytes})
+                   "appends": c["appends"], "read_buffer_bytes": self._read_buffers.kept_bytes,
+                   "index_resets": c["index_resets"]})
 
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta, *,
                     force: bool = False) -> bool:
@@ -266,7 +274,6 @@ class SsdTier(SegmentWriter, Tier):
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
                 probe_o_direct, self._dir)
-            await self._lmdb.open()
             await self._recover()
         except BaseException:
             await self._release_resources()
@@ -297,24 +304,20 @@ class SsdTier(SegmentWriter, Tier):
         await self._release_resources()
 
     async def _recover(self) -> None:
-        """Rebuild the in-memory index and segment accounting from LMDB and the files."""
-        records = await self._lmdb.load()
+        """Rebuild the in-memory index and segment accounting from LMDB and the files; from
+        the files alone if the LMDB index is missing or was found damaged."""
+        opened = await self._lmdb.open()
         sizes = await asyncio.to_thread(scan_segments, self._dir)
+        if opened.state is IndexState.OPENED:
+            await self._load_index(sizes)
+        elif sizes:
+            await self._rebuild_index(sizes, opened)
+        elif opened.state is IndexState.RESET:
+            self._log_reset(opened, "there are no segments; starting empty")
         ends: dict[int, int] = {}
-        for key, raw in records:
-            try:
-                entry = IndexRecord.unpack(key, raw)
-            except (ValueError, KeyError, TypeError, struct.error):
-                entry = None
-            if entry is None or entry.offset + entry.padded > sizes.get(entry.segment_id, -1):
-                self._lmdb.forget(key)  # damaged, or past the end of its segment
-                continue
-            self._index[key] = entry
+        for entry in self._index.values():
             ends[entry.segment_id] = max(ends.get(entry.segment_id, 0),
                                          entry.offset + entry.padded)
-        if self._lmdb.journal:
-            log.warning("ssd index: dropped %d entries that point past their segment's end",
-                        len(self._lmdb.journal))
         for segment_id, size in sorted(sizes.items()):
             await self._recover_segment(segment_id, size, ends.get(segment_id, 0))
         for key, entry in self._index.items():
@@ -323,6 +326,43 @@ class SsdTier(SegmentWriter, Tier):
             seg.keys.add(key)
         self._next_segment_id = max(sizes, default=0) + 1
         await self._lmdb.commit()
+
+    async def _load_index(self, sizes: dict[int, int]) -> None:
+        """Take the committed index entries that point into the segments as they are."""
+        for key, raw in await self._lmdb.load():
+            try:
+                entry = IndexRecord.unpack(key, raw)
+            except (ValueError, KeyError, TypeError, struct.error):
+                entry = None
+            if entry is None or entry.offset + entry.padded > sizes.get(entry.segment_id, -1):
+                self._lmdb.forget(key)  # damaged, or past the end of its segment
+                continue
+            self._index[key] = entry
+        if self._lmdb.journal:
+            log.warning("ssd index: dropped %d entries that point past their segment's end",
+                        len(self._lmdb.journal))
+
+    async def _rebuild_index(self, sizes: dict[int, int], opened: IndexOpen) -> None:
+        """Index every page that verifies in the segment files (the newest copy of a key
+        wins: compaction copies forward into newer segments)."""
+        for segment_id in sorted(sizes):
+            path = segment_path(self._dir, segment_id)
+            for found in await asyncio.to_thread(find_pages, path):
+                self._index[found.meta.key] = IndexRecord(
+                    found.meta, segment_id, found.offset, found.length, found.checksum)
+        for key, entry in self._index.items():
+            self._lmdb.put(key, entry)
+        rebuilt = (f"rebuilt it from {len(sizes)} segment files: {len(self._index)} pages")
+        if opened.state is IndexState.RESET:
+            self._log_reset(opened, rebuilt)
+        else:
+            log.warning("ssd index in %s is missing; %s", self._dir, rebuilt)
+
+    def _log_reset(self, opened: IndexOpen, outcome: str) -> None:
+        self._counts["index_resets"] += 1
+        log.warning("ssd index in %s is damaged (%s); moved it to %s and %s", self._dir,
+                    opened.damage, opened.moved_to, outcome,
+                    extra={"ssd_path": str(self._dir), "moved_to": str(opened.moved_to)})
 
     async def _recover_segment(self, segment_id: int, size: int, end: int) -> None:
         path = segment_path(self._dir, segment_id)

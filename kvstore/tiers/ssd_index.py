@@ -1,11 +1,16 @@
-"""The SSD tier's LMDB index: the record kept per page and the journal committed in batches."""
+"""The SSD tier's LMDB index: the record kept per page, the journal committed in batches, and
+what happens to an index found damaged."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
+import logging
 import os
 import struct
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,11 +20,49 @@ import lmdb
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.page import PageMeta
-from kvstore.tiers.segments import PRIVATE_FILE_MODE, aligned, private_directory
+from kvstore.tiers import ssd_index_check
+from kvstore.tiers.segments import (
+    PRIVATE_FILE_MODE,
+    aligned,
+    private_directory,
+    sync_directory,
+)
+
+log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
 
 _RECORD = struct.Struct("<BIQIIHQ16s16s")  # version, segment, offset, length, block, codec, xxh3
 _RECORD_VERSION = 1
 _NO_PARENT = bytes(KEY_BYTES)
+_DB_NAME = b"pages"
+# LMDB errors that mean the file's contents are damaged (others: permissions, memory, disk).
+_DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                  lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+# How long the check of an existing index may take: reading 1 GiB took about 2 s on the work
+# disk, so 20 MB/s is slow enough for any disk; a longer run means LMDB went round in circles
+# (damaged pages can point back at each other).
+CHECK_MIN_TIMEOUT_S = 60.0
+CHECK_MIN_BYTES_PER_S = 20e6
+
+
+class IndexState(enum.Enum):
+    """What ``LmdbIndex.open`` found."""
+
+    OPENED = "opened"  # a committed index, read whole by the check
+    CREATED = "created"  # none: a new, empty one
+    RESET = "reset"  # a damaged one, moved aside: a new, empty one
+
+
+@dataclass(frozen=True, slots=True)
+class IndexOpen:
+    """The outcome of ``LmdbIndex.open``; ``damage`` and ``moved_to`` are set for RESET."""
+
+    state: IndexState
+    damage: str | None = None
+    moved_to: Path | None = None
+
+
+class _Damaged(Exception):
+    """LMDB found the index's contents damaged (internal to this module)."""
 
 
 @dataclass(slots=True)
@@ -85,9 +128,67 @@ class LmdbIndex:
     def forget(self, key: bytes) -> None:
         self.journal[key] = None
 
-    async def open(self) -> None:
-        """Open (or create) the environment; KVStoreError if LMDB refuses."""
+    async def open(self) -> IndexOpen:
+        """Open the environment, creating it if there is none.
+
+        An existing index is first read whole in a child process (``ssd_index_check``). If it
+        is damaged (the check fails or dies, or LMDB here calls it damaged) it is moved aside
+        to ``index.corrupt-<time>``, kept for inspection, and a new, empty index is opened:
+        the caller rebuilds it from the segments. KVStoreError if LMDB refuses for another
+        reason (permissions, memory).
+        """
+        path = self._dir / "index"
+        existed = (path / "data.mdb").exists()
+        damage = await self._check(path) if existed else None
+        if damage is None:
+            try:
+                self._env, self._db = await asyncio.to_thread(self._open_env)
+                return IndexOpen(IndexState.OPENED if existed else IndexState.CREATED)
+            except _Damaged as exc:
+                damage = str(exc)
+        moved_to = await asyncio.to_thread(self._move_aside, path)
         self._env, self._db = await asyncio.to_thread(self._open_env)
+        return IndexOpen(IndexState.RESET, damage, moved_to)
+
+    async def _check(self, path: Path) -> str | None:
+        """Why the index at ``path`` is damaged, or None: read whole by a child process."""
+        size = os.path.getsize(path / "data.mdb")
+        timeout_s = max(CHECK_MIN_TIMEOUT_S, size / CHECK_MIN_BYTES_PER_S)
+        try:
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", ssd_index_check.__file__, str(path), _DB_NAME.decode(),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE)
+        except OSError as exc:  # no interpreter to run, no process to spare
+            log.warning("ssd index in %s: cannot check it in a child process (%s); "
+                        "opening it unchecked", path, exc)
+            return None
+        try:
+            _, err = await asyncio.wait_for(child.communicate(), timeout_s)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
+            return f"reading it took longer than {timeout_s:.0f} s"
+        reason = err.decode(errors="replace").strip()[-500:]
+        if child.returncode == 0:
+            return None
+        if child.returncode == ssd_index_check.UNREADABLE:
+            raise KVStoreError(f"cannot read the ssd index in {path}: {reason}")
+        if child.returncode < 0:
+            return f"reading it was killed by signal {-child.returncode}"
+        return reason or f"reading it failed with exit status {child.returncode}"
+
+    @staticmethod
+    def _move_aside(path: Path) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        target = path.with_name(f"index.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            target = path.with_name(f"index.corrupt-{stamp}-{n}")
+            n += 1
+        os.rename(path, target)
+        sync_directory(path.parent)
+        return target
 
     async def load(self) -> list[tuple[bytes, bytes]]:
         """Every committed (key, record) pair."""
@@ -116,15 +217,20 @@ class LmdbIndex:
     def _open_env(self) -> tuple[lmdb.Environment, Any]:
         path = self._dir / "index"
         private_directory(path, "ssd index directory")
+        env = None
         try:
             env = lmdb.open(str(path), map_size=self._map_bytes, max_dbs=1, lock=True,
                             subdir=True, readahead=False, sync=self._sync,
                             mode=PRIVATE_FILE_MODE)
             for name in ("data.mdb", "lock.mdb"):  # LMDB's mode is subject to the umask
                 os.chmod(path / name, PRIVATE_FILE_MODE)
-            return env, env.open_db(b"pages")
+            return env, env.open_db(_DB_NAME)
         except lmdb.Error as exc:
-            raise KVStoreError(f"cannot open the ssd index in {self._dir}: {exc}") from None
+            if env is not None:
+                env.close()
+            if isinstance(exc, _DAMAGE_ERRORS):
+                raise _Damaged(str(exc)) from None
+            raise KVStoreError(f"cannot open the ssd index in {path}: {exc}") from None
 
     def _load_records(self) -> list[tuple[bytes, bytes]]:
         with self._env.begin(db=self._db) as txn:

@@ -1,0 +1,189 @@
+"""A damaged LMDB index is a cold start, not an outage: the tier moves it aside, counts it,
+rebuilds the index from the self-describing pages in the segments and serves every page
+written before the damage again, bit-exact. Opening runs in a child process, so a SIGBUS
+(what a truncated LMDB file did to a reader) would show as its exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.client import Client
+from kvstore.keys import Namespace
+from kvstore.tiers.ssd import SsdTier
+from tests.faults.ssd_reopen import damage_page, reopen, tier_config
+
+from ..conftest import random_kv, random_tokens
+from ..server.helpers import REPO_ROOT, DaemonProcess, small_config
+
+NUM_PAGES = 1000  # an index of about a hundred LMDB pages: a cut lands mid-tree
+LMDB_PAGE_BYTES = 4096
+
+
+async def write_pages(directory: Path, count: int = NUM_PAGES) -> None:
+    tier = SsdTier(tier_config(str(directory)))
+    await tier.open()
+    try:
+        pages = [damage_page(i) for i in range(count)]
+        assert all(await asyncio.gather(*(tier.write(k, d, m, force=True)
+                                          for k, m, d in pages)))
+    finally:
+        await tier.close()
+
+
+def reopen_in_child(directories: list[Path], count: int = NUM_PAGES
+                    ) -> tuple[dict[Path, dict], str]:
+    """Open each directory's tier in turn in one child process: its results by directory,
+    and its log."""
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.faults.ssd_reopen", str(count), *map(str, directories)],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-2000:]}"
+    assert "Traceback" not in child.stderr, child.stderr
+    results = [json.loads(line) for line in child.stdout.splitlines()]
+    return {Path(r.pop("path")): r for r in results}, child.stderr
+
+
+def _overwrite(path: Path, start: int, length: int | None = None) -> None:
+    size = path.stat().st_size
+    length = size - start if length is None else length
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(random.Random(1).randbytes(length))
+
+
+def overwrite_pages(index: Path) -> None:
+    _overwrite(index / "data.mdb", 2 * LMDB_PAGE_BYTES)  # the tree; the meta pages survive
+
+
+def overwrite_meta(index: Path) -> None:
+    _overwrite(index / "data.mdb", 0, 2 * LMDB_PAGE_BYTES)
+
+
+def truncate_to_few_bytes(index: Path) -> None:
+    os.truncate(index / "data.mdb", 5)
+
+
+def truncate_to_half(index: Path) -> None:
+    os.truncate(index / "data.mdb", (index / "data.mdb").stat().st_size // 2)
+
+
+def replace_with_garbage(index: Path) -> None:
+    (index / "data.mdb").write_bytes(random.Random(2).randbytes(64 << 10))
+
+
+def zero_it(index: Path) -> None:
+    path = index / "data.mdb"
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def delete_lock_and_overwrite(index: Path) -> None:
+    (index / "lock.mdb").unlink()
+    overwrite_pages(index)
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "overwrite_pages": overwrite_pages, "overwrite_meta": overwrite_meta,
+    "truncate_to_few_bytes": truncate_to_few_bytes, "truncate_to_half": truncate_to_half,
+    "replace_with_garbage": replace_with_garbage, "zero_it": zero_it,
+    "delete_lock_and_overwrite": delete_lock_and_overwrite,
+}
+
+
+@pytest.fixture(scope="module")
+def reopened(tmp_path_factory) -> tuple[dict[Path, dict], str, Path]:
+    """Every kind of damage, each to its own directory, all reopened by one child process
+    (the child's start-up, mostly importing torch, costs more than its work)."""
+    root = tmp_path_factory.mktemp("damage")
+    for name, damage in DAMAGE.items():
+        asyncio.run(write_pages(root / name))
+        damage(root / name / "index")
+    results, log = reopen_in_child([root / name for name in DAMAGE])
+    return results, log, root
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_damaged_index_is_rebuilt_from_segments(reopened, damage):
+    results, log, root = reopened
+    directory = root / damage
+    assert results[directory] == {"num_blocks": NUM_PAGES, "index_resets": 1,
+                                  "exact": NUM_PAGES, "missing": [], "corrupt": 0}
+    assert f"ssd index in {directory} is damaged" in log
+    moved = list(directory.glob("index.corrupt-*"))
+    assert len(moved) == 1 and (moved[0] / "data.mdb").exists()  # kept for inspection
+    assert await reopen(str(directory), NUM_PAGES) == {  # the rebuilt index was committed
+        "num_blocks": NUM_PAGES, "index_resets": 0, "exact": NUM_PAGES, "missing": [],
+        "corrupt": 0}
+
+
+async def test_missing_index_is_rebuilt_from_segments(tmp_path):
+    directory = tmp_path / "ssd"
+    await write_pages(directory, 200)
+    for name in ("data.mdb", "lock.mdb"):
+        (directory / "index" / name).unlink()
+    (directory / "index").rmdir()
+    results, log = reopen_in_child([directory], 200)
+    assert results[directory]["exact"] == 200 and results[directory]["index_resets"] == 0
+    assert f"ssd index in {directory} is missing" in log
+
+
+async def test_rebuild_skips_damaged_pages_and_torn_tails(tmp_path):
+    directory = tmp_path / "ssd"
+    await write_pages(directory, 200)
+    segments = sorted(directory.glob("seg-*.dat"))
+    _, _, victim = damage_page(7)
+    blob = segments[0].read_bytes()
+    at = blob.index(victim) + len(victim) - 50
+    with open(segments[0], "r+b") as f:  # one damaged page
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in blob[at:at + 8]))
+    with open(segments[-1], "ab") as f:  # a torn append
+        f.write(b"KVPG" + random.Random(3).randbytes(9000))
+    replace_with_garbage(directory / "index")
+
+    results, _ = reopen_in_child([directory], 200)
+    result = results[directory]
+    assert result["missing"] == [7] and result["exact"] == 199 and result["corrupt"] == 0
+    assert result["index_resets"] == 1 and result["num_blocks"] == 199
+
+
+def test_daemon_restarts_cold_after_index_damage(root, spec):
+    """Through the daemon: blocks persisted to SSD, the index truncated while it was down;
+    the next start serves every block again and reports the reset in its stats."""
+    config = small_config(root, log_level="INFO")
+    ns = Namespace(model_id="test/model", spec=spec, tenant="acme")
+    prefixes = [(random_tokens(320, seed=i), random_kv(spec, 320, seed=i)) for i in range(10)]
+    proc = DaemonProcess(config, root)
+    try:
+        proc.wait_ready()
+        with Client(proc.address, zero_copy=False) as client:
+            for tokens, kv in prefixes:
+                assert client.put(ns, tokens, kv) == 320
+        assert proc.terminate() == 0  # persists the DRAM blocks to SSD
+    finally:
+        proc.kill()
+    truncate_to_half(Path(config.ssd.path) / "index")
+
+    proc = DaemonProcess(config, root)
+    try:
+        proc.wait_ready()
+        with Client(proc.address, zero_copy=False) as client:
+            for tokens, kv in prefixes:
+                assert torch.equal(client.get(ns, tokens), kv)
+            assert client.stats().tiers["ssd"].extra["index_resets"] == 1
+        assert proc.terminate() == 0
+    finally:
+        proc.kill()
+    warnings = [e for e in proc.events() if e["level"] == "WARNING" and "is damaged" in e["msg"]]
+    assert len(warnings) == 1 and warnings[0]["moved_to"].startswith(config.ssd.path)
+    assert not any("exc" in e for e in proc.events())
