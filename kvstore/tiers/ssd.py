@@ -27,6 +27,12 @@ What ``write()`` returning True guarantees, per ``config.fsync``:
   was written directly); after a power loss the newest pages may be missing, or be damaged and
   then fail verification and be dropped on read: never served.
 
+A write that fails tells its own caller only: a full file system (an append, an fdatasync or
+an index commit that ran out of room) is CapacityError naming the file, a full LMDB map names
+``ssd.index_map_bytes``. The page does not enter the index, so a retry writes it again; reads
+go on, and writes succeed again once there is room. While an index commit is failing, no
+segment file is deleted, so everything the committed index points at stays on disk.
+
 Deletions reach the index with the next commit (at most one ``fsync_interval_s`` later); a
 deletion lost in a crash only brings back a still valid page for its key. Compaction always
 fdatasyncs the copies before committing their new places and only then removes the old file.

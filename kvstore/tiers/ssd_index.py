@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import json
 import logging
 import os
@@ -42,6 +43,10 @@ _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError
 # (damaged pages can point back at each other).
 CHECK_MIN_TIMEOUT_S = 60.0
 CHECK_MIN_BYTES_PER_S = 20e6
+# LMDB reports a short write as EIO rather than ENOSPC (tmpfs, LMDB 0.9.36): a failed commit
+# with less than this free on the index's file system is taken for a full disk. A commit that
+# runs out writes what fits, so what is left after it is a few blocks at most.
+FULL_DISK_SLACK_BYTES = 1 << 20
 
 
 class IndexState(enum.Enum):
@@ -59,6 +64,15 @@ class IndexOpen:
     state: IndexState
     damage: str | None = None
     moved_to: Path | None = None
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (None if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 class _Damaged(Exception):
@@ -117,6 +131,7 @@ class LmdbIndex:
         self._db: Any = None
         self._lock = asyncio.Lock()
         self.journal: dict[bytes, bytes | None] = {}  # index changes not yet committed
+        self.is_behind = False  # the last commit failed; the journal holds what it had
 
     @property
     def is_open(self) -> bool:
@@ -195,9 +210,17 @@ class LmdbIndex:
         return await asyncio.to_thread(self._load_records)
 
     async def commit(self) -> None:
-        """Apply the journal to LMDB in one write transaction (one at a time)."""
+        """Apply the journal to LMDB in one write transaction (one at a time).
+
+        Raises:
+            CapacityError: the map is full (``ssd.index_map_bytes``) or the file system is;
+                the journal is kept for the next commit, and ``is_behind`` stays True until
+                one succeeds.
+            KVStoreError: LMDB refused the commit for another reason (kept the same way).
+        """
         async with self._lock:
             if not self.journal:
+                self.is_behind = False
                 return
             journal, self.journal = self.journal, {}
             try:
@@ -205,9 +228,21 @@ class LmdbIndex:
             except lmdb.Error as exc:
                 for key, value in journal.items():
                     self.journal.setdefault(key, value)  # retried with the next commit
-                if isinstance(exc, lmdb.MapFullError):
-                    raise CapacityError("ssd index is full: raise ssd.index_map_bytes") from None
-                raise KVStoreError(f"ssd index commit failed: {exc}") from None
+                self.is_behind = True
+                raise self._commit_error(exc) from None
+            self.is_behind = False
+
+    def _commit_error(self, exc: lmdb.Error) -> KVStoreError:
+        path = self._dir / "index"
+        if isinstance(exc, lmdb.MapFullError):
+            return CapacityError(f"ssd index {path} is full ({self._map_bytes} bytes mapped): "
+                                 "raise ssd.index_map_bytes")
+        free_bytes = _free_bytes(path)
+        if getattr(exc, "code", None) in (errno.ENOSPC, errno.EDQUOT) or (
+                free_bytes is not None and free_bytes < FULL_DISK_SLACK_BYTES):
+            return CapacityError(f"ssd index commit in {path} failed: its file system is full "
+                                 f"({free_bytes} bytes free): {exc}")
+        return KVStoreError(f"ssd index commit in {path} failed: {exc}")
 
     async def close(self) -> None:
         if self._env is not None:

@@ -1,0 +1,252 @@
+"""A full disk is CapacityError (RESOURCE_EXHAUSTED at the edge) naming the path: for segment
+appends, index commits, fdatasync and a full LMDB map. The failed write is reported to its
+caller only; reads go on, later writes succeed once there is room again, and no acknowledged
+page is lost (checked after a restart). The file systems are real: small tmpfs mounts, one
+under the SSD directory and one just for its index."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvstore.client import AsyncClient
+from kvstore.config import SsdConfig
+from kvstore.errors import CapacityError
+from kvstore.keys import Namespace
+from kvstore.server.daemon import serve
+from kvstore.tiers.ssd import SsdTier
+from tests.tiers.test_ssd import make_page
+
+from ..conftest import random_kv, random_tokens
+from ..server.helpers import small_config
+
+MiB = 1 << 20
+
+
+def mount_tmpfs(path: Path, size_bytes: int) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700",
+                           "tmpfs", str(path)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def mounts():
+    """Mount small tmpfs file systems (``mount(path, size_bytes)``); unmounted afterwards,
+    innermost first."""
+    mounted: list[Path] = []
+
+    def mount(path: Path, size_bytes: int) -> Path:
+        mount_tmpfs(path, size_bytes)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file into ``directory`` until its file system has no room left."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        chunk = bytes(64 << 10)
+        while True:
+            try:
+                if os.write(fd, chunk) == 0:
+                    break
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    break
+                chunk = chunk[:len(chunk) // 2]
+    finally:
+        os.close(fd)
+    return filler
+
+
+def ssd_config(path: Path, **overrides) -> SsdConfig:
+    fields = {"path": str(path), "capacity_bytes": 256 * MiB, "segment_bytes": MiB,
+              "fsync": "always", "fsync_interval_s": 0.01, **overrides}
+    return SsdConfig(**fields)
+
+
+async def opened(config: SsdConfig) -> SsdTier:
+    tier = SsdTier(config)
+    await tier.open()
+    return tier
+
+
+async def assert_served(tier: SsdTier, pages) -> None:
+    for key, _, data in pages:
+        page = await tier.read(key)
+        assert page is not None and bytes(page.data) == data
+
+
+async def test_full_disk_fails_appends_then_recovers(tmp_path, mounts):
+    mnt = mounts(tmp_path / "mnt", 8 * MiB)
+    config = ssd_config(mnt / "ssd")
+    acked = [make_page(i, 20_000) for i in range(20)]
+    later = [make_page(100 + i, 200_000) for i in range(6)]
+    tier = await opened(config)
+    try:
+        for key, meta, data in acked:
+            assert await tier.write(key, data, meta, force=True)
+        filler = fill(mnt)
+        for key, meta, data in later:
+            with pytest.raises(CapacityError, match=f"{mnt}.*file system is full"):
+                await tier.write(key, data, meta, force=True)
+            assert not tier.contains(key)
+        await assert_served(tier, acked)
+        assert tier.stats().num_blocks == len(acked)
+        filler.unlink()
+        for key, meta, data in later:
+            assert await tier.write(key, data, meta, force=True)
+        await assert_served(tier, acked + later)
+    finally:
+        await tier.close()
+    tier = await opened(config)
+    try:
+        await assert_served(tier, acked + later)
+        stats = tier.stats()
+        assert stats.num_blocks == len(acked + later) and stats.corrupt == 0
+    finally:
+        await tier.close()
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+async def test_full_index_disk_fails_commits_then_recovers(tmp_path, mounts, fsync):
+    directory = tmp_path / "ssd"
+    directory.mkdir(mode=0o700)
+    index = mounts(directory / "index", 512 << 10)  # the index alone on a small file system
+    config = ssd_config(directory, fsync=fsync)
+    acked = [make_page(i, 1000) for i in range(50)]
+    tier = await opened(config)
+    try:
+        for key, meta, data in acked:
+            assert await tier.write(key, data, meta, force=True)
+        filler = fill(index)
+        burst = [make_page(1000 + i, 1000) for i in range(400)]  # new LMDB pages needed
+        results = await asyncio.gather(*(tier.write(k, d, m, force=True) for k, m, d in burst),
+                                       return_exceptions=True)
+        failed = [page for page, r in zip(burst, results) if isinstance(r, BaseException)]
+        assert failed, "the index commit did not run out of room"
+        for r in results:
+            assert r is True or (isinstance(r, CapacityError) and str(index) in str(r)
+                                 and "file system is full" in str(r)), r
+        for key, _, _ in failed:
+            assert not tier.contains(key) and await tier.read(key) is None
+        acked += [page for page, r in zip(burst, results) if r is True]
+        await assert_served(tier, acked)
+        filler.unlink()
+        for key, meta, data in failed:
+            assert await tier.write(key, data, meta, force=True)
+        acked += failed
+        await assert_served(tier, acked)
+    finally:
+        await tier.close()
+    tier = await opened(config)
+    try:
+        await assert_served(tier, acked)
+        assert tier.stats().num_blocks == len(acked)
+    finally:
+        await tier.close()
+
+
+async def test_full_index_map_names_the_setting(tmp_path):
+    config = ssd_config(tmp_path / "ssd", fsync="never", index_map_bytes=256 << 10)
+    acked, refused = [], None
+    tier = await opened(config)
+    try:
+        for i in range(5000):
+            key, meta, data = page = make_page(i, 100)
+            try:
+                assert await tier.write(key, data, meta, force=True)
+            except CapacityError as exc:
+                refused = page
+                assert "ssd.index_map_bytes" in str(exc) and str(tmp_path / "ssd") in str(exc)
+                break
+            acked.append(page)
+        assert refused is not None, "the index map never filled"
+        assert not tier.contains(refused[0])
+        await assert_served(tier, acked)
+    finally:
+        await tier.close()
+    tier = await opened(ssd_config(tmp_path / "ssd", fsync="never", index_map_bytes=64 * MiB))
+    try:
+        await assert_served(tier, acked)
+        key, meta, data = refused
+        assert await tier.write(key, data, meta, force=True)
+    finally:
+        await tier.close()
+
+
+async def test_fdatasync_out_of_space_fails_the_write(tmp_path, monkeypatch):
+    """ENOSPC from fdatasync is injected at ``os.fdatasync`` itself: no file system here
+    fails it on demand (tmpfs never does; ext4 reserves blocks when the data is written, so
+    a full disk fails the write first, as the tests above show)."""
+    config = ssd_config(tmp_path / "ssd")
+    acked = [make_page(i, 5000) for i in range(5)]
+    refused = make_page(99, 5000)
+    tier = await opened(config)
+    real_fdatasync = os.fdatasync
+    try:
+        for key, meta, data in acked:
+            assert await tier.write(key, data, meta, force=True)
+
+        def out_of_space(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fdatasync", out_of_space)
+        key, meta, data = refused
+        with pytest.raises(CapacityError, match=r"fdatasync of .*seg-\d+\.dat failed: its "
+                                                "file system is full"):
+            await tier.write(key, data, meta, force=True)
+        assert not tier.contains(key)
+        await assert_served(tier, acked)
+        monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+        assert await tier.write(key, data, meta, force=True)
+    finally:
+        await tier.close()
+    tier = await opened(config)
+    try:
+        await assert_served(tier, acked + [refused])
+    finally:
+        await tier.close()
+
+
+async def test_daemon_put_on_full_disk_is_resource_exhausted(root, mounts, spec):
+    """Through the daemon: DRAM full, so a put demotes blocks to an SSD whose disk is full."""
+    mnt = mounts(root / "mnt", 4 * MiB)
+    config = small_config(root, dram_bytes=MiB, ssd={"path": str(mnt / "ssd")})
+    ns = Namespace(model_id="test/model", spec=spec, tenant="acme")
+    daemon = await serve(config)
+    try:
+        async with AsyncClient(daemon.unix_address, zero_copy=False) as client:
+            first = [(random_tokens(64, seed=i), random_kv(spec, 64, seed=i)) for i in range(8)]
+            for tokens, kv in first:
+                assert await client.put(ns, tokens, kv) == 64
+            filler = fill(mnt)
+            with pytest.raises(CapacityError, match=f"{mnt}.*file system is full"):
+                for i in range(8, 200):  # until DRAM must demote to the full disk
+                    await client.put(ns, random_tokens(64, seed=i), random_kv(spec, 64, seed=i))
+            for tokens, kv in first:
+                assert torch.equal(await client.get(ns, tokens), kv)
+            filler.unlink()
+            tokens, kv = random_tokens(64, seed=500), random_kv(spec, 64, seed=500)
+            assert await client.put(ns, tokens, kv) == 64
+            assert (await client.health()).status == "SERVING"
+        errors = daemon.metrics.rpc_errors.labels("Put", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        assert errors._value.get() == 1
+    finally:
+        await daemon.stop(1.0)
