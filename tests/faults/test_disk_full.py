@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -25,54 +27,11 @@ from kvstore.tiers.ssd import SsdTier
 from tests.tiers.test_ssd import make_page
 
 from ..conftest import random_kv, random_tokens
-from ..server.helpers import small_config
+from ..server.helpers import REPO_ROOT, small_config
+from .helpers import fill
+from .ssd_compact_crash import PAGE_BYTES, tier_config
 
 MiB = 1 << 20
-
-
-def mount_tmpfs(path: Path, size_bytes: int) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700",
-                           "tmpfs", str(path)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-
-
-@pytest.fixture
-def mounts():
-    """Mount small tmpfs file systems (``mount(path, size_bytes)``); unmounted afterwards,
-    innermost first."""
-    mounted: list[Path] = []
-
-    def mount(path: Path, size_bytes: int) -> Path:
-        mount_tmpfs(path, size_bytes)
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(directory: Path) -> Path:
-    """Write a file into ``directory`` until its file system has no room left."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        chunk = bytes(64 << 10)
-        while True:
-            try:
-                if os.write(fd, chunk) == 0:
-                    break
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                if len(chunk) == 1:
-                    break
-                chunk = chunk[:len(chunk) // 2]
-    finally:
-        os.close(fd)
-    return filler
 
 
 def ssd_config(path: Path, **overrides) -> SsdConfig:
@@ -159,6 +118,29 @@ async def test_full_index_disk_fails_commits_then_recovers(tmp_path, mounts, fsy
     try:
         await assert_served(tier, acked)
         assert tier.stats().num_blocks == len(acked)
+    finally:
+        await tier.close()
+
+
+async def test_compaction_on_full_index_disk_then_crash_loses_no_page(tmp_path, mounts):
+    """Compaction moves a victim's pages while no index commit can succeed, and the process
+    dies before one does: the victim segment must still be on disk, since the committed index
+    still points into it (it used to be deleted right after the moves)."""
+    directory = tmp_path / "ssd"
+    directory.mkdir(mode=0o700)
+    mounts(directory / "index", 512 << 10)
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.faults.ssd_compact_crash", str(directory)],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == 0, child.stderr[-2000:]
+    live = json.loads(child.stdout)
+    assert "ssd compaction" in child.stderr and "copies failed" in child.stderr
+    (directory / "index" / "filler").unlink()
+    tier = await opened(tier_config(str(directory)))
+    try:
+        await assert_served(tier, [make_page(i, PAGE_BYTES) for i in live])
+        assert tier.stats().corrupt == 0
     finally:
         await tier.close()
 

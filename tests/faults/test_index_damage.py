@@ -100,24 +100,48 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 }
 
 
+def delete_index(index: Path) -> None:
+    for name in ("data.mdb", "lock.mdb"):
+        (index / name).unlink()
+    index.rmdir()
+
+
+def damage_a_page_and_the_index(index: Path) -> None:
+    """Page 7 damaged in its segment, a torn append after the last page, the index garbage."""
+    segments = sorted(index.parent.glob("seg-*.dat"))
+    _, _, victim = damage_page(7)
+    blob = segments[0].read_bytes()
+    at = blob.index(victim) + len(victim) - 50
+    with open(segments[0], "r+b") as f:
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in blob[at:at + 8]))
+    with open(segments[-1], "ab") as f:
+        f.write(b"KVPG" + random.Random(3).randbytes(9000))
+    replace_with_garbage(index)
+
+
+CASES = {**DAMAGE, "delete_index": delete_index,
+         "damage_a_page_and_the_index": damage_a_page_and_the_index}
+
+
 @pytest.fixture(scope="module")
-def reopened(tmp_path_factory) -> tuple[dict[Path, dict], str, Path]:
-    """Every kind of damage, each to its own directory, all reopened by one child process
-    (the child's start-up, mostly importing torch, costs more than its work)."""
+def reopened(tmp_path_factory) -> tuple[dict[str, dict], str, Path]:
+    """Every case, each in its own directory, all reopened by one child process (the
+    child's start-up, mostly importing torch, costs more than its work)."""
     root = tmp_path_factory.mktemp("damage")
-    for name, damage in DAMAGE.items():
+    for name, damage in CASES.items():
         asyncio.run(write_pages(root / name))
         damage(root / name / "index")
-    results, log = reopen_in_child([root / name for name in DAMAGE])
-    return results, log, root
+    results, log = reopen_in_child([root / name for name in CASES])
+    return {path.name: result for path, result in results.items()}, log, root
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 async def test_damaged_index_is_rebuilt_from_segments(reopened, damage):
     results, log, root = reopened
     directory = root / damage
-    assert results[directory] == {"num_blocks": NUM_PAGES, "index_resets": 1,
-                                  "exact": NUM_PAGES, "missing": [], "corrupt": 0}
+    assert results[damage] == {"num_blocks": NUM_PAGES, "index_resets": 1,
+                               "exact": NUM_PAGES, "missing": [], "corrupt": 0}
     assert f"ssd index in {directory} is damaged" in log
     moved = list(directory.glob("index.corrupt-*"))
     assert len(moved) == 1 and (moved[0] / "data.mdb").exists()  # kept for inspection
@@ -126,35 +150,19 @@ async def test_damaged_index_is_rebuilt_from_segments(reopened, damage):
         "corrupt": 0}
 
 
-async def test_missing_index_is_rebuilt_from_segments(tmp_path):
-    directory = tmp_path / "ssd"
-    await write_pages(directory, 200)
-    for name in ("data.mdb", "lock.mdb"):
-        (directory / "index" / name).unlink()
-    (directory / "index").rmdir()
-    results, log = reopen_in_child([directory], 200)
-    assert results[directory]["exact"] == 200 and results[directory]["index_resets"] == 0
-    assert f"ssd index in {directory} is missing" in log
+def test_missing_index_is_rebuilt_from_segments(reopened):
+    """It used to mean an empty tier: every segment was deleted as holding no indexed page."""
+    results, log, root = reopened
+    assert results["delete_index"]["exact"] == NUM_PAGES
+    assert results["delete_index"]["index_resets"] == 0
+    assert f"ssd index in {root / 'delete_index'} is missing" in log
 
 
-async def test_rebuild_skips_damaged_pages_and_torn_tails(tmp_path):
-    directory = tmp_path / "ssd"
-    await write_pages(directory, 200)
-    segments = sorted(directory.glob("seg-*.dat"))
-    _, _, victim = damage_page(7)
-    blob = segments[0].read_bytes()
-    at = blob.index(victim) + len(victim) - 50
-    with open(segments[0], "r+b") as f:  # one damaged page
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in blob[at:at + 8]))
-    with open(segments[-1], "ab") as f:  # a torn append
-        f.write(b"KVPG" + random.Random(3).randbytes(9000))
-    replace_with_garbage(directory / "index")
-
-    results, _ = reopen_in_child([directory], 200)
-    result = results[directory]
-    assert result["missing"] == [7] and result["exact"] == 199 and result["corrupt"] == 0
-    assert result["index_resets"] == 1 and result["num_blocks"] == 199
+def test_rebuild_skips_damaged_pages_and_torn_tails(reopened):
+    results, _, _ = reopened
+    assert results["damage_a_page_and_the_index"] == {
+        "num_blocks": NUM_PAGES - 1, "index_resets": 1, "exact": NUM_PAGES - 1,
+        "missing": [7], "corrupt": 0}
 
 
 def test_daemon_restarts_cold_after_index_damage(root, spec):
