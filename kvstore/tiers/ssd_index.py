@@ -38,8 +38,8 @@ _DB_NAME = b"pages"
 # LMDB errors that mean the file's contents are damaged (others: permissions, memory, disk).
 _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
                   lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadValsizeError)
-# How long the check of an existing index may take: reading 1 GiB took about 2 s on the work
-# disk, so 20 MB/s is slow enough for any disk; a longer run means LMDB went round in circles
+# How long the check of an existing index may take. It reads the file about once, and 20 MB/s
+# is far below any disk's sequential reads: a longer run means LMDB went round in circles
 # (damaged pages can point back at each other).
 CHECK_MIN_TIMEOUT_S = 60.0
 CHECK_MIN_BYTES_PER_S = 20e6
@@ -169,15 +169,15 @@ class LmdbIndex:
         """Why the index at ``path`` is damaged, or None: read whole by a child process."""
         size = os.path.getsize(path / "data.mdb")
         timeout_s = max(CHECK_MIN_TIMEOUT_S, size / CHECK_MIN_BYTES_PER_S)
+        # The child finds lmdb where this process did, whatever installed it.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", ssd_index_check.__file__, str(path), _DB_NAME.decode(),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                sys.executable, ssd_index_check.__file__, str(path), _DB_NAME.decode(),
+                env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE)
         except OSError as exc:  # no interpreter to run, no process to spare
-            log.warning("ssd index in %s: cannot check it in a child process (%s); "
-                        "opening it unchecked", path, exc)
-            return None
+            return self._unchecked(path, str(exc))
         try:
             _, err = await asyncio.wait_for(child.communicate(), timeout_s)
         except TimeoutError:
@@ -189,9 +189,16 @@ class LmdbIndex:
             return None
         if child.returncode == ssd_index_check.UNREADABLE:
             raise KVStoreError(f"cannot read the ssd index in {path}: {reason}")
+        if child.returncode == ssd_index_check.UNAVAILABLE:
+            return self._unchecked(path, reason)
         if child.returncode < 0:
             return f"reading it was killed by signal {-child.returncode}"
         return reason or f"reading it failed with exit status {child.returncode}"
+
+    @staticmethod
+    def _unchecked(path: Path, why: str) -> None:
+        log.warning("ssd index in %s: cannot check it in a child process (%s); opening it "
+                    "unchecked", path, why)
 
     @staticmethod
     def _move_aside(path: Path) -> Path:
@@ -268,8 +275,12 @@ class LmdbIndex:
             raise KVStoreError(f"cannot open the ssd index in {path}: {exc}") from None
 
     def _load_records(self) -> list[tuple[bytes, bytes]]:
-        with self._env.begin(db=self._db) as txn:
-            return list(txn.cursor())
+        try:
+            with self._env.begin(db=self._db) as txn:
+                return list(txn.cursor())
+        except lmdb.Error as exc:  # the check read it whole a moment ago: not for damage
+            raise KVStoreError(f"cannot read the ssd index in {self._dir / 'index'}: "
+                               f"{exc}") from None
 
     def _apply(self, journal: dict[bytes, bytes | None]) -> None:
         with self._env.begin(write=True, db=self._db) as txn:

@@ -3,11 +3,12 @@ kills this process and not the daemon.
 
 LMDB maps its file and trusts what it finds there: pages past the end of a truncated file
 raise SIGBUS when touched, and damaged page pointers can send it anywhere. Run by
-``kvstore.tiers.ssd_index`` as ``python -I ssd_index_check.py INDEX_DIR DB_NAME`` before it opens
+``kvstore.tiers.ssd_index`` as ``python ssd_index_check.py INDEX_DIR DB_NAME`` before it opens
 an existing index. Exit status: 0 if every page of the database was read, ``DAMAGED`` if LMDB
 (or the file size) says it is damaged, ``UNREADABLE`` if it cannot be read for another reason
-(permissions, memory); the reason goes to stderr. A death by a signal also means damage. It
-imports nothing of kvstore, so it starts in a few tens of milliseconds.
+(permissions, memory), ``UNAVAILABLE`` if this process cannot import lmdb (nothing was
+checked); the reason goes to stderr. A death by a signal also means damage. It imports nothing
+of kvstore, so it starts in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import errno
 import os
 import sys
 
-import lmdb
-
 DAMAGED = 3
 UNREADABLE = 4
+UNAVAILABLE = 5
+
+try:
+    import lmdb
+except ImportError as exc:
+    if __name__ != "__main__":  # imported by kvstore.tiers.ssd_index for the constants
+        raise
+    print(f"cannot import lmdb: {exc}", file=sys.stderr)
+    sys.exit(UNAVAILABLE)
+
 # errno values that say nothing about the file's contents
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOMEM, errno.EMFILE, errno.ENFILE,
                        errno.EAGAIN}

@@ -19,6 +19,7 @@ import torch
 
 from kvstore.client import Client
 from kvstore.keys import Namespace
+from kvstore.tiers import ssd_index_check
 from kvstore.tiers.ssd import SsdTier
 from tests.faults.ssd_reopen import damage_page, reopen, tier_config
 
@@ -195,3 +196,22 @@ def test_daemon_restarts_cold_after_index_damage(root, spec):
     warnings = [e for e in proc.events() if e["level"] == "WARNING" and "is damaged" in e["msg"]]
     assert len(warnings) == 1 and warnings[0]["moved_to"].startswith(config.ssd.path)
     assert not any("exc" in e for e in proc.events())
+
+
+async def test_check_exit_statuses(tmp_path):
+    """The child's verdicts: 0 for a sound index, DAMAGED for garbage, UNAVAILABLE where it
+    cannot import lmdb (here: no site-packages), which the tier takes for "not checked"."""
+    directory = tmp_path / "ssd"
+    await write_pages(directory, 50)
+    index = directory / "index"
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *flags, ssd_index_check.__file__, str(index),
+                               "pages"], capture_output=True, text=True, timeout=60,
+                              check=False)
+
+    assert run().returncode == 0
+    assert run("-S", "-I").returncode == ssd_index_check.UNAVAILABLE
+    replace_with_garbage(index)
+    damaged = run()
+    assert damaged.returncode == ssd_index_check.DAMAGED and "MDB_INVALID" in damaged.stderr
