@@ -39,11 +39,12 @@ fdatasyncs the copies before committing their new places and only then removes t
 
 On open, index entries that point past a segment's end (or into a missing segment) are
 dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated. An
-index that is missing, or found damaged (it is read whole in a child process first, so that
-damage which would crash LMDB's reader costs a child, not the daemon; see ``ssd_index``), is
-rebuilt from the segments: every page describes and verifies itself. The damaged one is kept
-as ``index.corrupt-<time>`` and counted in ``stats().extra["index_resets"]``. Pages deleted
-before the damage may come back that way: still valid pages for their keys.
+index that is missing, empty beside segments (a rebuild that died before its commit) or found
+damaged (it is read whole in a child process first, so that damage which would crash LMDB's
+reader costs a child, not the daemon; see ``ssd_index``) is rebuilt from the segments: every
+page describes and verifies itself. A damaged index is kept as ``index.corrupt-<time>`` and
+counted in ``stats().extra["index_resets"]``. Pages deleted before the damage may come back
+that way: still valid pages for their keys.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import aiofiles
 import aiofiles.os
 
 from kvstore.config import SsdConfig
-from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
+from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.admission import FrequencySketch
@@ -314,9 +315,10 @@ class SsdTier(SegmentWriter, Tier):
         the files alone if the LMDB index is missing or was found damaged."""
         opened = await self._lmdb.open()
         sizes = await asyncio.to_thread(scan_segments, self._dir)
-        if opened.state is IndexState.OPENED:
-            await self._load_index(sizes)
-        elif sizes:
+        records = await self._lmdb.load() if opened.state is IndexState.OPENED else []
+        if records:
+            self._load_index(records, sizes)
+        elif sizes:  # also an empty index: one whose rebuild never reached its commit
             await self._rebuild_index(sizes, opened)
         elif opened.state is IndexState.RESET:
             self._log_reset(opened, "there are no segments; starting empty")
@@ -331,11 +333,15 @@ class SsdTier(SegmentWriter, Tier):
             seg.live_bytes += entry.padded
             seg.keys.add(key)
         self._next_segment_id = max(sizes, default=0) + 1
-        await self._lmdb.commit()
+        try:
+            await self._lmdb.commit()
+        except CapacityError as exc:  # kept in the journal; no segment is deleted meanwhile
+            log.error("ssd index: the changes made at open are not committed yet, retried "
+                      "with the next commit: %s", exc)
 
-    async def _load_index(self, sizes: dict[int, int]) -> None:
+    def _load_index(self, records: list[tuple[bytes, bytes]], sizes: dict[int, int]) -> None:
         """Take the committed index entries that point into the segments as they are."""
-        for key, raw in await self._lmdb.load():
+        for key, raw in records:
             try:
                 entry = IndexRecord.unpack(key, raw)
             except (ValueError, KeyError, TypeError, struct.error):
@@ -358,11 +364,12 @@ class SsdTier(SegmentWriter, Tier):
                     found.meta, segment_id, found.offset, found.length, found.checksum)
         for key, entry in self._index.items():
             self._lmdb.put(key, entry)
-        rebuilt = (f"rebuilt it from {len(sizes)} segment files: {len(self._index)} pages")
+        rebuilt = f"rebuilt it from {len(sizes)} segment files: {len(self._index)} pages"
         if opened.state is IndexState.RESET:
             self._log_reset(opened, rebuilt)
         else:
-            log.warning("ssd index in %s is missing; %s", self._dir, rebuilt)
+            log.warning("ssd index in %s is %s; %s", self._dir,
+                        "missing" if opened.state is IndexState.CREATED else "empty", rebuilt)
 
     def _log_reset(self, opened: IndexOpen, outcome: str) -> None:
         self._counts["index_resets"] += 1

@@ -35,6 +35,7 @@ _RECORD = struct.Struct("<BIQIIHQ16s16s")  # version, segment, offset, length, b
 _RECORD_VERSION = 1
 _NO_PARENT = bytes(KEY_BYTES)
 _DB_NAME = b"pages"
+DATA_FILE = "data.mdb"  # LMDB's file in the index directory
 # LMDB errors that mean the file's contents are damaged (others: permissions, memory, disk).
 _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
                   lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadValsizeError)
@@ -153,7 +154,7 @@ class LmdbIndex:
         reason (permissions, memory).
         """
         path = self._dir / "index"
-        existed = (path / "data.mdb").exists()
+        existed = (path / DATA_FILE).exists()
         damage = await self._check(path) if existed else None
         if damage is None:
             try:
@@ -167,7 +168,7 @@ class LmdbIndex:
 
     async def _check(self, path: Path) -> str | None:
         """Why the index at ``path`` is damaged, or None: read whole by a child process."""
-        size = os.path.getsize(path / "data.mdb")
+        size = os.path.getsize(path / DATA_FILE)
         timeout_s = max(CHECK_MIN_TIMEOUT_S, size / CHECK_MIN_BYTES_PER_S)
         # The child finds lmdb where this process did, whatever installed it.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -202,13 +203,21 @@ class LmdbIndex:
 
     @staticmethod
     def _move_aside(path: Path) -> Path:
+        """Rename the damaged index out of the way; where it is lost: ``index.corrupt-<time>``,
+        or ``index/data.mdb.corrupt-<time>`` if ``index/`` cannot be renamed (a mount point)."""
         stamp = time.strftime("%Y%m%dT%H%M%S")
         target = path.with_name(f"index.corrupt-{stamp}")
         n = 1
         while target.exists():
             target = path.with_name(f"index.corrupt-{stamp}-{n}")
             n += 1
-        os.rename(path, target)
+        try:
+            os.rename(path, target)
+        except OSError:  # EBUSY, EXDEV: keep the damaged file on its own file system
+            target = path / f"{DATA_FILE}.corrupt-{stamp}-{n}"
+            os.rename(path / DATA_FILE, target)
+            (path / "lock.mdb").unlink(missing_ok=True)
+            sync_directory(path)
         sync_directory(path.parent)
         return target
 
@@ -264,7 +273,7 @@ class LmdbIndex:
             env = lmdb.open(str(path), map_size=self._map_bytes, max_dbs=1, lock=True,
                             subdir=True, readahead=False, sync=self._sync,
                             mode=PRIVATE_FILE_MODE)
-            for name in ("data.mdb", "lock.mdb"):  # LMDB's mode is subject to the umask
+            for name in (DATA_FILE, "lock.mdb"):  # LMDB's mode is subject to the umask
                 os.chmod(path / name, PRIVATE_FILE_MODE)
             return env, env.open_db(_DB_NAME)
         except lmdb.Error as exc:

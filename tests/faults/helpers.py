@@ -23,8 +23,9 @@ def unmount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def fill(directory: Path) -> Path:
-    """Write a file into ``directory`` until its file system has no room left."""
+def fill(directory: Path, leave_bytes: int = 0) -> Path:
+    """Write a file into ``directory`` until its file system has no room left, then give
+    ``leave_bytes`` of it back."""
     filler = directory / "filler"
     fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
@@ -39,6 +40,7 @@ def fill(directory: Path) -> Path:
                 if len(chunk) == 1:
                     break
                 chunk = chunk[:len(chunk) // 2]
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave_bytes))
     finally:
         os.close(fd)
     return filler

@@ -145,6 +145,41 @@ async def test_compaction_on_full_index_disk_then_crash_loses_no_page(tmp_path, 
         await tier.close()
 
 
+async def test_rebuild_on_a_full_disk_opens_and_commits_later(tmp_path, mounts):
+    """A damaged index found while the disk is full: the tier opens on the rebuilt in-memory
+    index, serves it, and commits it once there is room (it used to refuse to open)."""
+    mnt = mounts(tmp_path / "mnt", 8 * MiB)
+    config = ssd_config(mnt, fsync="never")
+    pages = [make_page(i, 100) for i in range(1500)]  # an index of about 60 LMDB pages
+    tier = await opened(config)
+    try:
+        assert all(await asyncio.gather(*(tier.write(k, d, m, force=True)
+                                          for k, m, d in pages)))
+    finally:
+        await tier.close()
+    (mnt / "index" / "data.mdb").write_bytes(bytes(64 << 10))
+    filler = fill(mnt, leave_bytes=64 << 10)  # room for a new, empty index; not for the rest
+    tier = await opened(config)
+    try:
+        assert tier.stats().extra["index_resets"] == 1
+        assert tier._lmdb.is_behind, "the rebuilt index was committed: the disk had room"
+        await assert_served(tier, pages)
+        filler.unlink()
+        for _ in range(200):  # the flusher commits what the open could not
+            if not tier._lmdb.is_behind:
+                break
+            await asyncio.sleep(0.01)
+        assert not tier._lmdb.is_behind
+    finally:
+        await tier.close()
+    tier = await opened(config)
+    try:
+        assert tier.stats().extra["index_resets"] == 0
+        await assert_served(tier, pages)
+    finally:
+        await tier.close()
+
+
 async def test_full_index_map_names_the_setting(tmp_path):
     config = ssd_config(tmp_path / "ssd", fsync="never", index_map_bytes=256 << 10)
     acked, refused = [], None

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 
@@ -121,7 +122,16 @@ def damage_a_page_and_the_index(index: Path) -> None:
     replace_with_garbage(index)
 
 
-CASES = {**DAMAGE, "delete_index": delete_index,
+def empty_index(index: Path) -> None:
+    """What a rebuild that died before its commit leaves: a new index with nothing in it."""
+    delete_index(index)
+    index.mkdir(mode=0o700)
+    env = lmdb.open(str(index), max_dbs=1)
+    env.open_db(b"pages")
+    env.close()
+
+
+CASES = {**DAMAGE, "delete_index": delete_index, "empty_index": empty_index,
          "damage_a_page_and_the_index": damage_a_page_and_the_index}
 
 
@@ -157,6 +167,25 @@ def test_missing_index_is_rebuilt_from_segments(reopened):
     assert results["delete_index"]["exact"] == NUM_PAGES
     assert results["delete_index"]["index_resets"] == 0
     assert f"ssd index in {root / 'delete_index'} is missing" in log
+
+
+def test_empty_index_beside_segments_is_rebuilt(reopened):
+    results, log, root = reopened
+    assert results["empty_index"]["exact"] == NUM_PAGES
+    assert results["empty_index"]["index_resets"] == 0
+    assert f"ssd index in {root / 'empty_index'} is empty" in log
+
+
+async def test_damaged_index_on_its_own_mount_is_moved_aside_inside_it(tmp_path, mounts):
+    """``index/`` as a mount point cannot be renamed: the damaged file is renamed inside it."""
+    directory = tmp_path / "ssd"
+    directory.mkdir(mode=0o700)
+    index = mounts(directory / "index", 4 << 20)
+    await write_pages(directory, 100)
+    replace_with_garbage(index)
+    result = await reopen(str(directory), 100)
+    assert result["exact"] == 100 and result["index_resets"] == 1
+    assert len(list(index.glob("data.mdb.corrupt-*"))) == 1
 
 
 def test_rebuild_skips_damaged_pages_and_torn_tails(reopened):
