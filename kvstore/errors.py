@@ -52,3 +52,18 @@ class Unavailable(KVStoreError):
 
 class AlreadyRunning(KVStoreError):
     """Another daemon already serves this socket."""
+
+
+SHOWN_CHARS = 64  # the most of a caller's string an error message repeats
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr`` of a caller-supplied value for an error message, cut to ``limit`` characters.
+
+    Messages travel back to the caller and into the log: repeating a megabyte-long tenant or
+    dtype name would bloat both, so longer values keep their head and their length.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.config import ServerConfig
-from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.errors import PermissionDenied, Unauthenticated, shown
 from kvstore.rpc.status import error_metadata
 from kvstore.server.interceptors import Behavior, HandlerInterceptor
 
@@ -40,7 +40,7 @@ class Caller:
         """PermissionDenied unless this caller may ``action`` blocks of ``tenant``."""
         if self.tenant is not None and tenant != self.tenant:
             raise PermissionDenied(
-                f"tenant {self.tenant!r} may not {action} namespaces of tenant {tenant!r}"
+                f"tenant {shown(self.tenant)} may not {action} namespaces of tenant {shown(tenant)}"
             )
 
     def scope(self, requested: str, action: str) -> str | None:
@@ -50,7 +50,7 @@ class Caller:
             return requested or None
         if requested and requested != self.tenant:
             raise PermissionDenied(
-                f"tenant {self.tenant!r} may not {action} of tenant {requested!r}"
+                f"tenant {shown(self.tenant)} may not {action} of tenant {shown(requested)}"
             )
         return self.tenant
 

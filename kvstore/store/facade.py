@@ -26,7 +26,7 @@ from kvstore.api import (
     TierStats,
 )
 from kvstore.config import KVStoreConfig
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
 from kvstore.policy.cost import PrefillModel, advise
@@ -297,7 +297,7 @@ class Store:
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
         """Stored blocks matching the filters, most recently used first."""
         if tier is not None and tier not in self.tiers:
-            raise InvalidArgument(f"unknown tier {tier[:64]!r}; tiers are {list(self.tiers)}")
+            raise InvalidArgument(f"unknown tier {shown(tier)}; tiers are {list(self.tiers)}")
         if limit < 0:
             raise InvalidArgument(f"limit must be >= 0, got {limit}")
         now = time.time()

@@ -14,7 +14,14 @@ from typing import Any, Generic, TypeVar
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
 from kvstore.codecs.base import Codec
 from kvstore.config import QuotaConfig
-from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.errors import (
+    CapacityError,
+    CorruptPage,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    shown,
+)
 from kvstore.keys import BlockKey, Namespace
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page
 from kvstore.spec import KVSpec
@@ -86,7 +93,7 @@ class HeldTable(Generic[H]):
     def check_room(self, tenant: str) -> None:
         """CapacityError if ``tenant`` already holds as many as it may."""
         if self._per_tenant.get(tenant, 0) >= self._max_per_tenant:
-            raise CapacityError(f"tenant {tenant[:64]!r} holds {self._max_per_tenant} open "
+            raise CapacityError(f"tenant {shown(tenant)} holds {self._max_per_tenant} open "
                                 f"{self.kind}s, its quota; release or commit some first")
 
     def add(self, held: H) -> H:
@@ -98,7 +105,7 @@ class HeldTable(Generic[H]):
         """Remove and return a holding; one past its deadline but not yet reaped still counts."""
         held = self._held.pop(held_id, None)
         if held is None:
-            raise LeaseNotFound(f"{self.kind} {held_id[:64]!r} does not exist or has expired")
+            raise LeaseNotFound(f"{self.kind} {shown(held_id)} does not exist or has expired")
         self._forget(held)
         return held
 
@@ -279,12 +286,12 @@ class LeaseManager:
             raise CorruptPage(f"page for key {key.hex()} names another namespace or position")
         if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
             raise CorruptPage(f"page for key {key.hex()} names tenant/model "
-                              f"{meta.tenant[:64]}/{meta.model_id[:64]}, reserved for "
+                              f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
                               f"{ns.tenant}/{ns.model_id}")
         codec = reserved.link.codec.name
         if meta.codec != codec:
             raise InvalidArgument(f"page for key {key.hex()} is encoded with "
-                                  f"{meta.codec[:64]!r}; the reservation asked for {codec!r}")
+                                  f"{shown(meta.codec)}; the reservation asked for {codec!r}")
         return meta
 
     def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:

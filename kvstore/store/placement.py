@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from kvstore import codecs
 from kvstore.codecs.base import Codec
 from kvstore.config import TierConfig, TierSettings
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, shown
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page
 from kvstore.policy.admission import admission_for
@@ -119,7 +119,7 @@ class Placement:
                 return self._dir.get(meta.key)
         sizes = ", ".join(f"{link.name} {link.tier.max_page_bytes} bytes" for link in self.links)
         share = "" if self._share is None else (
-            f"; tenant {meta.tenant[:64]!r} may fill {self._share:.0%} of each tier")
+            f"; tenant {shown(meta.tenant)} may fill {self._share:.0%} of each tier")
         raise CapacityError(f"no tier can hold the {len(data)}-byte page of block "
                             f"{meta.key.hex()} now (largest page per tier: {sizes}{share})")
 
