@@ -160,6 +160,11 @@ class RedisLink:
             raise ConfigError(f"remote.url: {self.config.safe_url} refused the credentials "
                               f"({exc}); check the user and password in remote.url") from None
         except _RETRYABLE as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # redis-py turns a cancellation inside a read into a connection error: keep
+                # the cancellation, or the cancelled caller would carry on as if it were not.
+                raise asyncio.CancelledError from exc
             self._failed(what, exc)
             return None
         if self.last_error or self._breaker.is_open:

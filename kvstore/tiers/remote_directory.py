@@ -59,6 +59,7 @@ class ClusterDirectory:
         self._held: dict[BlockKey, _Local] = {}
         self._dirty: dict[BlockKey, PageMeta] = {}
         self._task: asyncio.Task[None] | None = None
+        self._is_stopping = False
         self._flushes = 0
 
     def dir_key(self, key: BlockKey, tenant: str) -> str:
@@ -91,6 +92,7 @@ class ClusterDirectory:
         """Stop renewing; withdraw this host's entries at once (best effort)."""
         if self._task is None:
             return
+        self._is_stopping = True
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -102,7 +104,7 @@ class ClusterDirectory:
         beat_every = self._config.host_ttl_s / 3
         renew_every = self._config.ttl_s / 2
         next_beat = next_renew = time.monotonic()
-        while True:
+        while not self._is_stopping:
             now = time.monotonic()
             try:
                 if now >= next_beat and await self._beat():
@@ -148,7 +150,9 @@ class ClusterDirectory:
 
     async def holders(self, keys: Sequence[BlockKey], tenant: str
                       ) -> list[dict[str, tuple[str, ...]]]:
-        """For each key, the live hosts other than this one that hold it: host -> tiers."""
+        """For each of the first ``max_probe_keys`` keys, the live hosts other than this one
+        that hold it: host -> tiers."""
+        keys = keys[:self._config.max_probe_keys]
         if not keys:
             return []
         names = [self.dir_key(key, tenant) for key in keys]
