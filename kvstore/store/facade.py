@@ -332,8 +332,12 @@ class Store:
 
     async def commit(self, reservation_id: str) -> int:
         self._check_open()
+        keys = self._leases.reserved_keys(reservation_id)
         written = await self._leases.commit(reservation_id)
         self._wake_demoter()
+        if written and self._placement.write_through_links():
+            entries = [e for e in map(self._dir.get, keys) if e is not None]
+            self._spawn(self._placement.write_through(entries))
         return written
 
     async def abort(self, reservation_id: str) -> None:

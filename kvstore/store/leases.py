@@ -237,6 +237,11 @@ class LeaseManager:
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
         return Reservation(hold.held_id, hold.deadline, link.codec.name, tuple(grants))
 
+    def reserved_keys(self, reservation_id: str) -> list[BlockKey]:
+        """The keys an open reservation has slots for ([] if unknown)."""
+        hold = self._reservations.get(reservation_id)
+        return [] if hold is None else [reserved.key for reserved in hold.slots]
+
     async def commit(self, reservation_id: str) -> int:
         """Verify every page written into the reservation's slots and publish them; return the
         tokens newly published.
