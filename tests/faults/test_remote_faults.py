@@ -6,6 +6,7 @@ tenants stay apart across daemons; a wrong password stops the daemon at start, c
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 from contextlib import ExitStack
@@ -22,6 +23,7 @@ from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
 from kvstore.tiers.remote import tenant_tag
 
+from ..cli.helpers import invoke
 from ..conftest import random_kv, random_tokens
 from ..redis_servers import RedisClusterProcs, RedisServer, needs_redis_binary
 from ..server.helpers import DaemonProcess, DaemonThread, short_tmpdir, small_config
@@ -108,6 +110,16 @@ def test_tenants_stay_apart_across_daemons(redis_cluster_url, key_prefix, roots)
         with redis.RedisCluster.from_url(redis_cluster_url) as client:
             names = [n.decode() for n in client.scan_iter(match=f"{key_prefix}:*:p:*")]
         assert len(names) == 4 and all(f":{tenant_tag('acme')}:" in n for n in names)
+        env = {"KVSTORE_REMOTE__KEY_PREFIX": key_prefix}
+        listed = invoke("ls", "--cluster", "--tenant", "acme", "--remote-url",
+                        redis_cluster_url, "--json", env=env)
+        assert listed.exit_code == 0, listed.output
+        rows = json.loads(listed.stdout)
+        assert {(r["host"], r["block_index"]) for r in rows} == {("one", i) for i in range(4)}
+        assert all(r["tiers"] == ["dram"] for r in rows)
+        other = invoke("ls", "--cluster", "--tenant", "globex", "--remote-url",
+                       redis_cluster_url, "--json", env=env)
+        assert json.loads(other.stdout) == []
 
 
 @needs_redis_binary
