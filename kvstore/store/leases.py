@@ -94,6 +94,9 @@ class HeldTable(Generic[H]):
         self._per_tenant[held.tenant] = self._per_tenant.get(held.tenant, 0) + 1
         return held
 
+    def get(self, held_id: str) -> H | None:
+        return self._held.get(held_id)
+
     def pop(self, held_id: str) -> H:
         """Remove and return a holding; one past its deadline but not yet reaped still counts."""
         held = self._held.pop(held_id, None)
