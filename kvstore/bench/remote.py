@@ -46,17 +46,15 @@ def _pages(num: int, payload_bytes: int, tenant: str) -> list[tuple[PageMeta, by
     return out
 
 
-async def _best(repeat: int, run: Callable[[int], Awaitable[float]]) -> float:
-    return min([await run(i) for i in range(repeat)])
-
-
-async def _median_ms(repeat: int, run: Callable[[], Awaitable[Any]]) -> float:
-    times = []
+async def _median_ms(repeat: int, *runs: Callable[[], Awaitable[Any]]) -> list[float]:
+    """The median ms of each of ``runs``, timed in turns (so drift hits them alike)."""
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeat):
-        started = time.perf_counter()
-        await run()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+        for run, spent in zip(runs, times):
+            started = time.perf_counter()
+            await run()
+            spent.append((time.perf_counter() - started) * 1000)
+    return [statistics.median(spent) for spent in times]
 
 
 async def _throughput(tier: RemoteTier, total_bytes: int, repeat: int) -> list[dict[str, Any]]:
@@ -81,14 +79,11 @@ async def _throughput(tier: RemoteTier, total_bytes: int, repeat: int) -> list[d
                                     per_pipeline=per_pipeline)
         raw_read = functools.partial(_raw, is_cluster=link.is_cluster, commands=gets,
                                      per_pipeline=per_pipeline)
-        started = time.perf_counter()
-        await link.call("bench", raw_set, 600)
-        raw_put.append(nbytes / (time.perf_counter() - started) / 1e9)
-        started = time.perf_counter()
-        ok = await tier.write_many(pages)
-        tier_put.append(nbytes / (time.perf_counter() - started) / 1e9)
-        if not all(ok):
-            raise KVStoreError("bench: the remote tier refused pages (raise remote capacity)")
+        puts = (functools.partial(_timed, raw_put, nbytes, link.call("bench", raw_set, 600)),
+                functools.partial(_timed, tier_put, nbytes, _write_all(tier, pages)))
+        # Which goes first alternates: the second writer meets a server that has grown.
+        for put in puts if r % 2 == 0 else puts[::-1]:
+            await put()
         started = time.perf_counter()
         await link.call("bench", raw_read, 600)
         raw_get.append(nbytes / (time.perf_counter() - started) / 1e9)
@@ -107,6 +102,17 @@ async def _throughput(tier: RemoteTier, total_bytes: int, repeat: int) -> list[d
         rows.append({"op": op, "kvstore": best, "raw": best_raw, "ratio": best / best_raw,
                      "unit": "GB/s"})
     return rows
+
+
+async def _timed(rates: list[float], nbytes: int, work: Awaitable[Any]) -> None:
+    started = time.perf_counter()
+    await work
+    rates.append(nbytes / (time.perf_counter() - started) / 1e9)
+
+
+async def _write_all(tier: RemoteTier, pages: list[tuple[PageMeta, bytes]]) -> None:
+    if not all(await tier.write_many(pages)):
+        raise KVStoreError("bench: the remote tier refused pages (raise its capacity)")
 
 
 def _queue_set(name: str, page: bytes, ttl_ms: int, pipe: Any) -> None:
@@ -155,8 +161,9 @@ async def _probes(tier: RemoteTier, repeat: int) -> list[dict[str, Any]]:
             _raw, is_cluster=link.is_cluster, per_pipeline=len(names),
             commands=[functools.partial(_queue_exists, n) for n in names])
         assert await tier.exists_prefix(keys, "probe") == num
-        mine = await _median_ms(repeat, functools.partial(tier.exists_prefix, keys, "probe"))
-        raw = await _median_ms(repeat, functools.partial(link.call, "bench", raw_exists, 60))
+        mine, raw = await _median_ms(repeat,
+                                     functools.partial(tier.exists_prefix, keys, "probe"),
+                                     functools.partial(link.call, "bench", raw_exists, 60))
         rows.append({"op": f"prefix probe, {tokens // 1024}k tokens ({num} keys)",
                      "kvstore": mine, "raw": raw, "ratio": mine / raw, "unit": "ms (median)"})
         for meta, _ in pages:

@@ -11,6 +11,7 @@ raised at ``open`` as a ConfigError naming the field.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -36,6 +37,7 @@ _RETRYABLE = (RedisError, RedisClusterException, OSError, TimeoutError)
 _TAG_PERSON = b"kvstore.tenant"
 
 
+@functools.lru_cache(maxsize=4096)
 def tenant_tag(tenant: str) -> str:
     """The 16 hex digits that scope ``tenant``'s keys in the shared store."""
     return hashlib.blake2b(tenant.encode(), digest_size=8, person=_TAG_PERSON).hexdigest()

@@ -268,7 +268,8 @@ class RemoteTier(SharedTier):
         if not keys:
             return 0
         self._counts["probes"] += 1
-        commands = [self._exists(self.page_key(key, tenant)) for key in keys]
+        base = self.page_key(BlockKey(b""), tenant)  # the tenant's prefix, computed once
+        commands = [self._exists(base + key.hex()) for key in keys]
         results = await self._link.pipeline("probe", commands)
         count = 0
         for result in results or ():
