@@ -31,6 +31,9 @@ class LookupResult:
 
     ``advised_tokens`` is the cost model's advice: the prefix worth fetching (the rest is cheaper
     to recompute). None means no advice: fetch everything matched.
+
+    ``cluster_tokens`` is what other hosts hold past the match, in their local tiers, as the
+    shared tier's directory says: host -> tokens in a row after ``matched_tokens``.
     """
 
     num_tokens: int  # tokens in the request
@@ -38,6 +41,7 @@ class LookupResult:
     tokens_per_tier: dict[str, int]  # matched tokens by the fastest tier holding each block
     keys: tuple[BlockKey, ...]  # matched block keys, in prefix order
     advised_tokens: int | None = None
+    cluster_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_to_fetch(self) -> int:

@@ -4,9 +4,9 @@ The TOML file, ``KVSTORE_*`` environment variables and ``kvstore serve`` flags a
 fields one way: ``[dram] capacity_bytes`` == ``KVSTORE_DRAM__CAPACITY_BYTES`` ==
 ``--set dram.capacity_bytes=...``. Sizes accept suffixes (``4GiB``, ``512MB``).
 
-The tier chain: ``[dram]`` then ``[ssd]`` (if enabled), fastest first, unless the file lists
-``[[tiers]]`` tables, each with a ``name``, a ``kind`` (``dram``, ``ssd``) and that kind's fields;
-then those, in order.
+The tier chain: ``[dram]`` then ``[ssd]`` (if enabled) then ``[remote]`` (if its ``url`` is set),
+fastest first, unless the file lists ``[[tiers]]`` tables, each with a ``name``, a ``kind``
+(``dram``, ``ssd``, ``remote``) and that kind's fields; then those, in order.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstore.errors import ConfigError
 
@@ -85,6 +86,7 @@ class TierSettings:
     read_bytes_per_s: float = 10e9
     read_fixed_s: float = 5e-6  # per read: submit, map, verify set-up
     eviction: str = "lru"  # which blocks go first: "lru", "arc" or "value" (cost model)
+    write_through: bool = False  # new blocks are also copied here, in the background
 
     def _check_common(self, section: str) -> None:
         if self.capacity_bytes < 0:
@@ -153,6 +155,85 @@ class SsdConfig(TierSettings):
         _check_fraction("ssd", "compact_dead_fraction", self.compact_dead_fraction)
 
 
+REMOTE_SCHEMES = ("redis", "rediss")
+REMOTE_MODES = ("auto", "standalone", "cluster")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (or lone username-as-password) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None and not parts.username:
+        return url
+    user = parts.username or ""
+    hidden = f"{user}:***" if parts.password is not None else "***"
+    host = parts.hostname or ""
+    netloc = f"{hidden}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig(TierSettings):
+    """The shared tier on a Redis or Valkey server or cluster that several hosts see.
+
+    Time bounds: one attempt of an operation waits at most ``timeout_s``; a failed attempt is
+    retried ``retries`` times with exponential backoff, so a call gives up (a miss, a refused
+    write) within about ``(retries + 1) * timeout_s``. After ``breaker_failures`` calls in a row
+    fail, the breaker opens and calls answer at once for ``breaker_reset_s``; then one trial
+    call decides whether it closes again.
+    """
+
+    url: str = ""  # redis://[user:password@]host:port[/db]; rediss:// for TLS; "": no remote tier
+    mode: str = "auto"  # "standalone", "cluster", or "auto" (asks the server at open)
+    capacity_bytes: int = 1 << 30  # byte budget of pages this host keeps in the shared store
+    ttl_s: float = 3600.0  # pages expire this long after they were written
+    key_prefix: str = "kvstore"  # every key starts with it (then the tenant's fingerprint)
+    timeout_s: float = 0.25  # one attempt of one round trip, connect included
+    retries: int = 1  # further attempts after a failed one
+    backoff_base_s: float = 0.005  # first retry waits about this long, doubling after
+    backoff_cap_s: float = 0.05  # ... but never longer than this
+    breaker_failures: int = 5  # failed calls in a row that open the breaker
+    breaker_reset_s: float = 2.0  # how long an open breaker answers at once
+    max_connections: int = 32  # connection pool size (per node for a cluster)
+    pipeline_bytes: int = 16 << 20  # a batch is sent in pipelines of about this many bytes
+    max_probe_keys: int = 4096  # keys one prefix probe asks about (256k tokens of 64)
+    directory: bool = True  # publish which blocks this host holds locally (kvstore ls --cluster)
+    host_id: str = ""  # this host in the directory; "": hostname and process id
+    host_ttl_s: float = 15.0  # a host's directory entries vanish this long after it stops
+    directory_flush_s: float = 0.2  # directory changes are written in batches this often
+
+    def __post_init__(self) -> None:
+        self._check_common("remote")
+        if self.url:
+            scheme = urlsplit(self.url).scheme
+            if scheme not in REMOTE_SCHEMES or not urlsplit(self.url).hostname:
+                raise ConfigError(f"remote.url must be redis://host:port or rediss://host:port, "
+                                  f"got {redact_url(self.url)!r}")
+        if self.mode not in REMOTE_MODES:
+            raise ConfigError(f"remote.mode must be one of {REMOTE_MODES}, got {self.mode!r}")
+        for name in ("ttl_s", "timeout_s", "breaker_reset_s", "host_ttl_s", "directory_flush_s"):
+            if not 0 < getattr(self, name) <= 30 * 86400:
+                raise ConfigError(f"remote.{name} must be in (0, 2592000] seconds, "
+                                  f"got {getattr(self, name)!r}")
+        if not 0 <= self.retries <= 10:
+            raise ConfigError(f"remote.retries must be in [0, 10], got {self.retries}")
+        if not 0 <= self.backoff_base_s <= self.backoff_cap_s <= 10:
+            raise ConfigError("remote.backoff_base_s must be in [0, remote.backoff_cap_s] and "
+                              "remote.backoff_cap_s at most 10 seconds")
+        if self.breaker_failures < 1 or self.max_connections < 1 or self.max_probe_keys < 1:
+            raise ConfigError("remote.breaker_failures, remote.max_connections and "
+                              "remote.max_probe_keys must be >= 1")
+        if self.pipeline_bytes < 1 << 20:
+            raise ConfigError(f"remote.pipeline_bytes must be >= 1 MiB, got {self.pipeline_bytes}")
+        if not self.key_prefix or any(c in self.key_prefix for c in ":{} "):
+            raise ConfigError(f"remote.key_prefix must be non-empty without ':', braces or "
+                              f"spaces, got {self.key_prefix!r}")
+
+    @property
+    def safe_url(self) -> str:
+        """The URL as logs and stats may show it (no password)."""
+        return redact_url(self.url)
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaConfig:
     """What one tenant may hold, so no tenant can flush or pin another's blocks.
@@ -210,7 +291,8 @@ class ServerConfig:
                               f"got {self.log_level!r}")
 
 
-TIER_KINDS: dict[str, type[TierSettings]] = {"dram": DramConfig, "ssd": SsdConfig}
+TIER_KINDS: dict[str, type[TierSettings]] = {"dram": DramConfig, "ssd": SsdConfig,
+                                             "remote": RemoteConfig}
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +323,9 @@ class KVStoreConfig:
     ssd: SsdConfig = field(default_factory=SsdConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     quota: QuotaConfig = field(default_factory=QuotaConfig)
-    tiers: tuple[TierConfig, ...] = ()  # the chain, fastest first; empty: [dram] then [ssd]
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    # The chain, fastest first; empty: [dram], then [ssd] if enabled, then [remote] if it has a url.
+    tiers: tuple[TierConfig, ...] = ()
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -255,11 +339,13 @@ class KVStoreConfig:
         chain = [TierConfig("dram", "dram", self.dram)]
         if self.ssd.enabled:
             chain.append(TierConfig("ssd", "ssd", self.ssd))
+        if self.remote.url:
+            chain.append(TierConfig("remote", "remote", self.remote))
         return tuple(chain)
 
 
 _SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig,
-             "quota": QuotaConfig}
+             "quota": QuotaConfig, "remote": RemoteConfig}
 
 
 def _coerce(section: str, name: str, value: Any, current: Any) -> Any:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvstore.config import KVStoreConfig
+from kvstore.config import KVStoreConfig, RemoteConfig
 from kvstore.errors import KVStoreError
 
 DIRECT_PROBE_BYTES = 4096  # one logical block: the O_DIRECT alignment unit on common disks
@@ -223,10 +223,103 @@ def run_checks(config: KVStoreConfig, address: str, token: str | None = None) ->
     if config.ssd.enabled:
         checks += [lambda: check_ssd_dir(config), lambda: check_disk_space(config),
                    lambda: check_o_direct(config)]
+    if config.remote.url:
+        checks.append(lambda: check_remote(config.remote))
     checks.append(lambda: check_daemon(address, token))
-    return [check() for check in checks]
+    results = [check() for check in checks]
+    if results[-1].ok:
+        tiers = check_daemon_tiers(address, token)
+        if tiers is not None:
+            results.append(tiers)
+    return results
 
 
 def failed(checks: list[Check]) -> list[Check]:
     """The required checks that did not pass."""
     return [c for c in checks if c.status == "fail"]
+
+
+def check_remote(remote: RemoteConfig) -> Check:
+    """Reach the shared tier's store with its own time bound and credentials."""
+    import asyncio
+
+    from kvstore.tiers.redis_link import RedisLink
+
+    async def probe() -> tuple[str, str]:
+        link = RedisLink(remote)
+        try:
+            await link.open()
+            return await _describe(link)
+        finally:
+            await link.aclose()
+
+    try:
+        found, error = asyncio.run(probe())
+    except KVStoreError as exc:
+        return Check("remote", False, str(exc))
+    if error:
+        return Check("remote", False, f"{remote.safe_url} unreachable: {error}; the daemon "
+                     "serves from its local tiers until it answers")
+    return Check("remote", True, f"{remote.safe_url}: {found}")
+
+
+async def _describe(link) -> tuple[str, str]:
+    """What the store is (version, standalone or cluster), or what is wrong with it."""
+    info = await link.call("info", lambda client: client.info("server"))
+    if info is None:
+        return "", link.last_error or "no answer"
+    # A cluster answers per node ({node: info}) or, from one node, like a server.
+    nodes = [v for v in info.values() if isinstance(v, dict)] or [info]
+    version = nodes[0].get("redis_version", "?")
+    if not link.is_cluster:
+        return f"redis {version} (standalone)", ""
+    down = await link.call("nodes", _primaries_down, DAEMON_TIMEOUT_S)
+    if down is None:
+        return "", link.last_error or "the cluster's nodes did not answer"
+    if down:
+        return "", f"cluster node(s) {', '.join(down)} do not answer"
+    return f"redis {version} (cluster)", ""
+
+
+async def _primaries_down(client) -> list[str]:
+    """The cluster's primaries that do not answer a PING, or that the nodes which answer see
+    as failing or disconnected (CLUSTER NODES)."""
+    from redis.exceptions import RedisError
+
+    down: set[str] = set()
+    view = ""
+    for node in client.get_primaries():
+        try:
+            await client.ping(target_nodes=node)
+            view = view or await client.execute_command("CLUSTER NODES", target_nodes=node)
+        except (RedisError, OSError, TimeoutError):
+            down.add(node.name)
+    if isinstance(view, bytes):
+        view = view.decode()
+    for line in (view if isinstance(view, str) else "").splitlines():
+        fields = line.split()
+        if len(fields) > 7 and "master" in fields[2] and (
+                "fail" in fields[2] or fields[7] == "disconnected"):
+            down.add(fields[1].split("@")[0])
+    return sorted(down)
+
+
+def check_daemon_tiers(address: str, token: str | None) -> Check | None:
+    """What the daemon's shared tier says of its store, if it has one."""
+    try:
+        from kvstore.client import NO_RETRY, Client
+
+        with Client(address, token=token, retry=NO_RETRY, timeout_s=DAEMON_TIMEOUT_S) as client:
+            tiers = client.stats().tiers
+    except (ImportError, KVStoreError):
+        return None
+    shared = [t for t in tiers.values() if "breaker_open" in t.extra]
+    if not shared:
+        return None
+    down = [t for t in shared if not t.extra.get("available")]
+    if not down:
+        return Check("daemon remote", True, ", ".join(f"{t.name}: available" for t in shared))
+    return Check("daemon remote", False, "; ".join(
+        f"{t.name}: unreachable (breaker {'open' if t.extra['breaker_open'] else 'closed'}, "
+        f"{int(t.extra.get('errors', 0))} errors, {int(t.extra.get('timeouts', 0))} "
+        "timeouts): lookups and gets miss it, local tiers keep serving" for t in down))

@@ -47,3 +47,44 @@ def modules_loaded_by(code: str) -> set[str]:
 def under(modules: set[str], *packages: str) -> list[str]:
     """The modules in ``modules`` that are one of ``packages`` or inside one."""
     return sorted(m for m in modules for p in packages if m == p or m.startswith(p + "."))
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A standalone Redis every remote test may use (each with its own key prefix)."""
+    import shutil
+
+    from .redis_servers import standalone_url, temp_root
+
+    root = temp_root()
+    url, server = standalone_url(root)
+    yield url
+    if server is not None:
+        server.kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """A 3-master Redis cluster every remote test may use (each with its own key prefix)."""
+    import shutil
+
+    from .redis_servers import cluster_url, temp_root
+
+    root = temp_root()
+    url, cluster = cluster_url(root)
+    yield url
+    if cluster is not None:
+        cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+_prefixes = iter(range(1 << 30))
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key prefix no other test uses, so tests share one server without seeing each other."""
+    import os
+
+    return f"kvt{os.getpid()}x{next(_prefixes)}"

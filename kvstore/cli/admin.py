@@ -3,6 +3,7 @@
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,7 +26,7 @@ from kvstore.cli.app import (
 )
 from kvstore.cli.render import block_row, blocks_table, checks_table, render_stats
 from kvstore.config import load_config
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unavailable
 
 
 def _watch(render: Callable[[], RenderableType], interval_s: float) -> None:
@@ -84,8 +85,18 @@ def list_blocks(
                     ] = None,
     limit: Annotated[int, typer.Option(min=0, help="At most this many blocks.")] = 1000,
     as_json: JsonOpt = False,
+    cluster: Annotated[bool, typer.Option(
+        "--cluster", help="What every live host holds of --tenant's blocks, from the shared "
+                          "tier's directory ([remote] in --config, or --remote-url).")] = False,
+    config: ConfigOpt = None,
+    remote_url: Annotated[str | None, typer.Option(
+        envvar="KVSTORE_REMOTE__URL", show_default=False,
+        help="The shared store for --cluster [default: remote.url]")] = None,
 ) -> None:
     """Stored blocks, most recently used first."""
+    if cluster:
+        _list_cluster(config, remote_url, tenant, limit, as_json)
+        return
     with connect(address, token) as client:
         rows = [block_row(b) for b in client.list_blocks(tenant=tenant, model_id=model,
                                                           tier=tier, limit=limit)]
@@ -93,6 +104,44 @@ def list_blocks(
         print_json(rows)
         return
     console.print(blocks_table(rows, limit))
+
+
+def _list_cluster(config: Path | None, remote_url: str | None, tenant: str | None,
+                  limit: int, as_json: bool) -> None:
+    """``ls --cluster``: one tenant's directory entries, read straight from the shared store."""
+    import asyncio
+    import dataclasses
+
+    from kvstore.cli.render import cluster_table
+    from kvstore.tiers.remote import RemoteTier
+
+    if not tenant:
+        usage_error("--cluster lists one tenant's blocks: give --tenant")
+    remote = load_config(config).remote
+    if remote_url:
+        remote = dataclasses.replace(remote, url=remote_url)
+    if not remote.url:
+        usage_error("--cluster needs the shared store: --remote-url or remote.url in --config")
+
+    async def read() -> list:
+        tier = RemoteTier(dataclasses.replace(remote, directory=True))
+        await tier.open()
+        try:
+            entries = await tier.cluster_entries(tenant, limit)
+            problem = tier.health()
+        finally:
+            await tier.close()
+        if problem:
+            raise Unavailable(f"cannot read the cluster directory: {problem}")
+        return entries
+
+    rows = [{"key": e.key.hex(), "host": e.host, "tiers": list(e.tiers), "model_id": e.model_id,
+             "block_index": e.block_index, "expires_in_s": round(e.expires_in_s, 1)}
+            for e in asyncio.run(read())]
+    if as_json:
+        print_json(rows)
+    else:
+        console.print(cluster_table(rows, limit))
 
 
 def parse_key(text: str) -> bytes:

@@ -140,3 +140,24 @@ def bench_policy(
     except OSError as exc:
         raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
                            ) from None
+
+
+@bench_app.command("remote")
+@boundary
+def bench_remote(
+    url: Annotated[str | None, typer.Option(
+        show_default=False, help="The Redis/Valkey to measure [default: a throwaway local "
+                                 "redis-server]")] = None,
+    total_bytes: Annotated[str, typer.Option(help="Bytes each put/get pass moves.")
+                           ] = "256MiB",
+    repeat: Annotated[int, typer.Option(min=1, help="Passes; the table shows the best.")] = 3,
+    probe_repeat: Annotated[int, typer.Option(min=1, help="Timed probes per prefix.")] = 50,
+    prefill_tokens_per_s: Annotated[float, typer.Option(
+        min=1.0, help="The engine's prefill rate, for the fetch-or-recompute line.")] = 20000.0,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Remote tier put/get GB/s (2 MiB pages) and prefix probes against raw redis-py."""
+    run = load_runner("kvstore.bench.remote", "run_remote_bench", "kvstore bench remote")
+    _publish(run(url=url, total_bytes=_size_option(total_bytes, "--total-bytes"),
+                 repeat=repeat, probe_repeat=probe_repeat,
+                 prefill_tokens_per_s=prefill_tokens_per_s), json_path)

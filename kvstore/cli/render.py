@@ -109,6 +109,19 @@ def blocks_table(rows: list[dict[str, Any]], limit: int) -> Table:
     return table
 
 
+def cluster_table(rows: list[dict[str, Any]], limit: int) -> Table:
+    """``ls --cluster``: which live host holds which block, and for how long unless renewed."""
+    full = " (limit reached: raise --limit)" if rows and len(rows) == limit else ""
+    table = Table(title=f"{len(rows)} cluster entries{full}", box=None, pad_edge=False,
+                  collapse_padding=True, header_style="bold")
+    for header in ("key", "host", "tiers", "model", "block", "expires in"):
+        table.add_column(header, no_wrap=header in ("key", "host"), overflow="fold")
+    for r in rows:
+        table.add_row(r["key"], r["host"], ",".join(r["tiers"]), r["model_id"],
+                      str(r["block_index"]), f"{r['expires_in_s']:.1f}s")
+    return table
+
+
 def checks_table(checks: list["Check"]) -> Table:
     """``kvstore doctor``'s checks, one per row, the status in colour."""
     table = Table(title="kvstore doctor")

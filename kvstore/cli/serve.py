@@ -6,7 +6,7 @@ from typing import Annotated, Any
 import typer
 
 from kvstore.cli.app import ConfigOpt, app, boundary, print_json
-from kvstore.config import KVStoreConfig, load_config, parse_assignments
+from kvstore.config import KVStoreConfig, load_config, parse_assignments, redact_url
 from kvstore.errors import KVStoreError
 
 # Each named `serve` flag sets one config field; its environment variable is that field's own.
@@ -17,6 +17,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "dram_capacity": ("dram", "capacity_bytes"),
     "ssd_path": ("ssd", "path"),
     "ssd_capacity": ("ssd", "capacity_bytes"),
+    "remote_url": ("remote", "url"),
     "log_level": ("server", "log_level"),
 }
 
@@ -34,11 +35,14 @@ def serve_overrides(flags: dict[str, Any], assignments: list[str]) -> dict[str, 
 
 
 def redacted(config: KVStoreConfig) -> dict[str, Any]:
-    """The config as a dict with token values hidden."""
+    """The config as a dict with token values and URL passwords hidden."""
     data = dataclasses.asdict(config)
     server = data["server"]
     server["tenant_tokens"] = dict.fromkeys(server["tenant_tokens"], "***")
     server["admin_token"] = "***" if server["admin_token"] else ""
+    for settings in [data["remote"], *(link["settings"] for link in data["tiers"])]:
+        if settings.get("url"):
+            settings["url"] = redact_url(settings["url"])
     return data
 
 
@@ -62,6 +66,8 @@ def serve(
     dram_capacity: _field_option("dram", "capacity_bytes", "DRAM tier size, e.g. 8GiB") = None,
     ssd_path: _field_option("ssd", "path", "SSD tier directory") = None,
     ssd_capacity: _field_option("ssd", "capacity_bytes", "SSD tier size, e.g. 200GiB") = None,
+    remote_url: _field_option("remote", "url", "Shared tier last in the chain, "
+                              "redis://[user:pass@]host:port (rediss:// for TLS)") = None,
     log_level: _field_option("server", "log_level", "DEBUG, INFO, WARNING or ERROR") = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Validate the configuration, print it as JSON and exit.")] = False,
@@ -72,7 +78,7 @@ def serve(
     """
     flags = {"socket": socket, "tcp": tcp, "metrics_port": metrics_port,
              "dram_capacity": dram_capacity, "ssd_path": ssd_path,
-             "ssd_capacity": ssd_capacity, "log_level": log_level}
+             "ssd_capacity": ssd_capacity, "remote_url": remote_url, "log_level": log_level}
     cfg = load_config(config, None, serve_overrides(flags, assignments or []))
     if dry_run:
         print_json(redacted(cfg))

@@ -95,7 +95,8 @@ def namespace_from_proto(msg: pb.Namespace) -> Namespace:
 def lookup_to_proto(result: LookupResult) -> pb.LookupResponse:
     return pb.LookupResponse(num_tokens=result.num_tokens, matched_tokens=result.matched_tokens,
                              tokens_per_tier=result.tokens_per_tier, keys=list(result.keys),
-                             advised_tokens=result.advised_tokens)
+                             advised_tokens=result.advised_tokens,
+                             cluster_tokens=result.cluster_tokens)
 
 
 def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
@@ -103,7 +104,8 @@ def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
                         tokens_per_tier=dict(msg.tokens_per_tier),
                         keys=tuple(BlockKey(k) for k in msg.keys),
                         advised_tokens=(msg.advised_tokens if msg.HasField("advised_tokens")
-                                        else None))
+                                        else None),
+                        cluster_tokens=dict(msg.cluster_tokens))
 
 
 def block_info_to_proto(info: BlockInfo) -> pb.BlockInfo:

@@ -61,8 +61,15 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys", "advised_tokens")
+    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys", "advised_tokens", "cluster_tokens")
     class TokensPerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ClusterTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -74,12 +81,14 @@ class LookupResponse(_message.Message):
     TOKENS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ADVISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     matched_tokens: int
     tokens_per_tier: _containers.ScalarMap[str, int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     advised_tokens: int
-    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ...) -> None: ...
+    cluster_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ..., cluster_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "tokens", "tensor")

@@ -41,10 +41,14 @@ class BlockDirectory:
     Args:
         tier_names: the chain's tiers, fastest first.
         order_factory: makes the eviction order of the tier of the name it is given.
+        observer: told ``(meta, tier, is_held)`` whenever a tier gains or loses a block (the
+            store publishes this host's holdings to a shared tier's directory with it).
     """
 
     def __init__(self, tier_names: Sequence[str],
-                 order_factory: Callable[[str], EvictionOrder] = lambda _: LruOrder()) -> None:
+                 order_factory: Callable[[str], EvictionOrder] = lambda _: LruOrder(),
+                 observer: Callable[[PageMeta, str, bool], None] | None = None) -> None:
+        self._observer = observer
         self._entries: dict[BlockKey, BlockEntry] = {}
         self._orders = {name: order_factory(name) for name in tier_names}
         # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
@@ -71,6 +75,8 @@ class BlockDirectory:
         order = self._orders[tier]
         self.charge(tier, entry.meta.tenant, footprint.nbytes - order.charge(meta.key))
         order.add(meta.key, footprint)
+        if self._observer is not None:
+            self._observer(entry.meta, tier, True)
         return entry
 
     def refile(self, tier: str, key: BlockKey, footprint: Footprint | None) -> None:
@@ -93,7 +99,8 @@ class BlockDirectory:
         order.remove(key)
         if entry is None:
             return None
-        entry.sizes.pop(tier, None)
+        if entry.sizes.pop(tier, None) is not None and self._observer is not None:
+            self._observer(entry.meta, tier, False)
         if not entry.sizes:
             del self._entries[key]
             return None

@@ -37,7 +37,7 @@ from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import SharedTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -88,7 +88,8 @@ class Store:
         links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
         orders = {link.name: _eviction_order(links, link.index) for link in links}
-        self._dir = BlockDirectory(list(orders), orders.__getitem__)
+        self._dir = BlockDirectory(list(orders), orders.__getitem__,
+                                   observer=self._directory_observer(links))
         share = self.config.quota.share(len(self.config.server.tenant_tokens))
         self._placement = Placement(links, self._dir, self._count, share)
         self._leases = LeaseManager(self._dir, self._placement,
@@ -199,6 +200,8 @@ class Store:
             await asyncio.gather(*(asyncio.shield(f) for f in in_flight))
         self._dir.touch(self._dir.match_prefix(keys), hit=False)
         self._wake_demoter()
+        if written and self._placement.write_through_links():
+            self._spawn(self._placement.write_through(held[-written:]))
         self._count(ns.tenant, put_tokens=written * ns.spec.block_tokens)
         return written * ns.spec.block_tokens
 
@@ -206,7 +209,8 @@ class Store:
         """The longest stored prefix of ``tokens`` and which tier holds each of its blocks."""
         self._check_open()
         arr = token_array(tokens)
-        entries = self._dir.match_prefix(await _keys(ns, arr))
+        all_keys = await _keys(ns, arr)
+        entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
         per_tier: dict[str, int] = {}
         for entry in entries:
@@ -214,12 +218,18 @@ class Store:
             per_tier[name] = per_tier.get(name, 0) + bt
         self._dir.touch(entries)
         keys = tuple(e.meta.key for e in entries)
+        shared_keys, cluster_tokens = await self._probe_shared(ns, all_keys, len(keys))
+        if shared_keys:
+            name = self._placement.shared_link().name
+            per_tier[name] = per_tier.get(name, 0) + len(shared_keys) * bt
+            keys += shared_keys
         self._placement.note(keys)
-        matched = len(entries) * bt
+        matched = len(keys) * bt
         self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
                     lookup_miss_tokens=arr.size - matched)
         return LookupResult(arr.size, matched, per_tier, keys,
-                            advised_tokens=self._advise(ns, entries, arr.size))
+                            advised_tokens=self._advise(ns, entries, len(shared_keys), arr.size),
+                            cluster_tokens=cluster_tokens)
 
     async def get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
         """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
@@ -231,7 +241,9 @@ class Store:
         verified bytes are returned. Blocks served from below the fastest tier are promoted.
         """
         self._check_open()
-        entries = self._dir.match_prefix(await _keys(ns, token_array(tokens)))
+        keys = await _keys(ns, token_array(tokens))
+        await self._adopt_shared(ns, keys)
+        entries = self._dir.match_prefix(keys)
         if not entries:
             return None
         bt = ns.spec.block_tokens
@@ -348,8 +360,12 @@ class Store:
 
     async def commit(self, reservation_id: str) -> int:
         self._check_open()
+        keys = self._leases.reserved_keys(reservation_id)
         written = await self._leases.commit(reservation_id)
         self._wake_demoter()
+        if written and self._placement.write_through_links():
+            entries = [e for e in map(self._dir.get, keys) if e is not None]
+            self._spawn(self._placement.write_through(entries))
         return written
 
     async def abort(self, reservation_id: str) -> None:
@@ -457,15 +473,22 @@ class Store:
             sources[i] = source
         return len(sources)
 
-    def _advise(self, ns: Namespace, entries: list[BlockEntry], num_tokens: int) -> int | None:
-        """The prefix worth fetching per the cost model, or None without a prefill model."""
+    def _advise(self, ns: Namespace, entries: list[BlockEntry], num_shared: int,
+                num_tokens: int) -> int | None:
+        """The prefix worth fetching per the cost model, or None without a prefill model:
+        ``entries`` held here, then ``num_shared`` blocks in the shared tier (sized by its
+        codec's bound: their pages are not known here)."""
         prefill = self._prefill.get((ns.tenant, ns.model_id))
-        if prefill is None or not entries:
+        if prefill is None or not (entries or num_shared):
             return None
         links = [self._placement.fastest_holder(e) for e in entries]
-        advice = advise([link.name for link in links],
-                        [e.sizes[link.name] for e, link in zip(entries, links)],
-                        ns.spec.block_tokens, num_tokens,
+        names = [link.name for link in links]
+        sizes = [e.sizes[link.name] for e, link in zip(entries, links)]
+        shared = self._placement.shared_link() if num_shared else None
+        if shared is not None:
+            names += [shared.name] * num_shared
+            sizes += [page_bound(shared.codec, ns.spec)] * num_shared
+        advice = advise(names, sizes, ns.spec.block_tokens, num_tokens,
                         {link.name: link.path for link in self._placement.links}, prefill)
         return advice.fetch_tokens
 
@@ -478,6 +501,69 @@ class Store:
         link = sources[0]
         link.path.observe(sum(e.sizes.get(link.name, 0) for e in entries[:len(sources)]),
                           seconds)
+
+    # ------------------------------------------------------------------------ the shared tier
+
+    def _directory_observer(self, links: Sequence[Link]
+                            ) -> Callable[[PageMeta, str, bool], None] | None:
+        """What tells a shared tier's directory which blocks this host's local tiers hold."""
+        shared = next((link.tier for link in links if isinstance(link.tier, SharedTier)), None)
+        if shared is None:
+            return None
+        local = {link.name for link in links if link.tier is not shared}
+
+        def observe(meta: PageMeta, tier: str, is_held: bool) -> None:
+            if tier in local:
+                shared.note_local(meta, tier, is_held)
+
+        return observe
+
+    async def _probe_shared(self, ns: Namespace, keys: Sequence[BlockKey], matched: int
+                            ) -> tuple[tuple[BlockKey, ...], dict[str, int]]:
+        """Past the ``matched`` leading keys the directory knows: the keys the shared tier
+        holds next (one batched probe), and the tokens other hosts hold after those."""
+        link = self._placement.shared_link()
+        if link is None or matched >= len(keys):
+            return (), {}
+        shared: SharedTier = link.tier  # type: ignore[assignment]
+        rest = keys[matched:]
+        found = await shared.exists_prefix(rest, ns.tenant)
+        held_by = await shared.holders(rest[found:], ns.tenant) if found < len(rest) else []
+        cluster: dict[str, int] = {}
+        for host in set().union(*held_by):
+            run = next((i for i, hosts in enumerate(held_by) if host not in hosts), len(held_by))
+            if run:
+                cluster[host] = run * ns.spec.block_tokens
+        return tuple(rest[:found]), cluster
+
+    async def _adopt_shared(self, ns: Namespace, keys: Sequence[BlockKey]) -> None:
+        """Bring the blocks the shared tier holds just past the local match into the fastest
+        tier that takes them (verified by the shared tier: key, checksum, namespace), so the
+        get serves them like any local block."""
+        link = self._placement.shared_link()
+        held = self._dir.match_prefix(keys)
+        if link is None or len(held) == len(keys):
+            return
+        shared: SharedTier = link.tier  # type: ignore[assignment]
+        start = len(held)
+        pages = await shared.read_many(keys[start:], ns.tenant, ns.fingerprint)
+        held = self._dir.match_prefix(keys)  # pinned: making room never evicts the prefix
+        self._dir.pin(held)
+        try:
+            for key, page in zip(keys[start:], pages):
+                if page is None:
+                    break
+                entry = self._dir.get(key)
+                if entry is None:
+                    try:
+                        entry = await self._placement.store_new(page.meta, page.data)
+                    except CapacityError:
+                        break
+                    self._count(ns.tenant, promotions=1)
+                self._dir.pin([entry])
+                held.append(entry)
+        finally:
+            self._dir.unpin(held)
 
     async def _promote(self, entry: BlockEntry, target: Link) -> None:
         if await self._placement.promote(entry, target):

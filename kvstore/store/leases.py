@@ -101,6 +101,9 @@ class HeldTable(Generic[H]):
         self._per_tenant[held.tenant] = self._per_tenant.get(held.tenant, 0) + 1
         return held
 
+    def get(self, held_id: str) -> H | None:
+        return self._held.get(held_id)
+
     def pop(self, held_id: str) -> H:
         """Remove and return a holding; one past its deadline but not yet reaped still counts."""
         held = self._held.pop(held_id, None)
@@ -243,6 +246,11 @@ class LeaseManager:
             self._dir.unpin(stored)
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
         return Reservation(hold.held_id, hold.deadline, link.codec.name, tuple(grants))
+
+    def reserved_keys(self, reservation_id: str) -> list[BlockKey]:
+        """The keys an open reservation has slots for ([] if unknown)."""
+        hold = self._reservations.get(reservation_id)
+        return [] if hold is None else [reserved.key for reserved in hold.slots]
 
     async def commit(self, reservation_id: str) -> int:
         """Verify every page written into the reservation's slots and publish them; return the

@@ -12,7 +12,11 @@ watermarks. The rules:
   room for it; a block that no lower tier takes is dropped.
 - A tier above its high watermark demotes its coldest blocks until it is below its low one.
 - Promotion copies a block into a faster tier (after a get served it from further down, for a
-  lease, or for a hint).
+  lease, or for a hint); a tier with ``write_through`` set also gets a copy of every new block,
+  in the background.
+- A shared tier (``SharedTier``, last in the chain) is written like any other, by demotion or
+  write-through; blocks other hosts put there are found by the store's prefix probe, not the
+  directory (the store does not own what a shared tier holds).
 - Pages move between tiers re-encoded with the target tier's codec (``transcode``).
 """
 
@@ -35,7 +39,7 @@ from kvstore.policy.base import AdmissionPolicy, RoomNeed
 from kvstore.policy.cost import PathModel
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
-from kvstore.tiers.base import SlotTier, Tier
+from kvstore.tiers.base import SharedTier, SlotTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -95,6 +99,14 @@ class Placement:
     def slot_link(self) -> Link | None:
         """The fastest tier that lends slots (zero-copy writes and pinned reads), if any."""
         return next((link for link in self.links if isinstance(link.tier, SlotTier)), None)
+
+    def shared_link(self) -> Link | None:
+        """The tier several hosts share, if the chain has one."""
+        return next((link for link in self.links if isinstance(link.tier, SharedTier)), None)
+
+    def write_through_links(self) -> list[Link]:
+        """Tiers below the first that get a copy of every new block."""
+        return [link for link in self.links[1:] if link.settings.write_through]
 
     def quota_bytes(self, link: Link) -> int | None:
         """Bytes of ``link``'s tier one tenant may fill, or None when quotas are off."""
@@ -234,6 +246,24 @@ class Placement:
     async def promote(self, entry: BlockEntry, target: Link) -> bool:
         """Copy a block into ``target`` from the fastest tier holding it; True if it is in
         ``target`` afterwards."""
+        ok = await self.copy(entry, target)
+        if ok:
+            self._count(entry.meta.tenant, promotions=1)
+        return ok
+
+    async def write_through(self, entries: Sequence[BlockEntry]) -> None:
+        """Copy new blocks into every tier that asks for them (``write_through``)."""
+        for link in self.write_through_links():
+            for entry in entries:
+                try:
+                    await self.copy(entry, link)
+                except KVStoreError as exc:
+                    log.warning("write-through of %s to %s failed: %s", entry.meta.key.hex(),
+                                link.name, exc)
+
+    async def copy(self, entry: BlockEntry, target: Link) -> bool:
+        """Copy a block into ``target`` from the fastest tier holding it; True if it is in
+        ``target`` afterwards."""
         key = entry.meta.key
         if target.name in entry.sizes:
             return True
@@ -250,8 +280,6 @@ class Placement:
             ok = await self.write(target, entry.meta, bytes(data))
         finally:
             self._dir.unpin([entry])
-        if ok:
-            self._count(entry.meta.tenant, promotions=1)
         return ok
 
     # ------------------------------------------------------------------------------ reads

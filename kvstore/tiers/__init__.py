@@ -1,5 +1,5 @@
 """Tiers: where encoded pages live. ``base`` holds the contract and the capabilities; each tier
-kind is one module (``dram``, ``ssd``); ``build_tier`` makes the tier a chain link names."""
+kind is one module (``dram``, ``ssd``, ``remote``); ``build_tier`` makes the tier a chain link names."""
 
 from __future__ import annotations
 
@@ -20,4 +20,8 @@ def build_tier(link: TierConfig) -> Tier:
         from kvstore.tiers.ssd import SsdTier
 
         return SsdTier(link.settings, name=link.name)
+    if link.kind == "remote":
+        from kvstore.tiers.remote import RemoteTier
+
+        return RemoteTier(link.settings, name=link.name)
     raise ValueError(f"no tier implementation of kind {link.kind!r}")

@@ -1,11 +1,13 @@
-"""The Tier contract and the capabilities a tier may add (lending slots of shared memory).
+"""The Tier contract and the capabilities a tier may add (lending slots of shared memory; being
+shared by several hosts).
 
 A tier stores whole encoded pages (``kvstore.page``) by ``BlockKey``. It knows nothing about
 prefixes, namespaces or policy: the store (``kvstore.store``) walks an ordered chain of tiers,
 fastest first, decides what goes where and makes room; a tier only admits, holds, returns and
 forgets pages within its capacity, and says what it would need freed for a page to fit. The
 store never names a tier: it checks capabilities with ``isinstance`` (``SlotTier`` lends slots
-of memory other processes map; a tier several hosts share is the next capability to add).
+of memory other processes map; ``SharedTier`` is seen by several hosts and answers batched
+prefix probes).
 
 Threading: every method is called from the store's event loop. Async methods may await file or
 device I/O (through threads); sync methods must return quickly and never block on I/O.
@@ -14,7 +16,8 @@ device I/O (through threads); sync methods must return quickly and never block o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.api import Medium, TierStats
@@ -22,7 +25,8 @@ from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
 
-__all__ = ["Footprint", "RoomNeed", "Slot", "SlotTier", "Tier", "TierStats"]
+__all__ = ["ClusterEntry", "Footprint", "RoomNeed", "SharedTier", "Slot", "SlotTier", "Tier",
+           "TierStats"]
 
 
 class Tier(ABC):
@@ -173,3 +177,71 @@ class SlotTier(Tier):
 
     @abstractmethod
     def locate(self, key: BlockKey) -> tuple[int, int] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEntry:
+    """One host's holding of one block, as the cluster directory reports it."""
+
+    key: BlockKey
+    host: str
+    tiers: tuple[str, ...]  # that host's local tiers holding the block, fastest first
+    block_index: int
+    model_id: str
+    expires_in_s: float  # the entry vanishes this long from now unless the host renews it
+
+
+class SharedTier(Tier):
+    """A tier several hosts see (a Redis or Valkey server or cluster). Implementations own
+    their connections, time bounds, retries and counters.
+
+    - The store does not own what it holds: pages appear (other hosts write them) and vanish
+      (their TTL, other hosts, the server's own eviction) without this host's knowing.
+      ``contains``, ``footprint``, ``used_bytes`` and ``room_for`` speak of the pages this host
+      wrote and has not seen expire (its byte budget); the batched calls ask the shared store.
+    - Tenants: stored keys carry the tenant; a call made for one tenant never reads, probes or
+      lists another's pages. ``read(key)`` finds the pages this host wrote; a page another host
+      wrote is read with ``read_many`` and the tenant it is for.
+    - ``exists_prefix(keys, tenant)`` is how many leading ``keys`` are stored, in one round trip
+      per group of keys that live together (a cluster node); ``read_many`` returns the pages,
+      each verified (checksum, key, tenant and namespace fingerprint), or None for a miss; a
+      page that fails is deleted, counted in ``stats().corrupt`` and is a miss.
+    - Faults are misses, never exceptions: when the store is unreachable or slow, every call
+      answers (0, None, False) within the tier's configured time bound; ``health`` says what is
+      wrong, and service resumes by itself when the store answers again.
+    - The directory: ``note_local`` records that this host's local tier ``tier`` now holds (or
+      no longer holds) a block; the tier publishes such changes in batches. ``holders`` and
+      ``cluster_entries`` read what the live hosts published; a host's entries vanish once it
+      stops renewing them.
+    """
+
+    @abstractmethod
+    async def exists_prefix(self, keys: Sequence[BlockKey], tenant: str) -> int:
+        """How many leading ``keys`` of ``tenant`` are stored (0 when unreachable)."""
+
+    @abstractmethod
+    async def read_many(self, keys: Sequence[BlockKey], tenant: str, namespace: bytes
+                        ) -> list[Page | None]:
+        """The verified page of each key, or None (a miss, a corrupt or foreign page)."""
+
+    @abstractmethod
+    async def write_many(self, pages: Sequence[tuple[PageMeta, bytes | memoryview]]
+                         ) -> list[bool]:
+        """Store each page (as ``write``); True where stored or already present."""
+
+    @abstractmethod
+    def note_local(self, meta: PageMeta, tier: str, is_held: bool) -> None:
+        """This host's local tier ``tier`` now holds (or no longer holds) the block (no I/O)."""
+
+    @abstractmethod
+    async def holders(self, keys: Sequence[BlockKey], tenant: str
+                      ) -> list[dict[str, tuple[str, ...]]]:
+        """For each key, the live hosts (other than this one) holding it: host -> tiers."""
+
+    @abstractmethod
+    async def cluster_entries(self, tenant: str, limit: int) -> list[ClusterEntry]:
+        """What the live hosts hold of ``tenant``'s blocks, at most ``limit`` entries."""
+
+    @abstractmethod
+    def health(self) -> str:
+        """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""

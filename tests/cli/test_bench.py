@@ -69,3 +69,19 @@ def test_bench_without_its_module_is_a_clean_error(monkeypatch) -> None:
     result = invoke("bench", "codecs")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: `kvstore bench codecs`")
+
+
+def test_bench_remote_runs_against_a_throwaway_server(tmp_path) -> None:
+    """A tiny pass of `kvstore bench remote` (it starts its own redis-server)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server binary")
+    out = tmp_path / "remote.json"
+    result = invoke("bench", "remote", "--total-bytes", "8MiB", "--repeat", "1",
+                    "--probe-repeat", "2", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"].split(",")[0] for r in rows] == [
+        "put 2 MiB pages", "get 2 MiB pages (verified)", "prefix probe", "prefix probe"]
+    assert all(r["kvstore"] > 0 and r["raw"] > 0 for r in rows)

@@ -87,3 +87,20 @@ def test_serve_refuses_a_socket_already_served(daemon: Daemon) -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and daemon.socket_path in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_remote_url_flag_adds_the_shared_tier_last_and_is_never_printed() -> None:
+    from kvstore.config import load_config
+
+    result = invoke("serve", "--dry-run", "--remote-url", "redis://app:s3cret@cache:6379",
+                    "--set", "remote.ttl_s=60")
+    assert result.exit_code == 0, result.output
+    assert "s3cret" not in result.output
+    effective = json.loads(result.stdout)
+    assert effective["remote"]["url"] == "redis://app:***@cache:6379"
+    assert effective["remote"]["ttl_s"] == 60.0
+    chain = load_config(overrides={"remote": {"url": "redis://cache:6379"}}).tier_chain()
+    assert [(t.name, t.kind) for t in chain] == [("dram", "dram"), ("ssd", "ssd"),
+                                                 ("remote", "remote")]
+    tables = invoke("serve", "--dry-run", "--set", "remote.url=redis://:pw@h:1")
+    assert "pw@" not in tables.output

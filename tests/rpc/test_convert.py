@@ -117,7 +117,8 @@ def test_namespace_fields_all_travel(spec):
 def test_lookup_round_trip_keeps_the_advice(advised):
     """No advice and an advice of zero tokens are different answers and must stay so."""
     result = LookupResult(num_tokens=70, matched_tokens=64, tokens_per_tier={"dram": 32, "ssd": 32},
-                          keys=(BlockKey(bytes(16)),), advised_tokens=advised)
+                          keys=(BlockKey(bytes(16)),), advised_tokens=advised,
+                          cluster_tokens={"host-b": 128} if advised else {})
     assert lookup_from_proto(lookup_to_proto(result)) == result
 
 

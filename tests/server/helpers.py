@@ -93,7 +93,7 @@ def _toml_value(value: Any) -> str:
 
 def write_toml(config: KVStoreConfig, path: Path) -> Path:
     lines = []
-    for section in ("dram", "ssd", "server"):
+    for section in ("dram", "ssd", "server", "remote"):
         lines.append(f"[{section}]")
         for name, value in dataclasses.asdict(getattr(config, section)).items():
             lines.append(f"{name} = {_toml_value(value)}")

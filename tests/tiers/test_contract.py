@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import DramConfig, SsdConfig
+from kvstore.config import DramConfig, RemoteConfig, SsdConfig
 from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page, verify_page
 from kvstore.store.placement import MAX_ROOM_ROUNDS
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.ssd import SsdTier
 
 MiB = 1 << 20
@@ -29,10 +30,14 @@ def make_page(i: int, payload_bytes: int) -> tuple[BlockKey, PageMeta, bytes]:
     return key, meta, encode_page(meta, os.urandom(payload_bytes))
 
 
-@pytest.fixture(params=["dram", "ssd"])
+@pytest.fixture(params=["dram", "ssd", "remote"])
 async def tier(request, tmp_path):
     if request.param == "dram":
         t: Tier = DramTier(DramConfig(capacity_bytes=CAPACITY, chunk_bytes=1 * MiB))
+    elif request.param == "remote":  # skipped when no redis-server exists (tests/redis_servers)
+        t = RemoteTier(RemoteConfig(url=request.getfixturevalue("redis_url"),
+                                    key_prefix=request.getfixturevalue("key_prefix"),
+                                    capacity_bytes=CAPACITY, directory=False))
     else:
         t = SsdTier(SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=CAPACITY,
                               segment_bytes=1 * MiB, fsync="never"))
@@ -107,6 +112,14 @@ def _stored_at(tier: Tier, key: BlockKey, data: bytes) -> tuple[Path, int]:
 
 def _damage(tier: Tier, key: BlockKey, data: bytes) -> None:
     """Flip 8 payload bytes of the stored copy of ``data``, behind the tier's back."""
+    if isinstance(tier, RemoteTier):  # SETRANGE inside Redis
+        import redis
+
+        with redis.Redis.from_url(tier._config.url) as client:
+            name = tier.page_key(key, "t")
+            at = len(data) - 100
+            client.setrange(name, at, bytes(b ^ 0xFF for b in data[at:at + 8]))
+        return
     path, offset = _stored_at(tier, key, data)
     at = offset + len(data) - 100
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
