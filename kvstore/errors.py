@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+CLIP_CHARS = 64  # how much of a client-provided string an error message may quote
+
+
+def clip(value: object, max_chars: int = CLIP_CHARS) -> str:
+    """``repr(value)`` cut to at most ``max_chars`` characters (ending in ``...`` when cut), so
+    an error message never echoes an unbounded client string."""
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max(0, max_chars - 3)] + "..."
+
 
 class KVStoreError(Exception):
     """Root of every error kvstore raises on purpose."""
@@ -30,6 +39,15 @@ class CapacityError(KVStoreError):
     """A tier or request is over its configured bound (RESOURCE_EXHAUSTED at the edge)."""
 
 
+class RateLimited(CapacityError):
+    """The caller made more calls than ``server.rate_limit_rps`` allows; ``retry_after_s`` (and
+    the message) say when to retry."""
+
+    def __init__(self, message: str = "", retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class CorruptPage(KVStoreError):
     """A stored page failed its magic, version, key or checksum check; it is never served."""
 
@@ -50,5 +68,14 @@ class Unavailable(KVStoreError):
     """The daemon cannot be reached or is shutting down; safe to retry."""
 
 
-class AlreadyRunning(KVStoreError):
+class FailedPrecondition(KVStoreError):
+    """The call cannot work in the caller's situation (e.g. zero-copy over TCP); the message
+    says what to do instead."""
+
+
+class DeadlineExceeded(KVStoreError):
+    """A streamed request stopped making progress for ``server.stream_idle_timeout_s``."""
+
+
+class AlreadyRunning(FailedPrecondition):
     """Another daemon already serves this socket."""
