@@ -2,19 +2,20 @@
 
 :class:`HandlerInterceptor` wraps each method's behavior once (auth.py and metrics.py build on
 it); :class:`ErrorInterceptor`, the innermost, turns exceptions escaping a handler into gRPC
-statuses through ``kvstore.rpc.status``.
+statuses through ``kvstore.rpc.status``, and request bytes that do not parse into
+INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL and log a traceback per call).
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
 
 import grpc
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.rpc.status import error_metadata, status_for
 
 _log = logging.getLogger("kvstore.server")
@@ -26,10 +27,12 @@ def wrap_handler(
     handler: grpc.RpcMethodHandler,
     unary: Callable[[Behavior], Behavior],
     streaming: Callable[[Behavior], Behavior],
+    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A copy of ``handler`` whose behavior is wrapped: ``unary`` wraps coroutine behaviors
-    (unary responses), ``streaming`` wraps async-generator behaviors (streamed responses)."""
-    kw = {"request_deserializer": handler.request_deserializer,
+    (unary responses), ``streaming`` wraps async-generator behaviors (streamed responses);
+    ``request_deserializer`` replaces the handler's own if given."""
+    kw = {"request_deserializer": request_deserializer or handler.request_deserializer,
           "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
@@ -56,6 +59,11 @@ class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
     def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         """Wrap an async-generator behavior (streamed response) of ``method``."""
 
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler that serves ``method`` in place of ``handler``."""
+        return wrap_handler(handler, lambda b: self.wrap_unary(method, b),
+                            lambda b: self.wrap_streaming(method, b))
+
     async def intercept_service(self, continuation, handler_call_details):
         full_method = handler_call_details.method
         wrapped = self._handlers.get(full_method)
@@ -63,9 +71,7 @@ class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
             handler = await continuation(handler_call_details)
             if handler is None:
                 return None
-            name = method_name(full_method)
-            wrapped = wrap_handler(handler, lambda b: self.wrap_unary(name, b),
-                                   lambda b: self.wrap_streaming(name, b))
+            wrapped = self.wrap(method_name(full_method), handler)
             self._handlers[full_method] = wrapped
         return wrapped
 
@@ -73,6 +79,58 @@ class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
 def method_name(full_method: str) -> str:
     """``/kvstore.v1.KVStore/Lookup`` -> ``Lookup``."""
     return full_method.rsplit("/", 1)[-1]
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: KVStoreError) -> NoReturn:
+    """End the call with the status of a kvstore exception, its class in the trailers."""
+    await context.abort(status_for(exc), str(exc) or type(exc).__name__,
+                        trailing_metadata=error_metadata(exc))
+
+
+class Undecodable:
+    """Stands in for a request message whose bytes did not parse; the error edge answers it
+    with INVALID_ARGUMENT."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_MAX_REASON_CHARS = 200
+
+
+def tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer``, returning :class:`Undecodable` where it would raise."""
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - hostile bytes may raise anything from a parser
+            return Undecodable(f"{type(exc).__name__}: {str(exc)[:_MAX_REASON_CHARS]}")
+
+    return parse
+
+
+def _decoded(message: Any) -> Any:
+    if isinstance(message, Undecodable):
+        raise InvalidArgument(f"request message does not parse ({message.reason})")
+    return message
+
+
+async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for message in requests:
+        yield _decoded(message)
+
+
+def checked_request(request: Any) -> Any:
+    """The request a behavior gets: a parsed message, or a stream of them that raises
+    InvalidArgument at the first message that did not parse."""
+    if hasattr(request, "__aiter__"):
+        return _decoded_stream(request)
+    return _decoded(request)
 
 
 # Failures an operator should see in the log; the rest are a client's own mistakes (DEBUG).
@@ -88,21 +146,26 @@ class ErrorInterceptor(HandlerInterceptor):
     daemon keeps serving.
     """
 
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return wrap_handler(handler, lambda b: self.wrap_unary(method, b),
+                            lambda b: self.wrap_streaming(method, b),
+                            tolerant(handler.request_deserializer))
+
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: Exception):
         if isinstance(exc, KVStoreError):
-            code, meta = status_for(exc), error_metadata(exc)
+            code = status_for(exc)
             _log.log(logging.WARNING if code in _NOTEWORTHY else logging.DEBUG,
                      "%s failed: %s", method, exc,
                      extra={"rpc": method, "code": code.name, "error": type(exc).__name__})
-            await context.abort(code, str(exc) or type(exc).__name__, trailing_metadata=meta)
+            await abort_with(context, exc)
         _log.error("%s raised unexpectedly", method, exc_info=exc, extra={"rpc": method})
-        await context.abort(grpc.StatusCode.INTERNAL,
-                            f"internal error in {method}: {type(exc).__name__}: {exc}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: "
+                            f"{type(exc).__name__}: {str(exc)[:_MAX_REASON_CHARS]}")
 
     def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
             try:
-                return await behavior(request, context)
+                return await behavior(checked_request(request), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
@@ -113,7 +176,7 @@ class ErrorInterceptor(HandlerInterceptor):
     def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
             try:
-                async for response in behavior(request, context):
+                async for response in behavior(checked_request(request), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
