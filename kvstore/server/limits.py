@@ -69,6 +69,7 @@ class RateLimiter:
             bucket = self._buckets[identity] = TokenBucket(self.rate_per_s, self.burst, now)
         wait_s = bucket.take(now)
         if wait_s:
+            wait_s = math.ceil(wait_s * 1000) / 1000  # whole milliseconds, never 0
             raise RateLimited(
                 f"rate limit of {self.rate_per_s:g} calls/s (burst {self.burst}) exceeded for "
                 f"{clip(identity)} (server.rate_limit_rps); retry in {wait_s:.3f} s",
