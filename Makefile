@@ -9,8 +9,8 @@ setup:
 serve: setup
 	$(VENV)/kvstore serve
 
-test: setup
-	TRITON_INTERPRET=1 $(VENV)/python -m pytest -q
+test:
+	./scripts/test.sh
 
 lint:
 	$(VENV)/ruff check kvstore tests bench

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 
+from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
 
 MAX_LEASE_S = 3600.0  # a lease or reservation longer than this is a client bug, not a use case
@@ -142,6 +144,10 @@ class Counters:
     demotions: int = 0
     promotions: int = 0
     dropped: int = 0  # blocks that left the last tier holding them
+    hint_blocks: int = 0  # blocks hints scheduled for promotion (those that could arrive in time)
+    hint_skipped: int = 0  # blocks hints left alone: they could not arrive before the deadline
+    hint_landed: int = 0  # scheduled blocks in the fastest tier before their deadline
+    hint_late: int = 0  # scheduled blocks that did not land before the deadline
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -170,6 +176,22 @@ class StoreStats:
             "active_reservations": self.active_reservations,
             "num_blocks": self.num_blocks,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """What prefill costs for one model: its shape and the FLOP rate the engine achieves."""
+
+    num_params: float  # weights (a 7-8B model: ~8e9)
+    num_layers: int
+    hidden_size: int
+    flops_per_s: float  # achieved during prefill (an H200 at bf16 reaches ~4e14-6e14)
+
+    def __post_init__(self) -> None:
+        values = (self.num_params, self.num_layers, self.hidden_size, self.flops_per_s)
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            raise InvalidArgument("a model profile needs positive, finite params, layers, "
+                                  f"hidden size and FLOP rate, got {values}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,15 +2,6 @@
 
 from __future__ import annotations
 
-CLIP_CHARS = 64  # how much of a client-provided string an error message may quote
-
-
-def clip(value: object, max_chars: int = CLIP_CHARS) -> str:
-    """``repr(value)`` cut to at most ``max_chars`` characters (ending in ``...`` when cut), so
-    an error message never echoes an unbounded client string."""
-    text = repr(value)
-    return text if len(text) <= max_chars else text[: max(0, max_chars - 3)] + "..."
-
 
 class KVStoreError(Exception):
     """Root of every error kvstore raises on purpose."""
@@ -79,3 +70,18 @@ class DeadlineExceeded(KVStoreError):
 
 class AlreadyRunning(FailedPrecondition):
     """Another daemon already serves this socket."""
+
+
+SHOWN_CHARS = 64  # the most of a caller's string an error message repeats
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr`` of a caller-supplied value for an error message, cut to ``limit`` characters.
+
+    Messages travel back to the caller and into the log: repeating a megabyte-long tenant or
+    dtype name would bloat both, so longer values keep their head and their length.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"

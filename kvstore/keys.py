@@ -132,14 +132,18 @@ def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor)
     return keys
 
 
+NO_PARENT = bytes(KEY_BYTES)  # how pages and indexes spell "the first block of a prefix"
+
+
 def parse_key(text: str | bytes) -> BlockKey:
     """A BlockKey from 32 hex characters or 16 raw bytes; InvalidArgument otherwise."""
     if isinstance(text, bytes) and len(text) == KEY_BYTES:
         return BlockKey(text)
+    shown = repr(text[:48])
+    if len(text) != 2 * KEY_BYTES:
+        raise InvalidArgument(f"malformed block key {shown}: expected {2 * KEY_BYTES} hex digits")
     try:
         raw = bytes.fromhex(text if isinstance(text, str) else text.decode())
     except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument(f"malformed block key {text!r}: expected 32 hex digits") from None
-    if len(raw) != KEY_BYTES:
-        raise InvalidArgument(f"malformed block key {text!r}: expected 32 hex digits")
+        raise InvalidArgument(f"malformed block key {shown}: not hexadecimal") from None
     return BlockKey(raw)

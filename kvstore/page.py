@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.errors import CorruptPage
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import NO_PARENT, BlockKey
 
 PAGE_MAGIC = b"KVPG"
 PAGE_VERSION = 1
@@ -28,7 +28,6 @@ HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CHECKSUM = struct.Struct("<Q")
 _ZERO_CHECKSUM = bytes(_CHECKSUM.size)
-_NO_PARENT = bytes(KEY_BYTES)
 MAX_META_BYTES = 64 * 1024
 
 
@@ -73,7 +72,7 @@ def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> byte
             meta.block_index,
             meta.namespace,
             meta.key,
-            meta.parent or _NO_PARENT,
+            meta.parent or NO_PARENT,
             len(meta_bytes),
             len(payload),
             0,
@@ -180,7 +179,7 @@ def _make_page(view: memoryview, fields: tuple) -> Page:
         meta = PageMeta(
             key=BlockKey(key),
             namespace=namespace,
-            parent=None if parent == _NO_PARENT else BlockKey(parent),
+            parent=None if parent == NO_PARENT else BlockKey(parent),
             block_index=block_index,
             tenant=info["tenant"],
             model_id=info["model"],

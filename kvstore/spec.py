@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, shown
 
 # Names are what configs, pages and the wire carry; torch dtypes are looked up from them.
 DTYPES: dict[str, torch.dtype] = {
@@ -64,7 +64,7 @@ class KVSpec:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.dtype not in DTYPES:
             raise InvalidArgument(
-                f"KVSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+                f"KVSpec.dtype must be one of {sorted(DTYPES)}, got {shown(self.dtype)}"
             )
         if not isinstance(self.position_scheme, str) or not self.position_scheme:
             raise InvalidArgument("KVSpec.position_scheme must be a non-empty string")

@@ -9,7 +9,7 @@ import typer
 from rich.console import RenderableType
 from rich.live import Live
 
-from kvstore import __version__
+from kvstore import __version__, keys
 from kvstore.cli.app import (
     AddressOpt,
     ConfigOpt,
@@ -25,8 +25,7 @@ from kvstore.cli.app import (
 )
 from kvstore.cli.render import block_row, blocks_table, checks_table, render_stats
 from kvstore.config import load_config
-
-KEY_HEX_CHARS = 32  # a BlockKey is 16 bytes
+from kvstore.errors import InvalidArgument
 
 
 def _watch(render: Callable[[], RenderableType], interval_s: float) -> None:
@@ -98,13 +97,10 @@ def list_blocks(
 
 def parse_key(text: str) -> bytes:
     """A block key from its 32 hex digits (as ``kvstore ls`` prints it)."""
-    text = text.strip().lower()
-    if len(text) != KEY_HEX_CHARS:
-        usage_error(f"--key {text!r}: a block key is {KEY_HEX_CHARS} hex digits")
     try:
-        return bytes.fromhex(text)
-    except ValueError:
-        usage_error(f"--key {text!r} is not hexadecimal")
+        return keys.parse_key(text.strip().lower())
+    except InvalidArgument as exc:
+        usage_error(f"--key: {exc}")
 
 
 def describe_selection(tenant: str | None, model: str | None, keys: list[bytes],

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
-from kvstore.api import BlockInfo, HealthInfo, Lease, LookupResult, Reservation, StoreStats
+from kvstore.api import (
+    BlockInfo,
+    HealthInfo,
+    Lease,
+    LookupResult,
+    ModelProfile,
+    Reservation,
+    StoreStats,
+)
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
@@ -168,6 +176,11 @@ class AsyncClient:
 
     async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
         return await self._unary(requests.hint(ns, tokens, deadline_s))
+
+    async def report_prefill(self, ns: Namespace, new_tokens: int = 0, cached_tokens: int = 0,
+                             seconds: float = 0.0, profile: ModelProfile | None = None) -> None:
+        await self._unary(requests.report_prefill(ns, new_tokens, cached_tokens, seconds,
+                                                  profile))
 
     async def health(self) -> HealthInfo:
         return await self._unary(requests.health())

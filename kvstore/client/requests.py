@@ -13,7 +13,15 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
-from kvstore.api import BlockInfo, HealthInfo, Lease, LookupResult, Reservation, StoreStats
+from kvstore.api import (
+    BlockInfo,
+    HealthInfo,
+    Lease,
+    LookupResult,
+    ModelProfile,
+    Reservation,
+    StoreStats,
+)
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -23,6 +31,7 @@ from kvstore.rpc.convert import (
     lease_from_proto,
     lookup_from_proto,
     namespace_to_proto,
+    profile_to_proto,
     reservation_from_proto,
     stats_from_proto,
     tokens_to_bytes,
@@ -83,6 +92,15 @@ def hint(ns: Namespace, tokens: Tokens, deadline_s: float) -> Unary[int]:
     request = pb.HintRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                              deadline_s=deadline_s)
     return Unary("Hint", request, attrgetter("num_blocks"))
+
+
+def report_prefill(ns: Namespace, new_tokens: int, cached_tokens: int, seconds: float,
+                   profile: ModelProfile | None) -> Unary[None]:
+    request = pb.ReportPrefillRequest(namespace=namespace_to_proto(ns), new_tokens=new_tokens,
+                                      cached_tokens=cached_tokens, seconds=seconds)
+    if profile is not None:
+        request.profile.CopyFrom(profile_to_proto(profile))
+    return Unary("ReportPrefill", request, _nothing)
 
 
 def health() -> Unary[HealthInfo]:

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
-from kvstore.api import BlockInfo, HealthInfo, Lease, LookupResult, Reservation, StoreStats
+from kvstore.api import (
+    BlockInfo,
+    HealthInfo,
+    Lease,
+    LookupResult,
+    ModelProfile,
+    Reservation,
+    StoreStats,
+)
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
@@ -161,6 +169,13 @@ class Client:
     def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
         """Announce a queued request; returns the blocks scheduled for promotion."""
         return self._unary(requests.hint(ns, tokens, deadline_s))
+
+    def report_prefill(self, ns: Namespace, new_tokens: int = 0, cached_tokens: int = 0,
+                       seconds: float = 0.0, profile: ModelProfile | None = None) -> None:
+        """Tell the daemon what a prefill cost (``new_tokens`` after ``cached_tokens`` took
+        ``seconds``) and, once, the model's ``profile``: Lookup then advises how much of a
+        match is worth fetching."""
+        self._unary(requests.report_prefill(ns, new_tokens, cached_tokens, seconds, profile))
 
     def health(self) -> HealthInfo:
         return self._unary(requests.health())

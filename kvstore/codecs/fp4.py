@@ -33,11 +33,11 @@ from kvstore.codecs.base import (
     section_tensor,
     unpack_blob,
 )
+from kvstore.codecs.fp8 import E4M3_MAX
 from kvstore.codecs.triton.common import check_paged_target, scatter_pages_reference, use_triton
 from kvstore.errors import CodecError
 
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 E4M3_MIN_SCALE = 2.0**-9  # the smallest e4m3 subnormal: no block scale is zero
 TENSOR_SCALE_MIN = 2.0**-126  # smallest normal float32: an all-zero slice keeps a usable scale
 NV_BLOCK = 16

@@ -24,15 +24,16 @@ from kvstore.api import (
     Lease,
     LookupResult,
     Medium,
+    ModelProfile,
     Reservation,
     SlotGrant,
     StoreStats,
     TierStats,
 )
-from kvstore.errors import InvalidArgument, clip
+from kvstore.errors import InvalidArgument, shown
 from kvstore.keys import KEY_BYTES, MAX_NAME_CHARS, BlockKey, Namespace, token_array
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.spec import DTYPES, KVSpec
+from kvstore.spec import KVSpec
 
 _NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
@@ -79,11 +80,8 @@ def spec_to_proto(spec: KVSpec) -> pb.KVSpec:
 
 
 def spec_from_proto(msg: pb.KVSpec) -> KVSpec:
-    """A validated KVSpec; InvalidArgument names the field (quoting at most a clip of it)."""
-    if msg.dtype and msg.dtype not in DTYPES:
-        raise InvalidArgument(f"KVSpec.dtype must be one of {sorted(DTYPES)}, "
-                              f"got {clip(msg.dtype)}")
-    if len(msg.position_scheme) > MAX_NAME_CHARS:
+    """A validated KVSpec; InvalidArgument names the field."""
+    if len(msg.position_scheme) > MAX_NAME_CHARS:  # part of every key and page: keep it small
         raise InvalidArgument(f"KVSpec.position_scheme must be at most {MAX_NAME_CHARS} "
                               "characters")
     return KVSpec(num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
@@ -163,7 +161,7 @@ def medium_from_proto(name: str) -> Medium:
     try:
         return Medium(name or Medium.HOST)
     except ValueError:
-        raise InvalidArgument(f"unknown memory medium {clip(name, 32)}") from None
+        raise InvalidArgument(f"unknown memory medium {shown(name, 32)}") from None
 
 
 def lease_to_proto(lease: Lease) -> pb.AcquireResponse:
@@ -204,3 +202,14 @@ def health_from_proto(msg: pb.HealthResponse) -> HealthInfo:
     return HealthInfo(status=msg.status, version=msg.version, uptime_s=msg.uptime_s,
                       pid=msg.pid, tenant=msg.tenant, is_admin=msg.is_admin,
                       arena_path=msg.arena_path)
+
+
+def profile_to_proto(profile: ModelProfile) -> pb.ModelProfile:
+    return pb.ModelProfile(num_params=profile.num_params, num_layers=profile.num_layers,
+                           hidden_size=profile.hidden_size, flops_per_s=profile.flops_per_s)
+
+
+def profile_from_proto(msg: pb.ModelProfile) -> ModelProfile:
+    """A validated ModelProfile; InvalidArgument if a field is missing or not positive."""
+    return ModelProfile(num_params=msg.num_params, num_layers=msg.num_layers,
+                        hidden_size=msg.hidden_size, flops_per_s=msg.flops_per_s)

@@ -405,3 +405,33 @@ class HintResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class ModelProfile(_message.Message):
+    __slots__ = ("num_params", "num_layers", "hidden_size", "flops_per_s")
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    flops_per_s: float
+    def __init__(self, num_params: _Optional[float] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., flops_per_s: _Optional[float] = ...) -> None: ...
+
+class ReportPrefillRequest(_message.Message):
+    __slots__ = ("namespace", "new_tokens", "cached_tokens", "seconds", "profile")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+    profile: ModelProfile
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., new_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ...) -> None: ...
+
+class ReportPrefillResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

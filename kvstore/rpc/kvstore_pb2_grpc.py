@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.HintRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.HintResponse.FromString,
                 _registered_method=True)
+        self.ReportPrefill = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportPrefill',
+                request_serializer=kvstore__pb2.ReportPrefillRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ReportPrefillResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -191,6 +196,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPrefill(self, request, context):
+        """What the engine's prefill cost: calibrates the cost model behind Lookup's advice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +270,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Hint,
                     request_deserializer=kvstore__pb2.HintRequest.FromString,
                     response_serializer=kvstore__pb2.HintResponse.SerializeToString,
+            ),
+            'ReportPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPrefill,
+                    request_deserializer=kvstore__pb2.ReportPrefillRequest.FromString,
+                    response_serializer=kvstore__pb2.ReportPrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -611,6 +628,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Hint',
             kvstore__pb2.HintRequest.SerializeToString,
             kvstore__pb2.HintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportPrefill',
+            kvstore__pb2.ReportPrefillRequest.SerializeToString,
+            kvstore__pb2.ReportPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

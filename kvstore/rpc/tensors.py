@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvstore.errors import CapacityError, InvalidArgument, clip
+from kvstore.errors import CapacityError, InvalidArgument, shown
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.spec import DTYPES, KVSpec
 
@@ -29,13 +29,14 @@ def tensor_header(kv: torch.Tensor) -> pb.TensorHeader:
 def expected_tensor(spec: KVSpec, num_tokens: int, header: pb.TensorHeader) -> int:
     """Check a declared tensor against the spec and token count; return its byte size."""
     if header.dtype not in DTYPES:
-        raise InvalidArgument(f"unknown tensor dtype {clip(header.dtype)}; expected one of "
+        raise InvalidArgument(f"unknown tensor dtype {shown(header.dtype)}; expected one of "
                               f"{sorted(DTYPES)}")
     if header.dtype != spec.dtype:
-        raise InvalidArgument(f"kv dtype is {header.dtype}, the namespace spec says {spec.dtype}")
+        raise InvalidArgument(f"kv dtype is {shown(header.dtype)}, the namespace spec says "
+                              f"{spec.dtype}")
     expected = spec.shape(num_tokens)
     if tuple(header.shape) != expected:
-        raise InvalidArgument(f"kv shape is {clip(tuple(header.shape))}, expected {expected} "
+        raise InvalidArgument(f"kv shape is {shown(tuple(header.shape))}, expected {expected} "
                               f"for {num_tokens} tokens under the namespace spec")
     nbytes = num_tokens * spec.block_bytes // spec.block_tokens
     if header.total_bytes != nbytes:
@@ -47,10 +48,10 @@ def tensor_from_buffer(buf: bytearray, header: pb.TensorHeader) -> torch.Tensor:
     """A tensor viewing ``buf`` (no copy) with the header's dtype and shape."""
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
-        raise InvalidArgument(f"unknown tensor dtype {clip(header.dtype)}")
+        raise InvalidArgument(f"unknown tensor dtype {shown(header.dtype)}")
     numel = math.prod(header.shape) if len(header.shape) else 1
     if numel * torch.empty((), dtype=dtype).element_size() != len(buf):
-        raise InvalidArgument(f"tensor of shape {clip(tuple(header.shape))} {header.dtype} "
+        raise InvalidArgument(f"tensor of shape {shown(tuple(header.shape))} {header.dtype} "
                               f"does not match its {len(buf)} bytes")
     if not buf:
         return torch.empty(tuple(header.shape), dtype=dtype)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unauthenticated, clip
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unauthenticated, shown
 from kvstore.server.interceptors import Behavior, HandlerInterceptor, abort_with
 from kvstore.server.limits import RateLimiter, StreamClock, peer_host
 
@@ -44,7 +44,7 @@ class Caller:
         """PermissionDenied unless this caller may ``action`` blocks of ``tenant``."""
         if self.tenant is not None and tenant != self.tenant:
             raise PermissionDenied(
-                f"tenant {clip(self.tenant)} may not {action} namespaces of tenant {clip(tenant)}"
+                f"tenant {shown(self.tenant)} may not {action} namespaces of tenant {shown(tenant)}"
             )
 
     def scope(self, requested: str, action: str) -> str | None:
@@ -54,7 +54,7 @@ class Caller:
             return requested or None
         if requested and requested != self.tenant:
             raise PermissionDenied(
-                f"tenant {clip(self.tenant)} may not {action} of tenant {clip(requested)}"
+                f"tenant {shown(self.tenant)} may not {action} of tenant {shown(requested)}"
             )
         return self.tenant
 

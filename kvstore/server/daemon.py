@@ -83,13 +83,16 @@ def _socket_is_live(path: str) -> bool:
 
 
 def claim_socket_path(path: str) -> IO[str]:
-    """Lock ``path`` for this process and clear a stale socket file; return the held lock.
+    """Check the socket's directory, lock ``path`` for this process and clear a stale socket
+    file; return the held lock (``<path>.lock``, mode 0600).
 
-    AlreadyRunning if another daemon holds the lock or a process answers on the socket.
+    Raises:
+        ConfigError: the directory is not ours alone (see ``check_socket_directory``), or
+            the lock file is a symlink.
+        AlreadyRunning: another daemon holds the lock or a process answers on the socket.
     """
-    parent = Path(path).parent
-    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the daemon's lifetime
+    check_socket_directory(Path(path).parent)
+    lock = _open_lock(f"{path}.lock")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -102,6 +105,51 @@ def claim_socket_path(path: str) -> IO[str]:
         lock.close()
         raise
     return lock
+
+
+def check_socket_directory(directory: Path) -> None:
+    """Create ``directory`` with mode 0700 if it is missing; else make sure only we can change
+    what is in it. Anyone else who can write there could replace the socket with their own
+    (clients would hand it their tokens) or plant a symlink at the lock file.
+
+    Raises:
+        ConfigError: naming the directory and the fault: a symlink, not a directory, owned by
+            another user, or writable by group or others.
+    """
+    what = f"socket directory {directory} (server.socket_path)"
+    if not os.path.lexists(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # someone else's: the checks below decide
+            os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o700)  # whatever the umask took away or left
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{what} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"{what} is owned by uid {st.st_uid}, not by this daemon's uid "
+                          f"{os.geteuid()}; refusing it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(f"{what} is writable by group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}); make it 0700")
+
+
+def _open_lock(path: str) -> IO[str]:
+    """Open (or create) the lock file with mode 0600, never through a symlink."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"lock file {path} is a symlink; refusing to follow it") from None
+        raise ConfigError(f"cannot open lock file {path}: {exc.strerror}") from None
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have taken bits; an old file may have more
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"cannot make lock file {path} private: {exc.strerror}") from None
+    return os.fdopen(fd, "a+")  # held for the daemon's lifetime
 
 
 def _clear_stale_socket(path: str) -> None:

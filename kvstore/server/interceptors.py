@@ -2,20 +2,19 @@
 
 :class:`HandlerInterceptor` wraps each method's behavior once (auth.py and metrics.py build on
 it); :class:`ErrorInterceptor`, the innermost, turns exceptions escaping a handler into gRPC
-statuses through ``kvstore.rpc.status``, and request bytes that do not parse into
-INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL and log a traceback per call).
+statuses through ``kvstore.rpc.status``.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.rpc.status import error_metadata, status_for
 
 _log = logging.getLogger("kvstore.server")
@@ -27,12 +26,10 @@ def wrap_handler(
     handler: grpc.RpcMethodHandler,
     unary: Callable[[Behavior], Behavior],
     streaming: Callable[[Behavior], Behavior],
-    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A copy of ``handler`` whose behavior is wrapped: ``unary`` wraps coroutine behaviors
-    (unary responses), ``streaming`` wraps async-generator behaviors (streamed responses);
-    ``request_deserializer`` replaces the handler's own if given."""
-    kw = {"request_deserializer": request_deserializer or handler.request_deserializer,
+    (unary responses), ``streaming`` wraps async-generator behaviors (streamed responses)."""
+    kw = {"request_deserializer": handler.request_deserializer,
           "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
@@ -87,51 +84,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: KVStoreError) -> No
                         trailing_metadata=error_metadata(exc))
 
 
-class Undecodable:
-    """Stands in for a request message whose bytes did not parse; the error edge answers it
-    with INVALID_ARGUMENT."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-_MAX_REASON_CHARS = 200
-
-
-def tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """``deserializer``, returning :class:`Undecodable` where it would raise."""
-    if deserializer is None:
-        return None
-
-    def parse(raw: bytes) -> Any:
-        try:
-            return deserializer(raw)
-        except Exception as exc:  # noqa: BLE001 - hostile bytes may raise anything from a parser
-            return Undecodable(f"{type(exc).__name__}: {str(exc)[:_MAX_REASON_CHARS]}")
-
-    return parse
-
-
-def _decoded(message: Any) -> Any:
-    if isinstance(message, Undecodable):
-        raise InvalidArgument(f"request message does not parse ({message.reason})")
-    return message
-
-
-async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    async for message in requests:
-        yield _decoded(message)
-
-
-def checked_request(request: Any) -> Any:
-    """The request a behavior gets: a parsed message, or a stream of them that raises
-    InvalidArgument at the first message that did not parse."""
-    if hasattr(request, "__aiter__"):
-        return _decoded_stream(request)
-    return _decoded(request)
-
+_MAX_DETAIL_CHARS = 200  # of an unexpected exception's text in an INTERNAL status
 
 # Failures an operator should see in the log; the rest are a client's own mistakes (DEBUG).
 _NOTEWORTHY = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -146,11 +99,6 @@ class ErrorInterceptor(HandlerInterceptor):
     daemon keeps serving.
     """
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        return wrap_handler(handler, lambda b: self.wrap_unary(method, b),
-                            lambda b: self.wrap_streaming(method, b),
-                            tolerant(handler.request_deserializer))
-
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: Exception):
         if isinstance(exc, KVStoreError):
             code = status_for(exc)
@@ -160,12 +108,12 @@ class ErrorInterceptor(HandlerInterceptor):
             await abort_with(context, exc)
         _log.error("%s raised unexpectedly", method, exc_info=exc, extra={"rpc": method})
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: "
-                            f"{type(exc).__name__}: {str(exc)[:_MAX_REASON_CHARS]}")
+                            f"{type(exc).__name__}: {str(exc)[:_MAX_DETAIL_CHARS]}")
 
     def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
             try:
-                return await behavior(checked_request(request), context)
+                return await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the edge; nothing escapes
@@ -176,7 +124,7 @@ class ErrorInterceptor(HandlerInterceptor):
     def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
             try:
-                async for response in behavior(checked_request(request), context):
+                async for response in behavior(request, context):
                     yield response
             except grpc.aio.AbortError:
                 raise

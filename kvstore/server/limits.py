@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from kvstore.errors import DeadlineExceeded, RateLimited, clip
+from kvstore.errors import DeadlineExceeded, RateLimited, shown
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ class RateLimiter:
             wait_s = math.ceil(wait_s * 1000) / 1000  # whole milliseconds, never 0
             raise RateLimited(
                 f"rate limit of {self.rate_per_s:g} calls/s (burst {self.burst}) exceeded for "
-                f"{clip(identity)} (server.rate_limit_rps); retry in {wait_s:.3f} s",
+                f"{shown(identity)} (server.rate_limit_rps); retry in {wait_s:.3f} s",
                 retry_after_s=wait_s)
 
 

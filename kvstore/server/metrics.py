@@ -59,6 +59,13 @@ _GAUGE_HELP = {
     "num_blocks": "blocks stored in any tier",
 }
 
+# The cost model's estimates of each tier's read path (kept in the tier stats' extra gauges).
+_PATH_GAUGES = {
+    "read_bytes_per_s": ("read_bytes_per_second", "estimated read bandwidth, bytes/s"),
+    "read_fixed_s": ("read_fixed_seconds", "estimated fixed cost per read, seconds"),
+}
+
+
 def _family(kind: str, name: str, doc: str, labels: list[str] | None = None) -> Metric:
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
     return cls(name, doc, labels=labels)
@@ -78,6 +85,13 @@ class StoreCollector(Collector):
             family = _family(kind, f"kvstore_tier_{suffix}", f"Per tier: {doc}.", ["tier"])
             for tier, tier_stats in stats.tiers.items():
                 family.add_metric([tier], float(getattr(tier_stats, field)))
+            yield family
+        for key, (name, doc) in _PATH_GAUGES.items():
+            family = GaugeMetricFamily(f"kvstore_tier_{name}", f"Per tier: {doc}.",
+                                       labels=["tier"])
+            for tier, tier_stats in stats.tiers.items():
+                if key in tier_stats.extra:
+                    family.add_metric([tier], float(tier_stats.extra[key]))
             yield family
         for name, value in stats.counters.as_dict().items():
             doc = _COUNTER_HELP.get(name, name.replace("_", " "))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+import numpy as np
 import torch
 
 from kvstore.api import (
@@ -19,14 +20,16 @@ from kvstore.api import (
     Lease,
     LookupResult,
     Medium,
+    ModelProfile,
     Reservation,
     StoreStats,
     TierStats,
 )
 from kvstore.config import KVStoreConfig
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
+from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
@@ -37,6 +40,18 @@ from kvstore.tiers.base import Tier
 log = logging.getLogger("kvstore.store")
 
 Tokens = Sequence[int] | torch.Tensor
+
+# Prefixes longer than this are hashed on a worker thread, so one long request never stalls the
+# loop: block keys cost about 2 ms per 32k tokens on the 2-core box (2026-11-29), so this
+# bounds the inline cost near 1 ms (a thread hop is ~0.1 ms).
+INLINE_HASH_TOKENS = 16384
+
+
+async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
+    """The block keys of ``tokens`` under ``ns``, hashed off the loop for long prefixes."""
+    if tokens.size > INLINE_HASH_TOKENS:
+        return await asyncio.to_thread(block_keys, ns, tokens)
+    return block_keys(ns, tokens)
 
 
 @dataclass(slots=True)
@@ -64,6 +79,8 @@ class Store:
                                     self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
+        # The cost model's recompute estimate, by (tenant, model id).
+        self._prefill: dict[tuple[str, str], PrefillModel] = {}
         self._totals = Counters()
         self._by_tenant: dict[str, Counters] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -136,7 +153,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         kv = ns.spec.check_kv(kv, num_tokens=arr.size)
-        keys = block_keys(ns, arr)
+        keys = await _keys(ns, arr)
         self._placement.note(keys)
         self._count(ns.tenant, puts=1)
         in_flight = [self._writing[k] for k in keys if k in self._writing]
@@ -172,7 +189,7 @@ class Store:
         """The longest stored prefix of ``tokens`` and which tier holds each of its blocks."""
         self._check_open()
         arr = token_array(tokens)
-        entries = self._dir.match_prefix(block_keys(ns, arr))
+        entries = self._dir.match_prefix(await _keys(ns, arr))
         bt = ns.spec.block_tokens
         per_tier: dict[str, int] = {}
         for entry in entries:
@@ -184,7 +201,8 @@ class Store:
         matched = len(entries) * bt
         self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
                     lookup_miss_tokens=arr.size - matched)
-        return LookupResult(arr.size, matched, per_tier, keys)
+        return LookupResult(arr.size, matched, per_tier, keys,
+                            advised_tokens=self._advise(ns, entries, arr.size))
 
     async def get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
         """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
@@ -196,16 +214,18 @@ class Store:
         verified bytes are returned. Blocks served from below the fastest tier are promoted.
         """
         self._check_open()
-        entries = self._dir.match_prefix(block_keys(ns, token_array(tokens)))
+        entries = self._dir.match_prefix(await _keys(ns, token_array(tokens)))
         if not entries:
             return None
         bt = ns.spec.block_tokens
         out = torch.empty(ns.spec.shape(len(entries) * bt), dtype=ns.spec.torch_dtype)
         outs = out.split(bt, dim=2)
         self._dir.pin(entries)
+        started = time.perf_counter()
         try:
             async with PageDecoder(outs) as decoder:
                 sources = await self._read_pages(entries, decoder.add)
+            self._observe_read(entries, sources, time.perf_counter() - started)
             failed = [i for i in decoder.failed if i < len(sources)]  # after a miss: unused
             num_blocks = await self._redo_failed(entries, failed, sources, outs)
         finally:
@@ -248,8 +268,11 @@ class Store:
         if tenant is None:
             tiers = {}
             for link in self._placement.links:
-                tiers[link.name] = link.tier.stats()
-                tiers[link.name].evictions = link.evictions
+                tiers[link.name] = stats = link.tier.stats()
+                stats.evictions = link.evictions
+                # The cost model's current estimate of reading out of this tier.
+                stats.extra["read_bytes_per_s"] = link.path.bytes_per_s
+                stats.extra["read_fixed_s"] = link.path.fixed_s
             return StoreStats(
                 tiers=tiers, counters=dataclasses.replace(self._totals),
                 active_leases=self._leases.num_leases,
@@ -274,7 +297,7 @@ class Store:
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
         """Stored blocks matching the filters, most recently used first."""
         if tier is not None and tier not in self.tiers:
-            raise InvalidArgument(f"unknown tier {tier[:64]!r}; tiers are {list(self.tiers)}")
+            raise InvalidArgument(f"unknown tier {shown(tier)}; tiers are {list(self.tiers)}")
         if limit < 0:
             raise InvalidArgument(f"limit must be >= 0, got {limit}")
         now = time.time()
@@ -294,7 +317,7 @@ class Store:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
         ``release`` or the lease's deadline."""
         self._check_open()
-        return await self._leases.acquire(ns, block_keys(ns, token_array(tokens)), lease_s)
+        return await self._leases.acquire(ns, await _keys(ns, token_array(tokens)), lease_s)
 
     async def release(self, lease_id: str) -> None:
         self._check_open()
@@ -304,7 +327,7 @@ class Store:
                       ) -> Reservation:
         """Slots for the blocks of ``tokens`` not stored yet; publish them with ``commit``."""
         self._check_open()
-        return await self._leases.reserve(ns, block_keys(ns, token_array(tokens)), lease_s)
+        return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s)
 
     async def commit(self, reservation_id: str) -> int:
         self._check_open()
@@ -320,7 +343,23 @@ class Store:
     async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
         """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a request."""
         self._check_open()
-        return self._leases.hint(block_keys(ns, token_array(tokens)), deadline_s)
+        return self._leases.hint(ns, await _keys(ns, token_array(tokens)), deadline_s)
+
+    def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
+        """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.
+        Kept per tenant and model: one tenant's reports never steer another's advice."""
+        key = (ns.tenant, ns.model_id)
+        current = self._prefill.get(key)
+        if current is None or current.profile != profile:
+            self._prefill[key] = PrefillModel(profile)
+
+    def report_prefill(self, ns: Namespace, new_tokens: int, cached_tokens: int,
+                       seconds: float) -> None:
+        """The engine prefilled ``new_tokens`` after ``cached_tokens`` in ``seconds``: corrects
+        the model's FLOP rate (ignored until a profile is set)."""
+        model = self._prefill.get((ns.tenant, ns.model_id))
+        if model is not None:
+            model.observe(new_tokens, cached_tokens, seconds)
 
     def slot_page_bytes(self, spec: KVSpec) -> int:
         """The slot a zero-copy writer gets for one block of ``spec`` (0 if no tier lends)."""
@@ -400,6 +439,28 @@ class Store:
                 return i
             sources[i] = source
         return len(sources)
+
+    def _advise(self, ns: Namespace, entries: list[BlockEntry], num_tokens: int) -> int | None:
+        """The prefix worth fetching per the cost model, or None without a prefill model."""
+        prefill = self._prefill.get((ns.tenant, ns.model_id))
+        if prefill is None or not entries:
+            return None
+        links = [self._placement.fastest_holder(e) for e in entries]
+        advice = advise([link.name for link in links],
+                        [e.sizes[link.name] for e, link in zip(entries, links)],
+                        ns.spec.block_tokens, num_tokens,
+                        {link.name: link.path for link in self._placement.links}, prefill)
+        return advice.fetch_tokens
+
+    def _observe_read(self, entries: list[BlockEntry], sources: list[Link],
+                      seconds: float) -> None:
+        """Feed a get's read-and-decode time to the path model of the tier it came from (only
+        when one tier served every block: then the time is that path's alone)."""
+        if not sources or any(source is not sources[0] for source in sources):
+            return
+        link = sources[0]
+        link.path.observe(sum(e.sizes.get(link.name, 0) for e in entries[:len(sources)]),
+                          seconds)
 
     async def _promote(self, entry: BlockEntry, target: Link) -> None:
         if await self._placement.promote(entry, target):

@@ -14,7 +14,14 @@ from typing import Any, Generic, TypeVar
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
 from kvstore.codecs.base import Codec
 from kvstore.config import QuotaConfig
-from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.errors import (
+    CapacityError,
+    CorruptPage,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    shown,
+)
 from kvstore.keys import BlockKey, Namespace
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page
 from kvstore.spec import KVSpec
@@ -86,7 +93,7 @@ class HeldTable(Generic[H]):
     def check_room(self, tenant: str) -> None:
         """CapacityError if ``tenant`` already holds as many as it may."""
         if self._per_tenant.get(tenant, 0) >= self._max_per_tenant:
-            raise CapacityError(f"tenant {tenant[:64]!r} holds {self._max_per_tenant} open "
+            raise CapacityError(f"tenant {shown(tenant)} holds {self._max_per_tenant} open "
                                 f"{self.kind}s, its quota; release or commit some first")
 
     def add(self, held: H) -> H:
@@ -98,7 +105,7 @@ class HeldTable(Generic[H]):
         """Remove and return a holding; one past its deadline but not yet reaped still counts."""
         held = self._held.pop(held_id, None)
         if held is None:
-            raise LeaseNotFound(f"{self.kind} {held_id[:64]!r} does not exist or has expired")
+            raise LeaseNotFound(f"{self.kind} {shown(held_id)} does not exist or has expired")
         self._forget(held)
         return held
 
@@ -279,12 +286,12 @@ class LeaseManager:
             raise CorruptPage(f"page for key {key.hex()} names another namespace or position")
         if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
             raise CorruptPage(f"page for key {key.hex()} names tenant/model "
-                              f"{meta.tenant[:64]}/{meta.model_id[:64]}, reserved for "
+                              f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
                               f"{ns.tenant}/{ns.model_id}")
         codec = reserved.link.codec.name
         if meta.codec != codec:
             raise InvalidArgument(f"page for key {key.hex()} is encoded with "
-                                  f"{meta.codec[:64]!r}; the reservation asked for {codec!r}")
+                                  f"{shown(meta.codec)}; the reservation asked for {codec!r}")
         return meta
 
     def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:
@@ -294,17 +301,46 @@ class LeaseManager:
 
     # ------------------------------------------------------------------------------ hints
 
-    def hint(self, keys: list[BlockKey], deadline_s: float) -> int:
-        """Start promoting the prefix's blocks into the fastest tier now; return how many were
-        scheduled."""
+    def hint(self, ns: Namespace, keys: list[BlockKey], deadline_s: float) -> int:
+        """Promote the prefix's blocks into the fastest tier ahead of a queued request: in
+        prefix order, those that can arrive before the deadline over their path (behind what is
+        already queued on it); return how many were scheduled. Promotions still running at the
+        deadline are given up and counted late."""
         if deadline_s <= 0:
             raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s}")
         first = self._placement.links[0]
         todo = [e for e in self._dir.match_prefix(keys) if first.name not in e.sizes]
+        plan: list[tuple[BlockEntry, Link]] = []
+        arrival_s = 0.0
         for entry in todo:
-            self._spawn(asyncio.wait_for(self._placement.promote(entry, first),
-                                         timeout=deadline_s))
-        return len(todo)
+            source = self._placement.fastest_holder(entry)
+            arrival_s += source.path.time_s(entry.sizes[source.name])
+            if arrival_s > deadline_s:
+                break
+            plan.append((entry, source))
+        self._count(ns.tenant, hint_blocks=len(plan), hint_skipped=len(todo) - len(plan))
+        if plan:
+            self._spawn(self._prefetch(ns.tenant, plan, first, deadline_s))
+        return len(plan)
+
+    async def _prefetch(self, tenant: str, plan: list[tuple[BlockEntry, Link]], target: Link,
+                        deadline_s: float) -> None:
+        pending = [entry.sizes[source.name] for entry, source in plan]
+        for (_, source), nbytes in zip(plan, pending):  # later hints and advice see the queue
+            source.path.queued_bytes += nbytes
+        landed = 0
+        try:
+            async with asyncio.timeout(deadline_s):
+                for i, (entry, source) in enumerate(plan):
+                    landed += await self._placement.promote(entry, target)
+                    source.path.queued_bytes -= pending[i]
+                    pending[i] = 0
+        except TimeoutError:
+            pass
+        finally:
+            for (_, source), nbytes in zip(plan, pending):
+                source.path.queued_bytes -= nbytes
+            self._count(tenant, hint_landed=landed, hint_late=len(plan) - landed)
 
     # ------------------------------------------------------------------------------ background
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from kvstore import codecs
 from kvstore.codecs.base import Codec
 from kvstore.config import TierConfig, TierSettings
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, shown
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page
 from kvstore.policy.admission import admission_for
 from kvstore.policy.base import AdmissionPolicy, RoomNeed
+from kvstore.policy.cost import PathModel
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import SlotTier, Tier
@@ -53,6 +54,7 @@ class Link:
     codec: Codec
     settings: TierSettings
     admission: AdmissionPolicy
+    path: PathModel  # the cost model's estimate of reading out of this tier
     evictions: int = 0  # pages removed from this tier to make room (demoted or dropped)
 
     @classmethod
@@ -61,7 +63,8 @@ class Link:
         return cls(index=index, name=config.name, tier=build_tier(config),
                    codec=codecs.get(settings.codec), settings=settings,
                    admission=admission_for(settings.admit_after_accesses,
-                                           settings.admit_expected_keys))
+                                           settings.admit_expected_keys),
+                   path=PathModel(settings.read_bytes_per_s, settings.read_fixed_s))
 
     def is_above_high_watermark(self) -> bool:
         return self.tier.used_bytes > self.settings.high_watermark * self.tier.capacity_bytes
@@ -115,8 +118,10 @@ class Placement:
             if await self.write(link, meta, page):
                 return self._dir.get(meta.key)
         sizes = ", ".join(f"{link.name} {link.tier.max_page_bytes} bytes" for link in self.links)
+        share = "" if self._share is None else (
+            f"; tenant {shown(meta.tenant)} may fill {self._share:.0%} of each tier")
         raise CapacityError(f"no tier can hold the {len(data)}-byte page of block "
-                            f"{meta.key.hex()} now (largest page per tier: {sizes})")
+                            f"{meta.key.hex()} now (largest page per tier: {sizes}{share})")
 
     async def write(self, link: Link, meta: PageMeta, data: bytes | memoryview) -> bool:
         """Make room in ``link``'s tier and write the page; record the placement on success.

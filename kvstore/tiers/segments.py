@@ -1,4 +1,5 @@
-"""Segment files of the SSD tier: aligned buffers, O_DIRECT, directory locks, page I/O."""
+"""Segment files of the SSD tier: aligned buffers, O_DIRECT, private files and directories,
+directory locks, page I/O."""
 
 from __future__ import annotations
 
@@ -8,18 +9,19 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvstore.errors import AlreadyRunning, CorruptPage, InvalidArgument
+from kvstore.errors import AlreadyRunning, ConfigError, CorruptPage, InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, parse_page
+from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, page_length, parse_page
 
 if TYPE_CHECKING:
     from kvstore.tiers.ssd_index import IndexRecord
@@ -30,6 +32,9 @@ ALIGN_BYTES = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logica
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.dat$")
 _ZEROS = bytes(ALIGN_BYTES)
 _CHECKSUM_OFFSET = HEADER_BYTES - 8  # the page header ends with its u64 checksum (kvstore.page)
+# Cached K/V is tenants' data: only the daemon's user may read it or list it.
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
 
 
 def aligned(nbytes: int) -> int:
@@ -113,8 +118,48 @@ def segment_path(directory: Path, segment_id: int) -> Path:
     return directory / f"seg-{segment_id:06d}.dat"
 
 
-def direct_opener(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_DIRECT, 0o644)
+def private_directory(path: Path, what: str) -> None:
+    """Create ``path`` with mode 0700 (and its parents as needed), or make an existing one of
+    ours 0700; ConfigError naming ``what`` and the path if it is no directory or another user
+    owns it. A symlink to a directory (say, on another disk) is followed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, PRIVATE_DIR_MODE)
+    except FileExistsError:
+        pass
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"{what} {path} is owned by uid {st.st_uid}, not by this process's "
+                          f"uid {os.geteuid()}; refusing to keep cached data there")
+    if stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:  # the umask, or an older version
+        os.chmod(path, PRIVATE_DIR_MODE)
+
+
+def make_private(fd: int) -> None:
+    """Give an open file mode 0600 unless it has it (whatever the umask left at creation)."""
+    if stat.S_IMODE(os.fstat(fd).st_mode) != PRIVATE_FILE_MODE:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+
+
+def private_opener(o_direct: bool) -> Callable[[str, int], int]:
+    """An ``open()`` opener for segment files: mode 0600, with O_DIRECT if ``o_direct``."""
+    extra = os.O_DIRECT if o_direct else 0
+
+    def opener(path: str, flags: int) -> int:
+        fd = os.open(path, flags | extra, PRIVATE_FILE_MODE)
+        try:
+            make_private(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    return opener
 
 
 def probe_o_direct(directory: Path) -> bool:
@@ -136,12 +181,16 @@ def probe_o_direct(directory: Path) -> bool:
 
 def lock_directory(directory: Path) -> int:
     """Take the directory's ``LOCK`` file (flock); AlreadyRunning if another process holds it."""
-    fd = os.open(directory / "LOCK", os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(directory / "LOCK", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
     try:
+        make_private(fd)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise AlreadyRunning(f"ssd directory {directory} is already open elsewhere") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -162,6 +211,54 @@ def scan_segments(directory: Path) -> dict[int, int]:
             if match and item.is_file():
                 sizes[int(match.group(1))] = item.stat().st_size
     return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class FoundPage:
+    """A page found, and verified, by reading a segment file from its start."""
+
+    offset: int
+    length: int
+    checksum: int
+    meta: PageMeta
+
+
+def find_pages(path: Path) -> list[FoundPage]:
+    """Every page in a segment file that verifies, in file order (in a worker thread).
+
+    Pages start on ``ALIGN_BYTES`` boundaries and describe themselves (``kvstore.page``), so
+    the segments alone can rebuild a lost index. Where no page verifies (a torn append, a
+    damaged page) the scan moves on one ``ALIGN_BYTES`` block at a time.
+    """
+    found = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offset = 0
+        while offset + HEADER_BYTES <= size:
+            page = _page_at(fd, offset, size)
+            if page is None:
+                offset += ALIGN_BYTES
+                continue
+            found.append(page)
+            offset += aligned(page.length)
+    finally:
+        os.close(fd)
+    return found
+
+
+def _page_at(fd: int, offset: int, size: int) -> FoundPage | None:
+    try:
+        length = page_length(os.pread(fd, HEADER_BYTES, offset))
+        # Whole with its padding, as every append writes it; index records hold u32 lengths.
+        if aligned(length) > size - offset or length >= 1 << 32:
+            return None
+        data = os.pread(fd, length, offset)
+        page = decode_page(data)
+    except (CorruptPage, OSError):  # OSError: an unreadable block is no page either
+        return None
+    checksum = struct.unpack_from("<Q", data, _CHECKSUM_OFFSET)[0]
+    return FoundPage(offset, length, checksum, page.meta)
 
 
 @dataclass(eq=False, slots=True)

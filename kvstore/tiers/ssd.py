@@ -27,12 +27,24 @@ What ``write()`` returning True guarantees, per ``config.fsync``:
   was written directly); after a power loss the newest pages may be missing, or be damaged and
   then fail verification and be dropped on read: never served.
 
+A write that fails tells its own caller only: a full file system (an append, an fdatasync or
+an index commit that ran out of room) is CapacityError naming the file, a full LMDB map names
+``ssd.index_map_bytes``. The page does not enter the index, so a retry writes it again; reads
+go on, and writes succeed again once there is room. While an index commit is failing, no
+segment file is deleted, so everything the committed index points at stays on disk.
+
 Deletions reach the index with the next commit (at most one ``fsync_interval_s`` later); a
 deletion lost in a crash only brings back a still valid page for its key. Compaction always
 fdatasyncs the copies before committing their new places and only then removes the old file.
 
 On open, index entries that point past a segment's end (or into a missing segment) are
-dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated.
+dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated. An
+index that is missing, empty beside segments (a rebuild that died before its commit) or found
+damaged (it is read whole in a child process first, so that damage which would crash LMDB's
+reader costs a child, not the daemon; see ``ssd_index``) is rebuilt from the segments: every
+page describes and verifies itself. A damaged index is kept as ``index.corrupt-<time>`` and
+counted in ``stats().extra["index_resets"]``. Pages deleted before the damage may come back
+that way: still valid pages for their keys.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ import aiofiles
 import aiofiles.os
 
 from kvstore.config import SsdConfig
-from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
+from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
@@ -62,14 +74,16 @@ from kvstore.tiers.segments import (
     Segment,
     aligned,
     check_page,
-    direct_opener,
+    find_pages,
     lock_directory,
+    private_directory,
+    private_opener,
     probe_o_direct,
     read_page,
     scan_segments,
     segment_path,
 )
-from kvstore.tiers.ssd_index import IndexRecord, LmdbIndex
+from kvstore.tiers.ssd_index import IndexOpen, IndexRecord, IndexState, LmdbIndex
 from kvstore.tiers.ssd_writer import (
     GROUP_COMMIT_BYTES,
     MAX_BATCH_BYTES,
@@ -131,7 +145,8 @@ class SsdTier(SegmentWriter, Tier):
         self._is_stopping = False  # compaction drained: the writer and flusher may exit
         self._o_direct = False
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected",
-                                      "bytes_read", "bytes_written", "compactions", "appends"), 0)
+                                      "bytes_read", "bytes_written", "compactions", "appends",
+                                      "index_resets"), 0)
 
     @property
     def capacity_bytes(self) -> int:
@@ -207,7 +222,8 @@ class SsdTier(SegmentWriter, Tier):
             extra={"segments": len(self._segments),
                    "dead_bytes": sum(s.dead_bytes for s in self._segments.values()),
                    "o_direct": int(self._o_direct), "compactions": c["compactions"],
-                   "appends": c["appends"], "read_buffer_bytes": self._read_buffers.kept_bytes})
+                   "appends": c["appends"], "read_buffer_bytes": self._read_buffers.kept_bytes,
+                   "index_resets": c["index_resets"]})
 
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
         """Store an encoded page; True once it is durable per ``config.fsync`` and indexed.
@@ -276,12 +292,11 @@ class SsdTier(SegmentWriter, Tier):
         """Lock the directory, probe O_DIRECT, open the index and recover the segments."""
         if self._writer_task is not None:
             raise InvalidArgument(f"ssd tier at {self._dir} was opened before; make a new one")
-        await aiofiles.os.makedirs(self._dir, exist_ok=True)
+        await asyncio.to_thread(private_directory, self._dir, "ssd.path")
         self._lock_fd = await asyncio.to_thread(lock_directory, self._dir)
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
                 probe_o_direct, self._dir)
-            await self._lmdb.open()
             await self._recover()
         except BaseException:
             await self._release_resources()
@@ -312,10 +327,36 @@ class SsdTier(SegmentWriter, Tier):
         await self._release_resources()
 
     async def _recover(self) -> None:
-        """Rebuild the in-memory index and segment accounting from LMDB and the files."""
-        records = await self._lmdb.load()
+        """Rebuild the in-memory index and segment accounting from LMDB and the files; from
+        the files alone if the LMDB index is missing or was found damaged."""
+        opened = await self._lmdb.open()
         sizes = await asyncio.to_thread(scan_segments, self._dir)
+        records = await self._lmdb.load() if opened.state is IndexState.OPENED else []
+        if records:
+            self._load_index(records, sizes)
+        elif sizes:  # also an empty index: one whose rebuild never reached its commit
+            await self._rebuild_index(sizes, opened)
+        elif opened.state is IndexState.RESET:
+            self._log_reset(opened, "there are no segments; starting empty")
         ends: dict[int, int] = {}
+        for entry in self._index.values():
+            ends[entry.segment_id] = max(ends.get(entry.segment_id, 0),
+                                         entry.offset + entry.padded)
+        for segment_id, size in sorted(sizes.items()):
+            await self._recover_segment(segment_id, size, ends.get(segment_id, 0))
+        for key, entry in self._index.items():
+            seg = self._segments[entry.segment_id]
+            seg.live_bytes += entry.padded
+            seg.keys.add(key)
+        self._next_segment_id = max(sizes, default=0) + 1
+        try:
+            await self._lmdb.commit()
+        except CapacityError as exc:  # kept in the journal; no segment is deleted meanwhile
+            log.error("ssd index: the changes made at open are not committed yet, retried "
+                      "with the next commit: %s", exc)
+
+    def _load_index(self, records: list[tuple[bytes, bytes]], sizes: dict[int, int]) -> None:
+        """Take the committed index entries that point into the segments as they are."""
         for key, raw in records:
             try:
                 entry = IndexRecord.unpack(key, raw)
@@ -325,19 +366,32 @@ class SsdTier(SegmentWriter, Tier):
                 self._lmdb.forget(key)  # damaged, or past the end of its segment
                 continue
             self._index[key] = entry
-            ends[entry.segment_id] = max(ends.get(entry.segment_id, 0),
-                                         entry.offset + entry.padded)
         if self._lmdb.journal:
             log.warning("ssd index: dropped %d entries that point past their segment's end",
                         len(self._lmdb.journal))
-        for segment_id, size in sorted(sizes.items()):
-            await self._recover_segment(segment_id, size, ends.get(segment_id, 0))
+
+    async def _rebuild_index(self, sizes: dict[int, int], opened: IndexOpen) -> None:
+        """Index every page that verifies in the segment files (the newest copy of a key
+        wins: compaction copies forward into newer segments)."""
+        for segment_id in sorted(sizes):
+            path = segment_path(self._dir, segment_id)
+            for found in await asyncio.to_thread(find_pages, path):
+                self._index[found.meta.key] = IndexRecord(
+                    found.meta, segment_id, found.offset, found.length, found.checksum)
         for key, entry in self._index.items():
-            seg = self._segments[entry.segment_id]
-            seg.live_bytes += entry.padded
-            seg.keys.add(key)
-        self._next_segment_id = max(sizes, default=0) + 1
-        await self._lmdb.commit()
+            self._lmdb.put(key, entry)
+        rebuilt = f"rebuilt it from {len(sizes)} segment files: {len(self._index)} pages"
+        if opened.state is IndexState.RESET:
+            self._log_reset(opened, rebuilt)
+        else:
+            log.warning("ssd index in %s is %s; %s", self._dir,
+                        "missing" if opened.state is IndexState.CREATED else "empty", rebuilt)
+
+    def _log_reset(self, opened: IndexOpen, outcome: str) -> None:
+        self._counts["index_resets"] += 1
+        log.warning("ssd index in %s is damaged (%s); moved it to %s and %s", self._dir,
+                    opened.damage, opened.moved_to, outcome,
+                    extra={"ssd_path": str(self._dir), "moved_to": str(opened.moved_to)})
 
     async def _recover_segment(self, segment_id: int, size: int, end: int) -> None:
         path = segment_path(self._dir, segment_id)
@@ -348,7 +402,7 @@ class SsdTier(SegmentWriter, Tier):
             log.warning("ssd segment %s: truncating %d bytes past its last indexed page",
                         path.name, size - end)
             await asyncio.to_thread(os.truncate, path, end)
-        opener = direct_opener if self._o_direct else None
+        opener = private_opener(self._o_direct)  # also tightens a segment of an older version
         handle = await aiofiles.open(path, "rb", buffering=0, opener=opener)
         self._segments[segment_id] = Segment(segment_id, path, handle, end)
         self._used_bytes += end

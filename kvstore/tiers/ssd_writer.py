@@ -8,6 +8,7 @@ state, which the tier owns and initialises (declared below). Module docstring of
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import mmap
 import os
@@ -21,14 +22,14 @@ import aiofiles
 import aiofiles.os
 
 from kvstore.config import SsdConfig
-from kvstore.errors import CorruptPage, KVStoreError
+from kvstore.errors import CapacityError, CorruptPage, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.tiers.segments import (
     Segment,
     aligned,
     append,
-    direct_opener,
+    private_opener,
     segment_path,
     sync_directory,
 )
@@ -44,6 +45,14 @@ NUM_BUFFERS = 2  # appends in flight: one copies its pages while the other is wr
 # commits. 2 MiB pages, 8-64 in flight, work disk (2026-11-29): 4, 8 and 16 MiB all reached
 # 0.85-0.9 of dd; 32 MiB stalled at 8 in flight (0.28 GB/s) until the next interval.
 GROUP_COMMIT_BYTES = 8 << 20
+
+
+def disk_error(exc: OSError, action: str) -> KVStoreError:
+    """What a writer hears when ``action`` (which names the file) failed with ``exc``: a full
+    file system is CapacityError (RESOURCE_EXHAUSTED at the edge), anything else KVStoreError."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"ssd {action} failed: its file system is full ({exc.strerror})")
+    return KVStoreError(f"ssd {action} failed: {exc.strerror or exc}")
 
 
 @dataclass(eq=False, slots=True)
@@ -124,7 +133,7 @@ class SegmentWriter:
                 self._buffers.put_nowait(buffer)
                 batch = list(self._queue)
                 self._queue.clear()
-                self._fail(batch, exc)
+                self._fail(batch, disk_error(exc, f"creating a segment in {self._dir}"))
                 continue
             self._spawn(self._write_batch(seg, batch, buffer))
 
@@ -155,10 +164,15 @@ class SegmentWriter:
         segment_id = self._next_segment_id
         self._next_segment_id += 1
         path = segment_path(self._dir, segment_id)
-        opener = direct_opener if self._o_direct else None
-        handle = await aiofiles.open(path, "x+b", buffering=0, opener=opener)
+        handle = await aiofiles.open(path, "x+b", buffering=0,
+                                     opener=private_opener(self._o_direct))
         if self._config.fsync != "never":
-            await asyncio.to_thread(sync_directory, self._dir)
+            try:
+                await asyncio.to_thread(sync_directory, self._dir)
+            except OSError:
+                await handle.close()
+                await aiofiles.os.remove(path)
+                raise
         seg = Segment(segment_id, path, handle, 0)
         self._segments[segment_id] = seg
         self._active = seg
@@ -173,7 +187,7 @@ class SegmentWriter:
         except OSError as exc:
             seg.is_broken = True
             log.error("ssd append of %d bytes to %s failed: %s", nbytes, seg.path.name, exc)
-            self._fail(batch, exc)
+            self._fail(batch, disk_error(exc, f"append of {nbytes} bytes to {seg.path}"))
             return
         finally:
             self._buffers.put_nowait(buffer)
@@ -196,7 +210,8 @@ class SegmentWriter:
                 await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
             except OSError as exc:
                 seg.is_broken = True  # after a failed fsync the file's state is unknown
-                self._fail(batch, exc)
+                log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
+                self._fail(batch, disk_error(exc, f"fdatasync of {seg.path}"))
                 return
         for p in batch:
             self._stage(p)
@@ -237,9 +252,10 @@ class SegmentWriter:
                 await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
             except OSError as exc:
                 seg.is_broken = True
+                log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
                 failed = [p for p in batch if p.segment is seg]
                 batch = [p for p in batch if p.segment is not seg]
-                self._fail(failed, exc)
+                self._fail(failed, disk_error(exc, f"fdatasync of {seg.path}"))
         for p in batch:
             self._stage(p)
         await self._finish(batch)
@@ -249,13 +265,27 @@ class SegmentWriter:
         try:
             await self._lmdb.commit()
         except KVStoreError as exc:
-            # The pages stay staged and the journal is retried by the next commit; the writers
-            # learn that their pages are not indexed durably yet.
+            # The journal is retried by the next commit. The writers hear of the failure, so
+            # their pages leave the index: a retry must write them again, not find them.
             log.error("ssd index commit failed: %s", exc)
+            for p in batch:
+                self._unstage(p)
             self._answer(batch, exc)
             return
         self._answer(batch, None)
         await self._remove_emptied()
+
+    def _unstage(self, p: PendingWrite) -> None:
+        """Take a staged page back out of the index after its commit failed. A page moved by
+        compaction stays: its committed old place outlives the failure (``_remove_emptied``
+        waits for a commit), and the move is committed with the next one."""
+        entry = self._index.get(p.key)
+        if (p.relocate_from is not None or entry is None or p.segment is None
+                or (entry.segment_id, entry.offset) != (p.segment.segment_id, p.offset)):
+            return
+        del self._index[p.key]
+        self._lmdb.forget(p.key)
+        self._release(entry)
 
     def _answer(self, batch: list[PendingWrite], exc: BaseException | None) -> None:
         for p in batch:
@@ -306,7 +336,14 @@ class SegmentWriter:
             self._emptied.add(seg)
 
     async def _remove_emptied(self) -> None:
-        """Delete segments without live bytes (a compaction victim waits for its commit)."""
+        """Delete segments without live bytes (a compaction victim waits for its commit).
+
+        Nothing is deleted while the index is behind (its last commit failed): the committed
+        index may still point into an emptied segment, at pages whose new places are not
+        committed yet.
+        """
+        if self._lmdb.is_behind:
+            return
         for seg in list(self._emptied):
             if seg.is_compacting:
                 continue

@@ -8,7 +8,6 @@ Timings decide nothing here except as generous liveness bounds ("answers within 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import time
 
@@ -25,7 +24,7 @@ from kvstore.rpc.convert import namespace_to_proto
 from kvstore.server.daemon import serve
 from kvstore.spec import KVSpec
 
-from ..server.helpers import short_tmpdir, small_config
+from ..server.helpers import small_config
 from ..server.hostile import (
     SC,
     MiB,
@@ -42,13 +41,6 @@ from ..server.hostile import (
 
 LIVENESS_S = 2.0  # "answers within": far above a healthy daemon's milliseconds
 RETAINED_HEAP_BYTES = 128 * MiB  # see tests/security/test_request_limits.py
-
-
-@pytest.fixture
-def root():
-    path = short_tmpdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -38,7 +38,8 @@ BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLI
 UNARY = {"Lookup": pb.LookupRequest, "Evict": pb.EvictRequest, "Stats": pb.StatsRequest,
          "Health": pb.HealthRequest, "ListBlocks": pb.ListBlocksRequest,
          "Reserve": pb.ReserveRequest, "Commit": pb.CommitRequest, "Abort": pb.AbortRequest,
-         "Acquire": pb.AcquireRequest, "Release": pb.ReleaseRequest, "Hint": pb.HintRequest}
+         "Acquire": pb.AcquireRequest, "Release": pb.ReleaseRequest, "Hint": pb.HintRequest,
+         "ReportPrefill": pb.ReportPrefillRequest}
 ALL_METHODS = [*UNARY, "Put", "Get"]
 
 sent: collections.Counter[str] = collections.Counter()
@@ -130,6 +131,11 @@ REQUESTS: dict[str, st.SearchStrategy] = {
     "Release": st.builds(pb.ReleaseRequest, lease_id=names),
     "Hint": st.builds(pb.HintRequest, namespace=namespaces, tokens=tokens, deadline_s=seconds),
     "Get": st.builds(pb.GetRequest, namespace=namespaces, tokens=tokens, chunk_bytes=u64),
+    "ReportPrefill": st.builds(
+        pb.ReportPrefillRequest, namespace=namespaces, new_tokens=u64, cached_tokens=u64,
+        seconds=seconds, profile=st.none() | st.builds(
+            pb.ModelProfile, num_params=seconds, num_layers=u32, hidden_size=u32,
+            flops_per_s=seconds)),
 }
 
 

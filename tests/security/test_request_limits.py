@@ -10,7 +10,6 @@ with bounds far from both the attack's size and the process's own noise.
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import grpc
 import pytest
@@ -26,7 +25,7 @@ from kvstore.server.daemon import serve
 from kvstore.spec import KVSpec
 
 from ..conftest import random_kv, random_tokens
-from ..server.helpers import short_tmpdir, small_config
+from ..server.helpers import small_config
 from ..server.hostile import (
     HEAVY_NS,
     SC,
@@ -47,13 +46,6 @@ NOISE_BYTES = 64 * MiB  # what a daemon's peak may grow by for reasons of its ow
 # chunks (the daemon raises M_TRIM_THRESHOLD, daemon.tune_malloc), so the 4 MiB chunk
 # messages stay resident; the put's buffer itself is mmapped and goes back whole.
 RETAINED_HEAP_BYTES = 128 * MiB
-
-
-@pytest.fixture
-def root():
-    path = short_tmpdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_declared_size_over_the_bound_is_refused_naming_both(root):

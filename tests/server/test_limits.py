@@ -1,4 +1,4 @@
-"""Token buckets, caller identities, the limit fields of ServerConfig and the clip helper."""
+"""Token buckets, caller identities, the limit fields of ServerConfig, the retry hint."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from kvstore.config import ServerConfig
-from kvstore.errors import ConfigError, RateLimited, clip
+from kvstore.errors import ConfigError, RateLimited
 from kvstore.rpc.status import error_from_status, error_metadata, status_for
 from kvstore.server.limits import RateLimiter, TokenBucket, peer_host
 
@@ -76,9 +76,3 @@ def test_limit_defaults():
     assert server.max_request_tokens == 1_048_576 and server.stream_idle_timeout_s == 10.0
     assert server.rate_limit_rps == 0  # off unless configured
 
-
-def test_clip_bounds_what_a_message_quotes():
-    assert clip("acme") == "'acme'"
-    long = clip("x" * 1_000_000)
-    assert len(long) == 64 and long.startswith("'xxx") and long.endswith("...")
-    assert len(clip("y" * 100, 20)) == 20

@@ -53,6 +53,7 @@ async def test_metrics_endpoint(root, ns, spec):
     assert got[("kvstore_tier_used_bytes", dram)] >= 3 * spec.block_bytes
     assert got[("kvstore_tier_capacity_bytes", dram)] == 16 << 20
     assert ("kvstore_tier_hits_total", dram) in got
+    assert got[("kvstore_tier_read_bytes_per_second", dram)] > 0  # the cost model's estimate
     assert ("kvstore_tier_misses_total", (("tier", "ssd"),)) in got
     assert got[("kvstore_lookups_total", ())] == 1
     assert got[("kvstore_lookup_hit_tokens_total", ())] == 48

@@ -178,3 +178,27 @@ async def test_get_chunk_size_is_bounded(daemon, aclient, ns, spec):
     chunks = [m.chunk for m in replies[1:]]
     assert replies[0].header.found and len(chunks) == (1 << 20) // (64 << 10)
     assert b"".join(chunks) == bytes(tensor_view(kv))
+
+
+async def test_reported_prefills_drive_lookup_advice(daemon, aclient, ns, spec):
+    """Through the daemon: no profile, no advice; a profile makes lookups advise (here recompute
+    is so cheap that fetching never pays); a bad profile is INVALID_ARGUMENT, not a crash."""
+    from kvstore.api import ModelProfile
+
+    tokens = list(range(5000, 5064))
+    await aclient.put(ns, tokens, random_kv(spec, 64))
+    assert (await aclient.lookup(ns, tokens)).advised_tokens is None
+    cheap = ModelProfile(num_params=1.0, num_layers=1, hidden_size=1, flops_per_s=1e18)
+    await aclient.report_prefill(ns, profile=cheap)
+    await aclient.report_prefill(ns, new_tokens=64, cached_tokens=0, seconds=1e-12)
+    assert (await aclient.lookup(ns, tokens)).advised_tokens == 0
+    costly = ModelProfile(num_params=8e9, num_layers=32, hidden_size=4096, flops_per_s=1e9)
+    await aclient.report_prefill(ns, profile=costly)
+    assert (await aclient.lookup(ns, tokens)).advised_tokens == 64
+    bad = pb.ReportPrefillRequest(namespace=namespace_to_proto(ns),
+                                  profile=pb.ModelProfile(num_params=-1))
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pbg.KVStoreStub(channel).ReportPrefill(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "profile" in err.value.details()

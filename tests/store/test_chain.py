@@ -252,3 +252,82 @@ async def test_open_leases_and_reservations_are_capped_per_tenant(tmp_path):
         await store.abort((await store.reserve(acme, random_tokens(32, seed=13))).reservation_id)
         for lease in [*leases, other]:
             await store.release(lease.lease_id)
+
+
+async def test_long_prefixes_are_hashed_off_the_event_loop(tmp_path, monkeypatch):
+    """One maximal request must not stall every other: keys of a prefix over
+    INLINE_HASH_TOKENS are computed on a worker thread, short ones inline."""
+    import threading
+
+    from kvstore.store import facade
+
+    threads: list[str] = []
+
+    def recording(ns, tokens):
+        threads.append(threading.current_thread().name)
+        return block_keys(ns, tokens)
+
+    monkeypatch.setattr(facade, "block_keys", recording)
+    ns = namespace()
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram()),))
+    async with Store(config) as store:
+        await store.lookup(ns, random_tokens(64))
+        await store.lookup(ns, random_tokens(facade.INLINE_HASH_TOKENS + 16))
+    assert threads[0] == threading.main_thread().name
+    assert threads[1] != threading.main_thread().name
+
+
+async def test_lookup_advises_fetching_the_fast_head_and_recomputing_the_slow_tail(tmp_path):
+    """DRAM holds the head of a prefix and a (modelled) slow SSD the tail: with a model profile,
+    lookups advise fetching only the DRAM part; without one, they give no advice; an engine
+    that reports slower prefills moves the advice to fetching everything."""
+    from kvstore.policy.cost import ModelProfile
+
+    slow_ssd = ssd(tmp_path, read_bytes_per_s=1e6, read_fixed_s=0.0)  # ~70 ms per block
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(read_bytes_per_s=10e9)),
+                                  TierConfig("disk", "ssd", slow_ssd)))
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 20, seed=30), random_kv(SPEC, 16 * 20, seed=30)
+    async with Store(config) as store:
+        assert await store.put(ns, tokens, kv) == 320  # 15 blocks in DRAM, 5 on SSD
+        hit = await store.lookup(ns, tokens)
+        assert hit.tokens_per_tier == {"mem": 240, "disk": 80} and hit.advised_tokens is None
+        # ~1 ms of prefill per 16-token block: DRAM reads (~7 us) win, SSD reads (~70 ms) lose.
+        profile = ModelProfile(num_params=1e9, num_layers=4, hidden_size=256, flops_per_s=3.2e13)
+        store.set_model_profile(ns, profile)
+        assert (await store.lookup(ns, tokens)).advised_tokens == 240
+        for _ in range(200):  # the engine reports prefills 1000x slower than the profile
+            store.report_prefill(ns, 320, 0, 1000 * 2 * 1e9 * 320 / 3.2e13)
+        advised = (await store.lookup(ns, tokens)).advised_tokens
+        assert advised == 320
+        # Profiles and reports are per tenant: another tenant's lookups get no advice from them.
+        other = namespace(0, tenant="globex")
+        await store.put(other, tokens, kv)
+        assert (await store.lookup(other, tokens)).advised_tokens is None
+
+
+async def test_hints_schedule_only_blocks_that_can_arrive_before_the_deadline(tmp_path):
+    """The SSD path is modelled at 10 MB/s (~7 ms a 68 KiB block): a 35 ms deadline fits the
+    first few blocks of the prefix, in prefix order, and no more; a generous one fits all."""
+    config = KVStoreConfig(tiers=(
+        TierConfig("mem", "dram", dram(4 * MiB)),
+        TierConfig("disk", "ssd", ssd(tmp_path, read_bytes_per_s=10e6, read_fixed_s=0.0,
+                                      persist_on_close=True))))
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 12, seed=31), random_kv(SPEC, 16 * 12, seed=31)
+    async with Store(config) as store:
+        await store.put(ns, tokens, kv)
+    async with Store(config) as store:  # a restart: every block is on SSD only
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"disk": 192}
+        scheduled = await store.hint(ns, tokens, deadline_s=0.035)
+        assert 1 <= scheduled < 12
+        for _ in range(200):
+            counters = store.stats().counters
+            if counters.hint_landed + counters.hint_late == scheduled:
+                break
+            await asyncio.sleep(0.01)
+        assert counters.hint_blocks == scheduled and counters.hint_skipped == 12 - scheduled
+        hit = await store.lookup(ns, tokens)
+        assert hit.tokens_per_tier.get("mem", 0) == 16 * counters.hint_landed
+        assert await store.hint(ns, tokens, deadline_s=60) == 12 - counters.hint_landed
+        assert torch.equal(await store.get(ns, tokens), kv)
