@@ -251,13 +251,11 @@ def test_call_flood_is_rate_limited_per_tenant(root):
     assert calm_ok[0] >= 10
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the store hashes block keys on the event loop (kvstore/store/facade.py lookup() calls "
-    "block_keys() inline: about 1 s for 1 Mi one-token blocks); fixed on the store side"))
 def test_health_answers_while_maximal_lookups_run(root):
     """Back-to-back Lookups of max_request_tokens (1 Mi) tokens in one-token blocks, the most
-    hashing one request can ask for: Health from another client answers within 1 s
-    throughout. (The target is 50 ms; that is measured by the benchmark, not asserted.)"""
+    hashing one request can ask for (about 1 s of blake2b; the store hashes long prefixes on
+    a worker thread): Health from another client answers within 1 s throughout. (The target
+    is 50 ms; that is measured by the benchmark, not asserted.)"""
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=1)
     request = pb.LookupRequest(
         namespace=namespace_to_proto(Namespace(model_id="m", spec=spec, tenant="acme")),
@@ -288,3 +286,5 @@ def test_health_answers_while_maximal_lookups_run(root):
 
         latencies = asyncio.run(run())
     assert max(latencies) < 1.0, f"Health took up to {max(latencies):.2f} s"
+    print(f"Health while maximal lookups ran: n={len(latencies)}, "
+          f"max {max(latencies) * 1e3:.0f} ms, median {sorted(latencies)[len(latencies) // 2] * 1e3:.0f} ms")
