@@ -175,6 +175,9 @@ class KVStoreService(pbg.KVStoreServicer):
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         caller = current_caller()
         tenant = caller.scope(request.tenant, "evict blocks")
+        if len(request.keys) > MAX_LIST_LIMIT:  # as many as one listing can show
+            raise InvalidArgument(f"Evict names {len(request.keys)} keys; at most "
+                                  f"{MAX_LIST_LIMIT} per call")
         keys = [key_from_bytes(k) for k in request.keys] or None
         if not (request.everything or request.tenant or request.model_id or keys):
             raise InvalidArgument("Evict needs tenant, model_id, keys or everything")

@@ -210,8 +210,8 @@ def send_batch(channel: grpc.Channel, name: str, batch: list[tuple[Any, Any]]) -
     assert not failures, failures[:5]
 
 
-# Drawing happens whatever the budget (see test_random_bytes), so the example counts are what
-# bounds the file's time when the daemon is fast: about 25 s of drawing on an idle 2-core box.
+# Drawing happens whatever the budget (see test_random_bytes), so these counts bound the time
+# the file spends drawing; FUZZ_BUDGET_S bounds the time it spends sending.
 FUZZ = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 FUZZ_STRUCTURED = settings(FUZZ, max_examples=60)

@@ -166,7 +166,8 @@ async def capped_daemon(root):
 
 async def test_token_count_over_the_cap_is_refused_before_the_store(capped_daemon, ns, spec):
     """1025 tokens: INVALID_ARGUMENT naming the count and the cap, on every RPC that takes
-    tokens, and the store never sees the call (its counters stay at zero); 1024 pass."""
+    tokens, and the store never sees the call (its counters stay at zero); 1024 pass. An
+    Evict naming more keys than one listing can show is refused the same way."""
     over, at_cap = tokens_to_bytes(random_tokens(1025)), tokens_to_bytes(random_tokens(1024))
     good_ns = namespace_to_proto(ns)
     kv = random_kv(spec, 1025)
@@ -199,6 +200,8 @@ async def test_token_count_over_the_cap_is_refused_before_the_store(capped_daemo
         assert capped_daemon.store.stats().active_reservations == 0
         await stub.Lookup(pb.LookupRequest(namespace=good_ns, tokens=at_cap))
         assert capped_daemon.store.stats().counters.lookups == 1
+        code, details = await outcome(stub.Evict(pb.EvictRequest(keys=[bytes(16)] * 100_001)))
+        assert code == SC.INVALID_ARGUMENT and "at most 100000" in details, details
 
 
 def _calls_of(daemon, method_name: str) -> float:
