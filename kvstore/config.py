@@ -31,6 +31,7 @@ _SIZE_UNITS = {
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
 }
 FSYNC_POLICIES = ("always", "batch", "never")
+EVICTION_ORDERS = ("lru", "arc", "value")  # kvstore.policy.build_order's names
 
 
 def parse_size(value: int | str, field_name: str = "size") -> int:
@@ -83,6 +84,7 @@ class TierSettings:
     # Prior of the cost model's read path out of this tier, refined online from real reads.
     read_bytes_per_s: float = 10e9
     read_fixed_s: float = 5e-6  # per read: submit, map, verify set-up
+    eviction: str = "lru"  # which blocks go first: "lru", "arc" or "value" (cost model)
 
     def _check_common(self, section: str) -> None:
         if self.capacity_bytes < 0:
@@ -99,6 +101,9 @@ class TierSettings:
         if self.read_bytes_per_s <= 0 or self.read_fixed_s < 0:
             raise ConfigError(f"{section}.read_bytes_per_s must be > 0 and "
                               f"{section}.read_fixed_s >= 0")
+        if self.eviction not in EVICTION_ORDERS:
+            raise ConfigError(f"{section}.eviction must be one of {EVICTION_ORDERS}, "
+                              f"got {self.eviction!r}")
 
 
 @dataclass(frozen=True, slots=True)

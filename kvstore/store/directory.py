@@ -40,13 +40,13 @@ class BlockDirectory:
 
     Args:
         tier_names: the chain's tiers, fastest first.
-        order_factory: makes each tier's eviction order.
+        order_factory: makes the eviction order of the tier of the name it is given.
     """
 
     def __init__(self, tier_names: Sequence[str],
-                 order_factory: Callable[[], EvictionOrder] = LruOrder) -> None:
+                 order_factory: Callable[[str], EvictionOrder] = lambda _: LruOrder()) -> None:
         self._entries: dict[BlockKey, BlockEntry] = {}
-        self._orders: dict[str, EvictionOrder] = {name: order_factory() for name in tier_names}
+        self._orders = {name: order_factory(name) for name in tier_names}
         # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
         self._usage: dict[str, dict[str, int]] = {name: {} for name in tier_names}
 

@@ -29,6 +29,8 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
+from kvstore.policy import build_order
+from kvstore.policy.base import EvictionOrder, Footprint
 from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
@@ -54,6 +56,20 @@ async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
     return block_keys(ns, tokens)
 
 
+def _eviction_order(links: Sequence[Link], index: int) -> EvictionOrder:
+    """The order ``links[index]``'s settings name. The value order scores a hit by the read time
+    it saves against the next tier down; in the last tier by its own read time (recompute is
+    taken to cost at least twice the slowest read: the store has no prefill model per tier)."""
+    here = links[index].path
+    lower = links[index + 1].path if index + 1 < len(links) else None
+
+    def saved_s(footprint: Footprint, depth: int | None) -> float:
+        cost = here.time_s(footprint.nbytes, queued=False)
+        return cost if lower is None else lower.time_s(footprint.nbytes, queued=False) - cost
+
+    return build_order(links[index].settings.eviction, saved_s)
+
+
 @dataclass(slots=True)
 class _Encoded:
     meta: PageMeta
@@ -71,7 +87,8 @@ class Store:
         self.config = config or KVStoreConfig()
         links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
-        self._dir = BlockDirectory([link.name for link in links])
+        orders = {link.name: _eviction_order(links, link.index) for link in links}
+        self._dir = BlockDirectory(list(orders), orders.__getitem__)
         share = self.config.quota.share(len(self.config.server.tenant_tokens))
         self._placement = Placement(links, self._dir, self._count, share)
         self._leases = LeaseManager(self._dir, self._placement,

