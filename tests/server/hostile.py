@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -41,6 +44,21 @@ def status_line(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rpc_errors(metrics_port: int) -> dict[tuple[str, str], float]:
+    """The daemon's ``kvstore_rpc_errors_total`` by (method, code), scraped from its port."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.labels["method"], s.labels["code"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "kvstore_rpc_errors_total"}
 
 
 def num_sockets(pid: int) -> int:
