@@ -278,12 +278,34 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
     log_json: bool = True
+    # Limits on what one caller can make the daemon hold (see DESIGN.md, "Security model").
+    stream_idle_timeout_s: float = 10.0  # a request stream without progress this long ends
+    max_request_tokens: int = 1 << 20  # tokens in one request (1 Mi: a 4 MiB tokens field)
+    max_connections: int = 1024  # open connections per listening socket (Unix, TCP)
+    max_streams_per_connection: int = 256  # concurrent calls on one connection; more queue
+    max_concurrent_rpcs: int = 4096  # calls in progress at once; more get RESOURCE_EXHAUSTED
+    rate_limit_rps: float = 0.0  # calls per second per caller (tenant, else peer host); 0 = off
+    rate_limit_burst: int = 0  # calls a caller may make at once; 0 = one second's worth
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError("server.max_message_bytes must be >= 1 MiB")
+        if not 0 < self.stream_idle_timeout_s <= 3600:
+            raise ConfigError(f"server.stream_idle_timeout_s must be in (0, 3600] seconds, "
+                              f"got {self.stream_idle_timeout_s!r}")
+        for name in ("max_request_tokens", "max_connections", "max_streams_per_connection",
+                     "max_concurrent_rpcs"):
+            value = getattr(self, name)
+            if not 1 <= value < 1 << 31:  # gRPC takes these as C ints
+                raise ConfigError(f"server.{name} must be in [1, 2**31), got {value!r}")
+        if not 0 <= self.rate_limit_rps <= 1e9:
+            raise ConfigError(f"server.rate_limit_rps must be in [0, 1e9] (0 = off), "
+                              f"got {self.rate_limit_rps!r}")
+        if not 0 <= self.rate_limit_burst < 1 << 31:
+            raise ConfigError(f"server.rate_limit_burst must be in [0, 2**31) (0 = one second "
+                              f"of rate_limit_rps), got {self.rate_limit_burst!r}")
         if self.lease_timeout_s <= 0:
             raise ConfigError("server.lease_timeout_s must be > 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

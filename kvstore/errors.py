@@ -30,6 +30,15 @@ class CapacityError(KVStoreError):
     """A tier or request is over its configured bound (RESOURCE_EXHAUSTED at the edge)."""
 
 
+class RateLimited(CapacityError):
+    """The caller made more calls than ``server.rate_limit_rps`` allows; ``retry_after_s`` (and
+    the message) say when to retry."""
+
+    def __init__(self, message: str = "", retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class CorruptPage(KVStoreError):
     """A stored page failed its magic, version, key or checksum check; it is never served."""
 
@@ -50,7 +59,16 @@ class Unavailable(KVStoreError):
     """The daemon cannot be reached or is shutting down; safe to retry."""
 
 
-class AlreadyRunning(KVStoreError):
+class FailedPrecondition(KVStoreError):
+    """The call cannot work in the caller's situation (e.g. zero-copy over TCP); the message
+    says what to do instead."""
+
+
+class DeadlineExceeded(KVStoreError):
+    """A streamed request stopped making progress for ``server.stream_idle_timeout_s``."""
+
+
+class AlreadyRunning(FailedPrecondition):
     """Another daemon already serves this socket."""
 
 

@@ -30,8 +30,8 @@ from kvstore.api import (
     StoreStats,
     TierStats,
 )
-from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey, Namespace, token_array
+from kvstore.errors import InvalidArgument, shown
+from kvstore.keys import KEY_BYTES, MAX_NAME_CHARS, BlockKey, Namespace, token_array
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.spec import KVSpec
 
@@ -48,14 +48,22 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     return token_array(tokens).tobytes()
 
 
-def tokens_from_bytes(data: bytes) -> np.ndarray:
-    """Token ids from their wire form; InvalidArgument if the length is not a multiple of 4."""
+def tokens_from_bytes(data: bytes, max_tokens: int | None = None) -> np.ndarray:
+    """Token ids from their wire form (no copy).
+
+    Raises:
+        InvalidArgument: empty, not a multiple of 4 bytes, or more than ``max_tokens`` tokens
+            (checked before anything else looks at them).
+    """
     if len(data) == 0:
         raise InvalidArgument("tokens is empty")
     if len(data) % 4:
         raise InvalidArgument(
             f"tokens must be little-endian uint32 (a multiple of 4 bytes), got {len(data)} bytes"
         )
+    if max_tokens is not None and len(data) // 4 > max_tokens:
+        raise InvalidArgument(f"{len(data) // 4} tokens in one request exceed the cap of "
+                              f"{max_tokens} (server.max_request_tokens)")
     return np.frombuffer(data, dtype="<u4")
 
 
@@ -72,6 +80,10 @@ def spec_to_proto(spec: KVSpec) -> pb.KVSpec:
 
 
 def spec_from_proto(msg: pb.KVSpec) -> KVSpec:
+    """A validated KVSpec; InvalidArgument names the field."""
+    if len(msg.position_scheme) > MAX_NAME_CHARS:  # part of every key and page: keep it small
+        raise InvalidArgument(f"KVSpec.position_scheme must be at most {MAX_NAME_CHARS} "
+                              "characters")
     return KVSpec(num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
                   head_dim=msg.head_dim, block_tokens=msg.block_tokens,
                   dtype=msg.dtype or "bfloat16", position_scheme=msg.position_scheme or "rope")
@@ -151,7 +163,7 @@ def medium_from_proto(name: str) -> Medium:
     try:
         return Medium(name or Medium.HOST)
     except ValueError:
-        raise InvalidArgument(f"unknown memory medium {name[:32]!r}") from None
+        raise InvalidArgument(f"unknown memory medium {shown(name, 32)}") from None
 
 
 def lease_to_proto(lease: Lease) -> pb.AcquireResponse:

@@ -8,6 +8,7 @@ raises the same type.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvstore import errors
 from kvstore.errors import KVStoreError
 
 ERROR_METADATA_KEY = "kvstore-error"
+RETRY_AFTER_METADATA_KEY = "kvstore-retry-after-s"  # seconds, on RESOURCE_EXHAUSTED by rate
 
 # Most specific first: the first class in an exception's MRO found here decides its status.
 _STATUS_BY_ERROR: dict[type[KVStoreError], grpc.StatusCode] = {
@@ -28,7 +30,8 @@ _STATUS_BY_ERROR: dict[type[KVStoreError], grpc.StatusCode] = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.CorruptPage: grpc.StatusCode.DATA_LOSS,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.AlreadyRunning: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _ERROR_BY_STATUS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -39,6 +42,8 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
     grpc.StatusCode.DATA_LOSS: errors.CorruptPage,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
 }
 
 
@@ -52,8 +57,13 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def error_metadata(exc: KVStoreError) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata that names the exception class for the client."""
-    return ((ERROR_METADATA_KEY, type(exc).__name__),)
+    """Trailing metadata that names the exception class for the client (and, for a rate
+    limit, how long to wait before retrying)."""
+    meta = ((ERROR_METADATA_KEY, type(exc).__name__),)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s:
+        meta += ((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),)
+    return meta
 
 
 def error_from_status(
@@ -66,7 +76,12 @@ def error_from_status(
         cls = _ERROR_BY_STATUS.get(code, KVStoreError)
     if cls is KVStoreError:
         return KVStoreError(f"{code.name}: {details}")
-    return cls(details or code.name)
+    exc = cls(details or code.name)
+    if isinstance(exc, errors.RateLimited):
+        retry = next((str(v) for k, v in metadata or () if k == RETRY_AFTER_METADATA_KEY), "")
+        with contextlib.suppress(ValueError):
+            exc.retry_after_s = float(retry)
+    return exc
 
 
 def translate(err: grpc.RpcError) -> KVStoreError:

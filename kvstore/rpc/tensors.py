@@ -3,9 +3,9 @@ chunks below the message limit (Put from the client, Get from the server)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from kvstore.errors import CapacityError, InvalidArgument, shown
@@ -36,8 +36,8 @@ def expected_tensor(spec: KVSpec, num_tokens: int, header: pb.TensorHeader) -> i
                               f"{spec.dtype}")
     expected = spec.shape(num_tokens)
     if tuple(header.shape) != expected:
-        raise InvalidArgument(f"kv shape is {tuple(header.shape)}, expected {expected} for "
-                              f"{num_tokens} tokens under the namespace spec")
+        raise InvalidArgument(f"kv shape is {shown(tuple(header.shape))}, expected {expected} "
+                              f"for {num_tokens} tokens under the namespace spec")
     nbytes = num_tokens * spec.block_bytes // spec.block_tokens
     if header.total_bytes != nbytes:
         raise InvalidArgument(f"kv declares {header.total_bytes} bytes, its shape needs {nbytes}")
@@ -49,10 +49,10 @@ def tensor_from_buffer(buf: bytearray, header: pb.TensorHeader) -> torch.Tensor:
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
         raise InvalidArgument(f"unknown tensor dtype {shown(header.dtype)}")
-    numel = int(np.prod(header.shape)) if len(header.shape) else 1
+    numel = math.prod(header.shape) if len(header.shape) else 1
     if numel * torch.empty((), dtype=dtype).element_size() != len(buf):
-        raise InvalidArgument(f"tensor of shape {tuple(header.shape)} {shown(header.dtype)} does not "
-                              f"match its {len(buf)} bytes")
+        raise InvalidArgument(f"tensor of shape {shown(tuple(header.shape))} {header.dtype} "
+                              f"does not match its {len(buf)} bytes")
     if not buf:
         return torch.empty(tuple(header.shape), dtype=dtype)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(header.shape))
@@ -70,26 +70,45 @@ def iter_chunks(view: memoryview, chunk_bytes: int) -> Iterator[bytes]:
 
 
 class ChunkAssembler:
-    """Collects streamed chunks into one preallocated buffer, refusing more than declared."""
+    """Collects streamed chunks into one buffer that grows as they arrive (a header that
+    declares a huge tensor and sends nothing costs nothing), refusing more than declared.
+
+    The declared size is checked against ``max_bytes`` before anything is allocated. A put
+    that fails calls :meth:`release`, which frees the bytes received at once, even while a
+    traceback still refers to the assembler.
+    """
 
     def __init__(self, total_bytes: int, max_bytes: int) -> None:
         if total_bytes > max_bytes:
             raise CapacityError(f"tensor of {total_bytes} bytes exceeds the {max_bytes}-byte "
                                 "limit for one request")
-        self.buffer = bytearray(total_bytes)
-        self._view = memoryview(self.buffer)
-        self.received = 0
+        self.total_bytes = total_bytes
+        self.buffer = bytearray()
+
+    @property
+    def received(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.buffer) == self.total_bytes
 
     def add(self, chunk: bytes) -> None:
-        end = self.received + len(chunk)
-        if end > len(self.buffer):
-            raise InvalidArgument(f"received more than the {len(self.buffer)} bytes declared")
-        self._view[self.received : end] = chunk
-        self.received = end
+        if len(self.buffer) + len(chunk) > self.total_bytes:
+            raise InvalidArgument(f"received more than the {self.total_bytes} bytes declared")
+        # bytearray grows geometrically (and realloc moves large buffers by remapping):
+        # measured here at or above the speed of copying into a preallocated buffer.
+        self.buffer += chunk
 
     def finish(self) -> bytearray:
-        if self.received != len(self.buffer):
+        if not self.is_complete:
             raise InvalidArgument(f"stream ended after {self.received} of "
-                                  f"{len(self.buffer)} declared bytes")
-        self._view.release()
+                                  f"{self.total_bytes} declared bytes")
         return self.buffer
+
+    def release(self) -> None:
+        """Free the bytes received (once no tensor views them)."""
+        try:
+            self.buffer.clear()
+        except BufferError:  # a tensor made by finish() still views it: drop our reference
+            self.buffer = bytearray()

@@ -9,6 +9,10 @@ Who a caller is:
   their namespace names, with admin rights for calls that name no namespace.
 
 The file mode of the Unix socket (0600 in a 0700 directory) is what makes local trust safe.
+
+All of this is decided from the call's metadata and peer before any request body is read
+(:class:`AuthInterceptor`), so an unauthenticated caller cannot make the daemon receive,
+parse or buffer what it sends.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.config import ServerConfig
-from kvstore.errors import PermissionDenied, Unauthenticated, shown
-from kvstore.rpc.status import error_metadata
-from kvstore.server.interceptors import Behavior, HandlerInterceptor
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unauthenticated, shown
+from kvstore.server.interceptors import Behavior, HandlerInterceptor, abort_with
+from kvstore.server.limits import RateLimiter, StreamClock, peer_host
 
 _BEARER = "bearer "
-_UNIX_PEER_PREFIX = "unix:"
+UNIX_PEER_PREFIX = "unix:"  # how grpc names a Unix-socket peer
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,7 @@ def authenticate(
     token = bearer_token(metadata)
     if token is not None:
         return tokens.resolve(token)
-    on_unix = peer.startswith(_UNIX_PEER_PREFIX)
+    on_unix = peer.startswith(UNIX_PEER_PREFIX)
     if on_unix and not require_auth_on_unix:
         return LOCAL
     where = "on the Unix socket (server.require_auth_on_unix)" if on_unix else "over TCP"
@@ -123,32 +127,78 @@ def authenticate(
 
 
 class AuthInterceptor(HandlerInterceptor):
-    """Authenticates every call before its handler runs and publishes the caller."""
+    """Authenticates every call, and charges its caller's rate limit, before its handler runs
+    and before any of its request body is read; publishes the caller for the handler.
 
-    def __init__(self, config: ServerConfig) -> None:
+    grpc reads a unary request's message before it calls any behavior, so every method is
+    served here as a request-streaming one: the single request message is read only once the
+    caller is admitted, and within ``server.stream_idle_timeout_s``.
+    """
+
+    def __init__(self, config: ServerConfig, limiter: RateLimiter | None = None) -> None:
         super().__init__()
         self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
         self._require_on_unix = config.require_auth_on_unix
+        self._limiter = limiter
+        self._idle_s = config.stream_idle_timeout_s
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        peer = context.peer()
         try:
-            # each call runs in its own task, hence its own copy of the context
-            _current_caller.set(authenticate(self._tokens, context.invocation_metadata(),
-                                             context.peer(), self._require_on_unix))
-        except Unauthenticated as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc),
-                                trailing_metadata=error_metadata(exc))
+            caller = authenticate(self._tokens, context.invocation_metadata(), peer,
+                                  self._require_on_unix)
+            if self._limiter is not None:
+                self._limiter.check(f"tenant {caller.tenant}" if caller.tenant is not None
+                                    else f"peer {peer_host(peer)}")
+        except KVStoreError as exc:  # Unauthenticated, RateLimited
+            await abort_with(context, exc)
+        # each call runs in its own task, hence its own copy of the context
+        _current_caller.set(caller)
+
+    async def _single(self, requests, context: grpc.aio.ServicerContext):
+        try:
+            request = await StreamClock(self._idle_s).next(aiter(requests), "request message")
+            if request is None:
+                raise InvalidArgument("the call carried no request message")
+        except KVStoreError as exc:
+            await abort_with(context, exc)
+        return request
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            behavior = handler.unary_unary
+
+            async def read_one(requests, context):
+                return await behavior(await self._single(requests, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(self.wrap_unary(method, read_one), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self.wrap_unary(method, handler.stream_unary), **kw)
+        if handler.unary_stream:
+            streaming = handler.unary_stream
+
+            async def read_one_streaming(requests, context):
+                async for response in streaming(await self._single(requests, context), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                self.wrap_streaming(method, read_one_streaming), **kw)
+        return grpc.stream_stream_rpc_method_handler(
+            self.wrap_streaming(method, handler.stream_stream), **kw)
 
     def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
-            await self._authenticate(context)
+            await self._admit(context)
             return await behavior(request, context)
 
         return run
 
     def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):
-            await self._authenticate(context)
+            await self._admit(context)
             async for response in behavior(request, context):
                 yield response
 

@@ -28,10 +28,11 @@ from typing import IO
 
 import grpc
 
-from kvstore.config import KVStoreConfig, load_config, parse_assignments
+from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
 from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
 from kvstore.server.auth import AuthInterceptor, TokenTable
 from kvstore.server.interceptors import ErrorInterceptor
+from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
 from kvstore.server.service import KVStoreService, add_to_server
 from kvstore.store import Store
@@ -167,6 +168,20 @@ def _clear_stale_socket(path: str) -> None:
                  extra={"socket": path})
 
 
+def server_options(server: ServerConfig) -> list[tuple[str, int]]:
+    """The gRPC core options that bound what connections can make the daemon hold."""
+    return [
+        ("grpc.max_receive_message_length", server.max_message_bytes),
+        ("grpc.max_send_message_length", server.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        # per listening socket: connections past it are closed as soon as they are accepted
+        ("grpc.max_allowed_incoming_connections", server.max_connections),
+        ("grpc.max_concurrent_streams", server.max_streams_per_connection),
+        # a connection that has not finished its HTTP/2 handshake by then is closed
+        ("grpc.server_handshake_timeout_ms", max(1, int(server.stream_idle_timeout_s * 1000))),
+    ]
+
+
 class Daemon:
     """A running daemon: its store, gRPC server, bound addresses and metrics endpoint."""
 
@@ -180,12 +195,14 @@ class Daemon:
         self.draining = False
         self._lock = lock
         self._stopped = False
+        server = config.server
+        limiter = (RateLimiter(server.rate_limit_rps, server.rate_limit_burst)
+                   if server.rate_limit_rps else None)
         self.server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(config.server),
+            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(server, limiter),
                           ErrorInterceptor()],
-            options=[("grpc.max_receive_message_length", config.server.max_message_bytes),
-                     ("grpc.max_send_message_length", config.server.max_message_bytes),
-                     ("grpc.so_reuseport", 0)],
+            options=server_options(server),
+            maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
         add_to_server(KVStoreService(store, config, lambda: self.draining), self.server)
 

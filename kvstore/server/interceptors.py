@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -56,6 +56,11 @@ class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
     def wrap_streaming(self, method: str, behavior: Behavior) -> Behavior:
         """Wrap an async-generator behavior (streamed response) of ``method``."""
 
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler that serves ``method`` in place of ``handler``."""
+        return wrap_handler(handler, lambda b: self.wrap_unary(method, b),
+                            lambda b: self.wrap_streaming(method, b))
+
     async def intercept_service(self, continuation, handler_call_details):
         full_method = handler_call_details.method
         wrapped = self._handlers.get(full_method)
@@ -63,9 +68,7 @@ class HandlerInterceptor(grpc.aio.ServerInterceptor, ABC):
             handler = await continuation(handler_call_details)
             if handler is None:
                 return None
-            name = method_name(full_method)
-            wrapped = wrap_handler(handler, lambda b: self.wrap_unary(name, b),
-                                   lambda b: self.wrap_streaming(name, b))
+            wrapped = self.wrap(method_name(full_method), handler)
             self._handlers[full_method] = wrapped
         return wrapped
 
@@ -74,6 +77,14 @@ def method_name(full_method: str) -> str:
     """``/kvstore.v1.KVStore/Lookup`` -> ``Lookup``."""
     return full_method.rsplit("/", 1)[-1]
 
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: KVStoreError) -> NoReturn:
+    """End the call with the status of a kvstore exception, its class in the trailers."""
+    await context.abort(status_for(exc), str(exc) or type(exc).__name__,
+                        trailing_metadata=error_metadata(exc))
+
+
+_MAX_DETAIL_CHARS = 200  # of an unexpected exception's text in an INTERNAL status
 
 # Failures an operator should see in the log; the rest are a client's own mistakes (DEBUG).
 _NOTEWORTHY = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -90,14 +101,14 @@ class ErrorInterceptor(HandlerInterceptor):
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: Exception):
         if isinstance(exc, KVStoreError):
-            code, meta = status_for(exc), error_metadata(exc)
+            code = status_for(exc)
             _log.log(logging.WARNING if code in _NOTEWORTHY else logging.DEBUG,
                      "%s failed: %s", method, exc,
                      extra={"rpc": method, "code": code.name, "error": type(exc).__name__})
-            await context.abort(code, str(exc) or type(exc).__name__, trailing_metadata=meta)
+            await abort_with(context, exc)
         _log.error("%s raised unexpectedly", method, exc_info=exc, extra={"rpc": method})
-        await context.abort(grpc.StatusCode.INTERNAL,
-                            f"internal error in {method}: {type(exc).__name__}: {exc}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: "
+                            f"{type(exc).__name__}: {str(exc)[:_MAX_DETAIL_CHARS]}")
 
     def wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def run(request, context):

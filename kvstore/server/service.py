@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.api import MAX_LEASE_S
 from kvstore.config import KVStoreConfig
-from kvstore.errors import InvalidArgument, PermissionDenied, shown
+from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied, shown
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
@@ -43,7 +44,8 @@ from kvstore.rpc.tensors import (
     tensor_header,
     tensor_view,
 )
-from kvstore.server.auth import Caller, current_caller
+from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
+from kvstore.server.limits import StreamClock
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
@@ -57,6 +59,14 @@ def _seconds(value: float, name: str, upper: float, allow_zero: bool) -> float:
         raise InvalidArgument(f"{name} must be in {'[' if allow_zero else '('}0, {upper:g}] "
                               f"seconds, got {value!r}")
     return value
+
+
+def _require_unix(context, method: str, instead: str) -> None:
+    """FailedPrecondition unless the caller is on the Unix socket: a zero-copy grant names
+    arena pages that only a process on this host, handed the arena there, can map."""
+    if not context.peer().startswith(UNIX_PEER_PREFIX):
+        raise FailedPrecondition(f"{method} hands out shared-memory pages, which a caller over "
+                                 f"TCP cannot map; use {instead}, which streams the bytes")
 
 
 class GrantBook:
@@ -99,44 +109,59 @@ class KVStoreService(pbg.KVStoreServicer):
                                   config.tier_chain()[0].settings.capacity_bytes)
         self._grants = GrantBook()
         self._started = time.monotonic()
+        self._max_tokens = config.server.max_request_tokens
+        self._idle_s = config.server.stream_idle_timeout_s
 
     def _namespace(self, msg: pb.Namespace, action: str) -> Namespace:
         ns = namespace_from_proto(msg)
         current_caller().check_namespace_tenant(ns.tenant, action)
         return ns
 
+    def _tokens(self, data: bytes) -> np.ndarray:
+        return tokens_from_bytes(data, self._max_tokens)
+
     def _lease_s(self, value: float) -> float | None:
         return _seconds(value, "lease_s", MAX_LEASE_S, allow_zero=True) or None
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         ns = self._namespace(request.namespace, "look up")
-        result = await self._store.lookup(ns, tokens_from_bytes(request.tokens))
+        result = await self._store.lookup(ns, self._tokens(request.tokens))
         return lookup_to_proto(result)
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
-        stream = request_iterator.__aiter__()
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise InvalidArgument("Put stream is empty: expected a PutHeader first") from None
+        # Every read waits at most stream_idle_timeout_s for progress (limits.StreamClock), and
+        # the sizes the header declares are checked before the buffer is allocated.
+        stream, clock = aiter(request_iterator), StreamClock(self._idle_s)
+        first = await clock.next(stream, "Put")
+        if first is None:
+            raise InvalidArgument("Put stream is empty: expected a PutHeader first")
         if first.WhichOneof("part") != "header":
             raise InvalidArgument("Put stream must start with a PutHeader")
         header = first.header
         ns = self._namespace(header.namespace, "write")
-        tokens = tokens_from_bytes(header.tokens)
-        nbytes = expected_tensor(ns.spec, len(tokens), header.tensor)
-        assembler = ChunkAssembler(nbytes, self._max_put_bytes)
-        async for message in stream:
-            if message.WhichOneof("part") != "chunk":
-                raise InvalidArgument("only chunks may follow the PutHeader")
-            assembler.add(message.chunk)
-        kv = tensor_from_buffer(assembler.finish(), header.tensor)
-        written = await self._store.put(ns, tokens, kv)
+        tokens = self._tokens(header.tokens)
+        assembler = ChunkAssembler(expected_tensor(ns.spec, len(tokens), header.tensor),
+                                   self._max_put_bytes)
+        clock.advance()
+        try:
+            while (message := await clock.next(stream, "Put")) is not None:
+                if message.WhichOneof("part") != "chunk":
+                    raise InvalidArgument("only chunks may follow the PutHeader")
+                assembler.add(message.chunk)
+                if assembler.is_complete:
+                    clock.advance()  # the client now has a full idle gap to close the stream
+                else:
+                    clock.note(len(message.chunk))
+            buffer = assembler.finish()
+        except BaseException:
+            assembler.release()  # a refused or abandoned put gives its bytes back now
+            raise
+        written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, header.tensor))
         return pb.PutResponse(tokens_written=written)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
         ns = self._namespace(request.namespace, "read")
-        kv = await self._store.get(ns, tokens_from_bytes(request.tokens))
+        kv = await self._store.get(ns, self._tokens(request.tokens))
         if kv is None:
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
@@ -150,6 +175,9 @@ class KVStoreService(pbg.KVStoreServicer):
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         caller = current_caller()
         tenant = caller.scope(request.tenant, "evict blocks")
+        if len(request.keys) > MAX_LIST_LIMIT:  # as many as one listing can show
+            raise InvalidArgument(f"Evict names {len(request.keys)} keys; at most "
+                                  f"{MAX_LIST_LIMIT} per call")
         keys = [key_from_bytes(k) for k in request.keys] or None
         if not (request.everything or request.tenant or request.model_id or keys):
             raise InvalidArgument("Evict needs tenant, model_id, keys or everything")
@@ -182,8 +210,9 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         ns = self._namespace(request.namespace, "write")
+        _require_unix(context, "Reserve", "Put")
         lease_s = self._lease_s(request.lease_s)
-        reservation = await self._store.reserve(ns, tokens_from_bytes(request.tokens), lease_s)
+        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s)
         self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
         return reservation_to_proto(reservation)
 
@@ -201,8 +230,9 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         ns = self._namespace(request.namespace, "read")
+        _require_unix(context, "Acquire", "Get")
         lease_s = self._lease_s(request.lease_s)
-        lease = await self._store.acquire(ns, tokens_from_bytes(request.tokens), lease_s)
+        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s)
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
         return lease_to_proto(lease)
 
@@ -215,7 +245,7 @@ class KVStoreService(pbg.KVStoreServicer):
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
         ns = self._namespace(request.namespace, "prefetch")
         deadline_s = _seconds(request.deadline_s, "deadline_s", MAX_HINT_DEADLINE_S, False)
-        scheduled = await self._store.hint(ns, tokens_from_bytes(request.tokens), deadline_s)
+        scheduled = await self._store.hint(ns, self._tokens(request.tokens), deadline_s)
         return pb.HintResponse(num_blocks=scheduled)
 
     async def ReportPrefill(self, request: pb.ReportPrefillRequest, context

@@ -65,7 +65,10 @@ async def test_tenant_isolation_over_tcp(tcp_daemon, ns, spec):
         assert await acme.evict(everything=True) == 3  # a tenant's "everything" is its own
         assert (await zeta.lookup(zeta_ns, tokens)).matched_tokens == 32
 
-        lease = await zeta.acquire(zeta_ns, tokens)
+        # leases are only granted on the Unix socket (tests/security/test_request_limits.py);
+        # a token binds there too, and the owner check holds across transports
+        async with client(tcp_daemon.unix_address, "tok-zeta") as zeta_local:
+            lease = await zeta_local.acquire(zeta_ns, tokens)
         with pytest.raises(PermissionDenied, match="another tenant"):
             await acme.release(lease.lease_id)
         await zeta.release(lease.lease_id)
@@ -73,9 +76,10 @@ async def test_tenant_isolation_over_tcp(tcp_daemon, ns, spec):
 
 
 async def test_another_tenant_cannot_abort_a_reservation(tcp_daemon, ns, spec):
-    """Abort applies Commit's owner check: zeta can neither abort nor commit acme's slots."""
+    """Abort applies Commit's owner check: zeta can neither abort nor commit acme's slots.
+    Reservations are only granted on the Unix socket, where the tokens bind the same way."""
     tokens = random_tokens(32, seed=9)
-    async with client(tcp_daemon.tcp_address, "tok-acme") as acme, \
+    async with client(tcp_daemon.unix_address, "tok-acme") as acme, \
             client(tcp_daemon.tcp_address, "tok-zeta") as zeta, \
             client(tcp_daemon.tcp_address, "tok-admin") as admin:
         reservation = await acme.reserve(ns, tokens)
