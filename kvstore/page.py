@@ -7,15 +7,23 @@ Layout (little-endian)::
     checksum u64 | meta (JSON: tenant, model, codec chain) | payload (codec blob)
 
 The checksum is xxh3-64 over the header (with the checksum field zero), meta and payload.
-Any reader can verify and decode a page without outside state.
+Any reader can verify and decode a page without outside state. The checksum catches damage, not
+forgery: whoever can write a page can recompute it. Where pages sit in memory that clients can
+write (the DRAM arenas), the daemon also seals each page it stores there: a :class:`PageSealer`
+makes a keyed MAC of the whole page under a secret only the daemon holds, and the daemon keeps
+that tag in its own memory beside the page (a :class:`Seal`). A page read back is trusted only
+if it still matches its tag, so a forged page, checksum recomputed, is never served.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import secrets
 import struct
 from dataclasses import dataclass
 
+import blake3
 import xxhash
 
 from kvstore.errors import CorruptPage
@@ -29,6 +37,8 @@ _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CHECKSUM = struct.Struct("<Q")
 _ZERO_CHECKSUM = bytes(_CHECKSUM.size)
 MAX_META_BYTES = 64 * 1024
+SEAL_KEY_BYTES = 32
+TAG_BYTES = 16  # a 128-bit tag: a blind forgery succeeds with probability 2**-128
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +60,58 @@ class Page:
     """A parsed page: its meta, a view of its payload and a view of the whole encoded page.
 
     ``decode_page`` returns it verified; ``parse_page`` (and a tier's ``read(key, verify=False)``)
-    leaves the checksum to ``verify_page``, which must accept it before any of it is used.
+    leaves the check to ``verify_page``, which must accept it before any of it is used: against
+    ``seal`` when the page came with one (it sits in memory clients can write), else its checksum.
     """
 
     meta: PageMeta
     payload: memoryview
     data: memoryview  # header + meta + payload, e.g. to copy the page to another tier as is
+    seal: Seal | None = None
+
+
+class PageSealer:
+    """Makes and checks keyed MACs of whole pages under a secret that never leaves it.
+
+    BLAKE3 in keyed mode is a PRF: without the secret, no writer can make a page match a tag,
+    and a tag says nothing about the secret. The secret is random per sealer (per daemon run)
+    and never stored anywhere. Thread-safe; hashing releases the GIL, so callers tag and check
+    large pages on worker threads.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and len(key) != SEAL_KEY_BYTES:
+            raise ValueError(f"a seal key is {SEAL_KEY_BYTES} bytes, got {len(key)}")
+        self._key = secrets.token_bytes(SEAL_KEY_BYTES) if key is None else bytes(key)
+
+    def __repr__(self) -> str:
+        return "PageSealer(<secret>)"
+
+    def tag(self, page: bytes | bytearray | memoryview) -> bytes:
+        """The MAC of the page that starts at ``page`` (its header says where it ends)."""
+        view = memoryview(page).cast("B")
+        return blake3.blake3(view[:page_length(view)], key=self._key).digest(TAG_BYTES)
+
+    def seal(self, page: bytes | bytearray | memoryview) -> Seal:
+        """The seal to keep beside ``page`` (its tag under this sealer)."""
+        return Seal(self, self.tag(page))
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """The tag its sealer made of a page when storing it, kept where no client can write."""
+
+    sealer: PageSealer
+    tag: bytes
+
+    def check(self, page: Page) -> None:
+        """CorruptPage unless ``page`` is, byte for byte, the page this seal was made of."""
+        if not hmac.compare_digest(self.sealer.tag(page.data), self.tag):
+            raise CorruptPage(f"page checksum mismatch for key {bytes(page.meta.key).hex()}: "
+                              "the page fails its seal (keyed checksum), it changed after the "
+                              "daemon stored it")
 
 
 def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> bytes:
@@ -106,33 +162,42 @@ def page_length(buf: bytes | bytearray | memoryview) -> int:
     return HEADER_BYTES + fields[7] + fields[8]
 
 
-def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None) -> Page:
+def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None,
+                seal: Seal | None = None) -> Page:
     """Verify and parse a page; raise CorruptPage naming the first fault found.
 
-    The returned payload is a view into ``buf`` (no copy).
+    With ``seal`` the page must match it (which implies its checksum: only pages whose checksum
+    held are ever sealed); without, its checksum must hold. The returned payload is a view into
+    ``buf`` (no copy).
     """
-    view, fields = _parse_header(buf, expected_key)
-    _check_sum(view[:_page_end(fields)], fields[5])
-    return _make_page(view, fields)
+    page = parse_page(buf, expected_key, seal)
+    verify_page(page)
+    return page
 
 
-def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None) -> Page:
-    """Parse a page without checking its checksum; CorruptPage if the header or meta is damaged.
+def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None,
+               seal: Seal | None = None) -> Page:
+    """Parse a page without checking its checksum or seal; CorruptPage if the header or meta is
+    damaged.
 
     Cheap (no pass over the payload). Nothing in the returned page may be trusted, or leave
-    the reader, before ``verify_page`` accepted it.
+    the reader, before ``verify_page`` accepted it (against ``seal``, if given).
     """
-    return _make_page(*_parse_header(buf, expected_key))
+    return _make_page(*_parse_header(buf, expected_key), seal)
 
 
 def verify_page(page: Page) -> None:
-    """Check a parsed page's checksum (one xxh3 pass over it); CorruptPage if it differs.
+    """Check a parsed page against its seal if it has one (one keyed BLAKE3 pass), else its
+    checksum (one xxh3 pass); CorruptPage if it fails.
 
     Releases the GIL while hashing, so worker threads verify side by side. Hashing leaves the
     page in the CPU caches: copying its payload right after, on the same thread, costs about
     what the copy alone costs.
     """
-    _check_sum(page.data, page.meta.key)
+    if page.seal is not None:
+        page.seal.check(page)
+    else:
+        _check_sum(page.data, page.meta.key)
 
 
 def _parse_header(buf: bytes | bytearray | memoryview, expected_key: bytes | None
@@ -171,7 +236,7 @@ def _check_sum(data: memoryview, key: bytes) -> None:
         raise CorruptPage(f"page checksum mismatch for key {bytes(key).hex()}")
 
 
-def _make_page(view: memoryview, fields: tuple) -> Page:
+def _make_page(view: memoryview, fields: tuple, seal: Seal | None = None) -> Page:
     (_, _, codec_id, block_index, namespace, key, parent, meta_len, _, _) = fields
     end = _page_end(fields)
     try:
@@ -188,4 +253,5 @@ def _make_page(view: memoryview, fields: tuple) -> Page:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptPage(f"page meta unreadable for key {key.hex()}: {exc}") from None
-    return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end], data=view[:end])
+    return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end], data=view[:end],
+                seal=seal)
