@@ -21,7 +21,7 @@ MAX_LEASE_S = 3600.0  # a lease or reservation longer than this is a client bug,
 class Medium(enum.StrEnum):
     """Which memory a slot tier lends slots from, so one lease type covers every slot tier."""
 
-    HOST = "host"  # a shared-memory arena file; ``region`` is its path, mapped with mmap
+    HOST = "host"  # a tenant's shared-memory arena; ``region`` names it, its fd comes by fdpass
     DEVICE = "device"  # a GPU memory pool exported over CUDA IPC; ``region`` names the pool
 
 
@@ -55,7 +55,7 @@ class BlockLocation:
 
     key: BlockKey
     medium: Medium
-    region: str  # arena file path (HOST) or pool name (DEVICE)
+    region: str  # the tenant's arena (HOST, see kvstore.rpc.fdpass) or pool name (DEVICE)
     offset: int  # bytes from the start of the region
     length: int  # page bytes
 
@@ -208,4 +208,6 @@ class HealthInfo:
     pid: int
     tenant: str  # the caller's tenant; "" for the admin or local trust
     is_admin: bool
-    arena_path: str  # the daemon's host arena, mapped by zero-copy clients ("" if none)
+    # The daemon's descriptor socket, where a zero-copy client gets its tenant's host arena
+    # (kvstore.rpc.fdpass); "" when the daemon has no host arena.
+    arena_path: str

@@ -116,7 +116,8 @@ class DramConfig(TierSettings):
     capacity_bytes: int = field(default_factory=lambda: min(_total_ram_bytes() // 8, 16 << 30))
     high_watermark: float = 0.95  # fraction of capacity that starts demotion
     low_watermark: float = 0.85  # demotion stops below this fraction
-    shm_dir: str = "/dev/shm"  # where the arena file lives (falls back to a temp dir)
+    # Unused since arenas became memfds (one per tenant, no path); kept so configs still load.
+    shm_dir: str = "/dev/shm"
     chunk_bytes: int = 64 << 20  # the arena grows (and pre-faults) this much at a time
 
     def __post_init__(self) -> None:

@@ -49,7 +49,7 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(self._settings.target.grpc_target,
                                                   options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
-        self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix)
+        self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
         self._cleanups: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------------------ plumbing

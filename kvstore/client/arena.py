@@ -1,10 +1,13 @@
-"""Zero-copy pages: a client on the daemon's host reads and writes them in the DRAM arena file.
+"""Zero-copy pages: a client on the daemon's host reads and writes them in its tenant's arena.
 
-Reads: Acquire, mmap, verify, decode, Release. Writes: Reserve, encode, write into the slots,
+Reads: Acquire, map, check, decode, Release. Writes: Reserve, encode, write into the slots,
 Commit; Abort if the write fails or is interrupted. Neither streams tensor bytes through the
-socket. ``zero_copy=None`` (the default) picks this automatically for ``unix://`` addresses
-when this process can map the arena Health names (checked once per client), and otherwise
-streams; ``True`` insists on it (errors if impossible), ``False`` always streams.
+socket. A client maps only its own tenant's arena: it gets the arena's descriptor from the
+daemon's descriptor socket (``kvstore.rpc.fdpass``, named by Health) after the daemon checked
+its token, once per region, and keeps it. ``zero_copy=None`` (the default) picks this
+automatically for ``unix://`` addresses when the daemon hands this client a descriptor (checked
+once per client), and otherwise streams; ``True`` insists on it (errors if impossible), ``False``
+always streams.
 """
 
 from __future__ import annotations
@@ -12,37 +15,50 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import socket
 import threading
 
 import torch
 
 from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
-from kvstore.errors import CapacityError, InvalidArgument, LeaseNotFound
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.rpc.fdpass import (
+    EXCHANGE_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    encode_request,
+    parse_reply,
+)
 
 
 class ZeroCopy:
-    """One client's zero-copy setting, what it found out about the arena, and its mappings.
+    """One client's zero-copy setting, what it found out about the daemon's arenas, and its
+    mappings.
 
     A call's ``zero_copy`` argument overrides the client's ``setting``; with neither set (auto
-    mode) the client probes the arena once (:meth:`must_probe`) and falls back to streaming
-    when it cannot be opened.
+    mode) the client probes the descriptor socket once (:meth:`must_probe`) and falls back to
+    streaming when it gets no answer.
     """
 
-    def __init__(self, setting: bool | None, is_unix: bool) -> None:
-        self.maps = ArenaMaps()
+    def __init__(self, setting: bool | None, is_unix: bool, token: str | None = None) -> None:
+        self.maps = ArenaMaps(token)
         self._setting = setting
-        # auto mode: can this process map the arena? Unknown until probed; never over TCP.
+        # auto mode: does the daemon hand this client arenas? Unknown until probed; never over
+        # TCP.
         self.arena_ok: bool | None = None if is_unix else False
 
     def _choice(self, requested: bool | None) -> bool | None:
         return self._setting if requested is None else requested
 
     def must_probe(self, requested: bool | None) -> bool:
-        """Whether this call needs ``arena_ok`` found out first (auto mode, not yet probed)."""
-        return self._choice(requested) is None and self.arena_ok is None
+        """Whether this call needs Health asked first: auto mode not yet probed, or zero-copy
+        insisted on before the descriptor socket is known."""
+        choice = self._choice(requested)
+        if choice is None:
+            return self.arena_ok is None
+        return choice and self.maps.channel is None
 
     def mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back) for one call."""
@@ -60,56 +76,97 @@ class ZeroCopy:
 
     def get_failed(self, exc: OSError | LeaseNotFound, strict: bool) -> None:
         """A zero-copy get failed: raise if the call insisted on it, else stream this get, and
-        the later ones too when the arena cannot be opened (an OSError, not LeaseNotFound)."""
+        the later ones too when the arena cannot be mapped (an OSError, not LeaseNotFound)."""
         if strict:
             raise InvalidArgument(f"zero-copy get failed: {exc}") from exc
         if isinstance(exc, OSError):
             self.arena_ok = False
 
 
-class ArenaMaps:
-    """mmaps of the daemon's DRAM arena files, opened on first use and reused.
+def fetch_region_fd(channel: str, region: str, token: str | None,
+                    timeout_s: float = EXCHANGE_TIMEOUT_S) -> int | None:
+    """The descriptor of ``region`` from the daemon's descriptor socket ``channel`` (None for a
+    probe, ``region=""``); the caller owns it. Raises the daemon's refusal (PermissionDenied,
+    Unauthenticated, NotFound, ...) or OSError when the socket does not answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(channel)
+        sock.sendall(encode_request(region, token))
+        data, fds = b"", []
+        try:
+            while not data.endswith(b"\n") and len(data) < MAX_MESSAGE_BYTES:
+                chunk, got, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES - len(data), 1,
+                                                   socket.MSG_CMSG_CLOEXEC)
+                fds += got
+                if not chunk:
+                    raise ConnectionError(f"descriptor socket {channel} closed before replying")
+                data += chunk
+            parse_reply(data)
+            if region and len(fds) != 1:
+                raise ConnectionError(f"descriptor socket {channel} sent {len(fds)} descriptors")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+    return fds[0] if region else None
 
-    An arena grows in chunks, so a slot past the mapped end remaps the file. Thread-safe: the
-    async client reads and writes pages from worker threads.
+
+class ArenaMaps:
+    """mmaps of the arenas this client's tenant may map, one descriptor per region.
+
+    A region's descriptor is fetched from the daemon's descriptor socket (``channel``, learnt
+    from Health) the first time a lease or reservation names the region, then kept: pages of
+    leases are read through a read-only mapping of it, reservations written through a
+    read-write one. Thread-safe: the async client reads and writes pages from worker threads.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None, channel: str | None = None) -> None:
+        self.channel = channel  # the daemon's descriptor socket; None: Health not asked yet
+        self._token = token
+        self._fds: dict[str, int] = {}
         self._maps: dict[tuple[str, bool], mmap.mmap] = {}
         self._lock = threading.Lock()
 
-    def _map(self, path: str, end: int, writable: bool) -> mmap.mmap:
-        current = self._maps.get((path, writable))
+    def _fd(self, region: str) -> int:
+        fd = self._fds.get(region)
+        if fd is None:
+            if not self.channel:
+                raise ConnectionError("the daemon names no descriptor socket (no host arena, "
+                                      "or Health not asked yet)")
+            fd = fetch_region_fd(self.channel, region, self._token)
+            self._fds[region] = fd
+        return fd
+
+    def _map(self, region: str, end: int, writable: bool) -> mmap.mmap:
+        current = self._maps.get((region, writable))
         if current is not None and len(current) >= end:
             return current
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        try:
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=prot)
-        finally:
-            os.close(fd)
-        if len(mapped) < end:
-            mapped.close()
-            raise InvalidArgument(f"arena {path} is {len(mapped)} bytes; a slot ends at {end}")
+        fd = self._fd(region)
+        size = os.fstat(fd).st_size
+        if size < end:
+            raise InvalidArgument(f"arena {region} is {size} bytes; a slot ends at {end}")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         if current is not None:
             self._close_map(current)
-        self._maps[(path, writable)] = mapped
+        self._maps[(region, writable)] = mapped
         return mapped
 
-    def usable(self, path: str) -> bool:
-        """Whether this process can map ``path`` for reading and writing."""
-        if not path:
+    def usable(self, channel: str) -> bool:
+        """Whether the daemon answers on its descriptor socket ``channel`` and accepts this
+        client's token there (a probe: no descriptor is sent)."""
+        self.channel = channel
+        if not channel:
             return False
         try:
-            with self._lock:
-                self._map(path, 0, writable=True)
-        except (OSError, ValueError):
+            fetch_region_fd(channel, "", self._token)
+        except (OSError, KVStoreError):
             return False
         return True
 
-    def view(self, path: str, offset: int, length: int, writable: bool = False) -> memoryview:
+    def view(self, region: str, offset: int, length: int, writable: bool = False) -> memoryview:
         with self._lock:
-            mapped = self._map(path, offset + length, writable)
+            mapped = self._map(region, offset + length, writable)
             return memoryview(mapped)[offset : offset + length]
 
     @staticmethod
@@ -123,6 +180,9 @@ class ArenaMaps:
             for mapped in self._maps.values():
                 self._close_map(mapped)
             self._maps.clear()
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def _check_host(medium: Medium) -> None:

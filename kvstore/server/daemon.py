@@ -30,7 +30,9 @@ import grpc
 
 from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
 from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
+from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.server.auth import AuthInterceptor, TokenTable
+from kvstore.server.fdpass import FdPassServer
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
@@ -205,6 +207,10 @@ class Daemon:
             maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
         add_to_server(KVStoreService(store, config, lambda: self.draining), self.server)
+        # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
+        regions = store.host_regions
+        self.fd_server = None if regions is None else FdPassServer(
+            fd_socket_path(self.socket_path), config.server, regions)
 
     @property
     def unix_address(self) -> str:
@@ -236,6 +242,8 @@ class Daemon:
     async def start(self) -> None:
         self._bind()
         await self.server.start()
+        if self.fd_server is not None:
+            await self.fd_server.start()
         server = self.config.server
         if server.metrics_port:
             self.metrics.watch_store(loop_snapshot(self.store.stats, asyncio.get_running_loop()))
@@ -251,6 +259,8 @@ class Daemon:
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         started = time.monotonic()
         try:
+            if self.fd_server is not None:  # no arena goes out while the store closes
+                await self.fd_server.close()
             await self.server.stop(grace)
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
             await self.store.close()

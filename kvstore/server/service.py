@@ -35,6 +35,7 @@ from kvstore.rpc.convert import (
     stats_to_proto,
     tokens_from_bytes,
 )
+from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     chunk_limit,
@@ -111,6 +112,7 @@ class KVStoreService(pbg.KVStoreServicer):
         self._started = time.monotonic()
         self._max_tokens = config.server.max_request_tokens
         self._idle_s = config.server.stream_idle_timeout_s
+        self._fd_socket_path = fd_socket_path(config.server.socket_path)  # Health tells clients
 
     def _namespace(self, msg: pb.Namespace, action: str) -> Namespace:
         ns = namespace_from_proto(msg)
@@ -196,7 +198,7 @@ class KVStoreService(pbg.KVStoreServicer):
             status="DRAINING" if self._is_draining() else "SERVING", version=__version__,
             uptime_s=time.monotonic() - self._started, pid=os.getpid(),
             tenant=caller.tenant or "", is_admin=caller.is_admin,
-            arena_path=self._store.arena_path,
+            arena_path=self._fd_socket_path if self._store.host_regions is not None else "",
         )
 
     async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:

@@ -37,7 +37,7 @@ from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
-from kvstore.tiers.base import SharedTier, Tier
+from kvstore.tiers.base import FdRegions, SharedTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -106,12 +106,13 @@ class Store:
         self._is_open = False
 
     @property
-    def arena_path(self) -> str:
-        """The host arena same-host clients map for zero-copy reads and writes ("" if none)."""
+    def host_regions(self) -> FdRegions | None:
+        """The slot tier whose host arenas same-host clients map for zero-copy reads and
+        writes, each tenant's by a descriptor the daemon sends it (None if none)."""
         link = self._placement.slot_link()
         if link is None or link.tier.medium is not Medium.HOST:  # type: ignore[attr-defined]
-            return ""
-        return link.tier.region  # type: ignore[attr-defined]
+            return None
+        return link.tier if isinstance(link.tier, FdRegions) else None
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -344,9 +345,12 @@ class Store:
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
                       ) -> Lease:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
-        ``release`` or the lease's deadline."""
+        ``release`` or the lease's deadline; blocks only the shared tier holds are brought in
+        first, as for ``get``."""
         self._check_open()
-        return await self._leases.acquire(ns, await _keys(ns, token_array(tokens)), lease_s)
+        keys = await _keys(ns, token_array(tokens))
+        await self._adopt_shared(ns, keys)
+        return await self._leases.acquire(ns, keys, lease_s)
 
     async def release(self, lease_id: str) -> None:
         self._check_open()

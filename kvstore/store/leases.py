@@ -18,12 +18,11 @@ from kvstore.errors import (
     CapacityError,
     CorruptPage,
     InvalidArgument,
-    KVStoreError,
     LeaseNotFound,
     shown,
 )
 from kvstore.keys import BlockKey, Namespace
-from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page
+from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, page_length
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
@@ -59,6 +58,7 @@ class ReservedSlot:
 
     key: BlockKey
     block_index: int
+    parent: BlockKey | None
     link: Link
     slot: Slot
 
@@ -193,9 +193,10 @@ class LeaseManager:
         finally:
             self._dir.unpin(entries[len(held):])
         blocks = []
+        region = tier.region_of(ns.tenant) if held else ""
         for entry in held:
             offset, length = tier.locate(entry.meta.key)
-            blocks.append(BlockLocation(entry.meta.key, tier.medium, tier.region, offset, length))
+            blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
         return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks))
@@ -231,14 +232,15 @@ class LeaseManager:
                     continue
                 if not await self._placement.make_room(link, slot_bytes, ns.tenant):
                     break
-                slot = await tier.allocate_slot(slot_bytes)
+                slot = await tier.allocate_slot(slot_bytes, ns.tenant)
                 if slot is None:
                     break
                 # An open slot counts against the tenant's share until it is published or freed.
                 self._dir.charge(link.name, ns.tenant, slot.slot_bytes)
-                slots.append(ReservedSlot(key, i, link, slot))
+                slots.append(ReservedSlot(key, i, keys[i - 1] if i else None, link, slot))
                 grants.append(SlotGrant(key, i, keys[i - 1] if i else None, tier.medium,
-                                        tier.region, slot.offset, slot.slot_bytes))
+                                        tier.region_of(ns.tenant), slot.offset,
+                                        slot.slot_bytes))
         except BaseException:
             self._abort_slots(ns.tenant, slots)
             raise
@@ -256,26 +258,34 @@ class LeaseManager:
         """Verify every page written into the reservation's slots and publish them; return the
         tokens newly published.
 
-        A page that fails verification (or names the wrong key, parent, namespace or codec)
-        aborts the whole commit and frees every slot: nothing half-written is served. A block
-        stored meanwhile by another writer keeps that copy and frees this slot.
+        Each slot's page is copied out and every check is made on the copy (``check_written``),
+        which the tier then seals: a writer that changes its slot afterwards only breaks the
+        seal. A page that fails aborts the whole commit and frees every slot: nothing
+        half-written, or that would not decode on a later read, demotion or transcode, is ever
+        published. A block stored meanwhile by another writer keeps that copy and frees this
+        slot.
         """
         hold = self._reservations.pop(reservation_id)
         try:
-            metas = [self._verify_slot(hold.ns, reserved) for reserved in hold.slots]
-        except KVStoreError:
+            checked = [await self._verify_slot(hold.ns, reserved) for reserved in hold.slots]
+        except BaseException:  # a cancelled commit frees its slots too: the hold is gone
             self._abort_slots(hold.tenant, hold.slots)
             raise
         published = []
-        for reserved, meta in zip(hold.slots, metas):
+        for i, (reserved, (meta, page)) in enumerate(zip(hold.slots, checked)):
             tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+            try:
+                if reserved.key in self._dir or tier.contains(reserved.key):
+                    tier.abort(reserved.slot)
+                else:
+                    length = await tier.publish(reserved.slot, reserved.key, meta, page)
+                    self._dir.place(meta, reserved.link.name, length,
+                                    tier.footprint(reserved.key))
+                    published.append(reserved.key)
+            except BaseException:
+                self._abort_slots(hold.tenant, hold.slots[i:])
+                raise
             self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
-            if reserved.key in self._dir or tier.contains(reserved.key):
-                tier.abort(reserved.slot)
-                continue
-            length = tier.publish(reserved.slot, reserved.key, meta)
-            self._dir.place(meta, reserved.link.name, length, tier.footprint(reserved.key))
-            published.append(reserved.key)
         self._dir.touch(self._dir.match_prefix(published), hit=False)
         written = len(published) * hold.ns.spec.block_tokens
         self._count(hold.ns.tenant, puts=1, put_tokens=written)
@@ -286,21 +296,11 @@ class LeaseManager:
         hold = self._reservations.pop(reservation_id)
         self._abort_slots(hold.tenant, hold.slots)
 
-    def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> PageMeta:
+    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> tuple[PageMeta, bytes]:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-        key = reserved.key
-        meta = decode_page(tier.slot_view(reserved.slot), expected_key=key).meta
-        if meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index:
-            raise CorruptPage(f"page for key {key.hex()} names another namespace or position")
-        if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
-            raise CorruptPage(f"page for key {key.hex()} names tenant/model "
-                              f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
-                              f"{ns.tenant}/{ns.model_id}")
-        codec = reserved.link.codec.name
-        if meta.codec != codec:
-            raise InvalidArgument(f"page for key {key.hex()} is encoded with "
-                                  f"{shown(meta.codec)}; the reservation asked for {codec!r}")
-        return meta
+        view = tier.slot_view(reserved.slot)
+        # Copying and checksumming a 2 MiB page takes about a millisecond: off the loop.
+        return await asyncio.to_thread(check_written, ns, reserved, view)
 
     def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:
         for reserved in slots:
@@ -364,3 +364,30 @@ class LeaseManager:
             for reservation in self._reservations.expired(now):
                 log.info("reservation %s expired; freeing its slots", reservation.held_id)
                 self._abort_slots(reservation.tenant, reservation.slots)
+
+
+def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
+                  ) -> tuple[PageMeta, bytes]:
+    """The page a writer put into ``slot`` for ``reserved``, copied out and checked: its meta
+    and the private copy, on which every check was made.
+
+    Checks the header, checksum, key, parent, namespace, position, tenant, model and codec name.
+    CorruptPage or InvalidArgument names the block. Blocking: run it in a thread.
+    """
+    key = reserved.key
+    # The writer can still change its slot: check, and have the tier seal, only this copy.
+    data = bytes(slot[:page_length(slot)])
+    page = decode_page(data, expected_key=key)
+    meta = page.meta
+    if (meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index
+            or meta.parent != reserved.parent):
+        raise CorruptPage(f"page for key {key.hex()} names another namespace, position or parent")
+    if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
+        raise CorruptPage(f"page for key {key.hex()} names tenant/model "
+                          f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
+                          f"{ns.tenant}/{ns.model_id}")
+    codec = reserved.link.codec
+    if meta.codec != codec.name:
+        raise InvalidArgument(f"page for key {key.hex()} is encoded with "
+                              f"{shown(meta.codec)}; the reservation asked for {codec.name!r}")
+    return meta, data

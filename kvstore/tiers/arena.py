@@ -1,4 +1,5 @@
-"""The DRAM tier's memory: a shared-memory arena file and the slab allocator that carves it."""
+"""The DRAM tier's memory: shared-memory arenas (memfds) and the slab allocator that carves
+each of them, within a growth budget several arenas share."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import glob
 import mmap
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +20,11 @@ PAGE_ALIGN = 4096  # slot sizes, chunk offsets and growth steps are multiples of
 # madvise(MADV_POPULATE_WRITE) prefaults writable pages (Linux 5.14+); Python 3.11's mmap module
 # does not name the constant, so it is given by number.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)  # frees a shmem range's pages (a punched hole)
+# An arena's file never changes size, and nobody can add a seal after these: a client holding
+# the descriptor can neither shrink it under the daemon's mapping (which would SIGBUS the
+# daemon on its next touch) nor seal it against the daemon's own writes.
+_ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
@@ -93,6 +97,19 @@ class _SizeClass:
     partial: dict[int, Chunk] = field(default_factory=dict)  # chunks with a free slot
 
 
+class GrowthBudget:
+    """Bytes that several arenas may grow by in total: one tier's capacity, shared by the
+    allocators of its arenas (one per tenant). Not thread-safe, like the allocators."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = round_down(capacity_bytes)
+        self.grown_bytes = 0  # memory every arena sharing the budget has grown, together
+
+    @property
+    def room_bytes(self) -> int:
+        return self.capacity_bytes - self.grown_bytes
+
+
 class SlabAllocator:
     """Size classes of fixed slots over chunks of one growing arena; book-keeping only, no I/O.
 
@@ -100,14 +117,18 @@ class SlabAllocator:
     whole chunks (``chunk_bytes``, trimmed to a multiple of the slot; a page larger than
     ``chunk_bytes`` gets a chunk of its own size). A chunk whose slots are all free goes back to
     the pool of free regions, where adjacent regions merge, so any class can reuse the space.
-    ``grown_bytes`` (the arena's file size) never exceeds ``capacity_bytes``.
-    Not thread-safe: the tier calls it from its event loop only.
+    ``grown_bytes`` (the arena's memory) never exceeds ``capacity_bytes``, and with a shared
+    ``budget`` the arenas drawing on it never grow past its capacity together; ``shrink_tail``
+    gives a free tail back to the budget. Not thread-safe: the tier calls it from its event
+    loop only.
     """
 
-    def __init__(self, capacity_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, chunk_bytes: int,
+                 budget: GrowthBudget | None = None) -> None:
         self.capacity_bytes = round_down(capacity_bytes)
         self.chunk_bytes = max(round_down(chunk_bytes), PAGE_ALIGN)
         self.grown_bytes = 0
+        self._budget = budget or GrowthBudget(self.capacity_bytes)
         self.used_bytes = 0  # slot bytes of pages in use
         self.num_free_slots = 0  # free slots in chunks assigned to a class
         # Cleared once the arena is pinned: every later growth step is registered on its own and
@@ -130,6 +151,24 @@ class SlabAllocator:
     @property
     def free_region_bytes(self) -> int:
         return sum(self._regions.values())
+
+    @property
+    def tail_free_bytes(self) -> int:
+        """Free bytes at the arena's end that ``shrink_tail`` could give back (none once the
+        arena is pinned: a registered range is never cut)."""
+        return self._tail_region() if self.merge_growth else 0
+
+    def shrink_tail(self) -> tuple[int, int] | None:
+        """Give the free region at the arena's end back to the budget; return its
+        ``(offset, size)`` (release that memory), or None if there is none to give."""
+        size = self.tail_free_bytes
+        if not size:
+            return None
+        offset = self.grown_bytes - size
+        self._remove_region(offset)
+        self.grown_bytes = offset
+        self._budget.grown_bytes -= size
+        return offset, size
 
     def allocate(self, nbytes: int) -> Slot | None:
         """A slot for a page of ``nbytes`` from the grown arena, or None (grow or evict first)."""
@@ -168,7 +207,7 @@ class SlabAllocator:
         if (cls and cls.partial) or self._largest_region() >= slot_bytes:
             return 0
         tail = self._tail_region() if self.merge_growth else 0
-        room = self.capacity_bytes - self.grown_bytes
+        room = self._room()
         if tail + room < slot_bytes:
             return None
         # tail < slot_bytes here, and tail + room >= slot_bytes, so this is enough for a slot.
@@ -178,18 +217,20 @@ class SlabAllocator:
         """Bytes to grow ahead so one whole free chunk is ready (0 if one is, or no room)."""
         if self._largest_region() >= self.chunk_bytes:
             return 0
-        room = self.capacity_bytes - self.grown_bytes
+        room = self._room()
         tail = self._tail_region() if self.merge_growth else 0
         return min(self.chunk_bytes - tail, room)
 
     def add_grown(self, offset: int, nbytes: int) -> None:
         """Record that the arena grew by ``nbytes`` at ``offset`` (its old end)."""
-        if offset != self.grown_bytes or offset + nbytes > self.capacity_bytes:
+        if offset != self.grown_bytes or nbytes > self._room():
             raise CapacityError(
                 f"arena growth at {offset}+{nbytes} does not extend {self.grown_bytes} within "
-                f"capacity {self.capacity_bytes}"
+                f"capacity {self.capacity_bytes} (shared budget: {self._budget.room_bytes} "
+                "bytes left)"
             )
         self.grown_bytes += nbytes
+        self._budget.grown_bytes += nbytes
         if not self.merge_growth:
             self._barriers.add(offset)
         self._add_region(offset, nbytes)
@@ -210,8 +251,12 @@ class SlabAllocator:
         if after is not None and end not in self._barriers:
             merged, end = merged + after, end + after
         if end == self.grown_bytes and self.merge_growth:
-            merged += self.capacity_bytes - self.grown_bytes
+            merged += self._room()
         return merged >= slot_bytes
+
+    def _room(self) -> int:
+        """Bytes this arena may still grow by: its own bound and the shared budget's."""
+        return min(self.capacity_bytes - self.grown_bytes, self._budget.room_bytes)
 
     def _chunk_size(self, slot_bytes: int) -> int:
         if slot_bytes >= self.chunk_bytes:
@@ -274,74 +319,91 @@ class SlabAllocator:
 
 
 class ShmArena:
-    """One file in shared memory, mapped MAP_SHARED once for its whole capacity.
+    """One memfd (anonymous shared memory, no path in any file system), mapped MAP_SHARED once.
 
-    The mapping reserves ``capacity_bytes`` of address space up front so it never moves (views
-    handed to readers stay valid) while the file itself grows in steps: ``grow`` extends the
-    file, allocates its pages and prefaults them. Bytes past the file's end are never touched.
-    Other processes map the file by path and read pages at offsets the tier reports.
+    The file is sized to ``capacity_bytes`` at creation and sealed at that size
+    (``_ARENA_SEALS``); memory backs it only where ``grow`` allocated and prefaulted it, and
+    ``shrink`` gives the end back. The mapping never moves, so views handed to readers stay
+    valid. Other processes map it only through a descriptor the owner hands them (the daemon's
+    descriptor channel, ``kvstore.server.fdpass``): a memfd has no name anyone can open, and
+    it goes away with the last descriptor and mapping, so a crashed owner leaks nothing.
     """
 
-    def __init__(self, path: str, capacity_bytes: int) -> None:
-        self.path = path
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.name = name
         self.capacity_bytes = round_down(capacity_bytes)
-        self.size_bytes = 0
+        self.size_bytes = 0  # bytes from the start backed by memory (grown)
         self._fd = -1
         self._mmap: mmap.mmap | None = None
         self._base = 0
         self.view = memoryview(b"")
 
+    @property
+    def fd(self) -> int:
+        """The memfd (owned by this arena: duplicate it to keep it past ``close``)."""
+        return self._fd
+
     def create(self) -> None:
-        """Create the file (replacing a stale one of the same name) and reserve the mapping."""
-        # A file of this name was left by a crashed process with our pid; nobody maps it now.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        # The owner holds a lock on its arena for as long as it lives; a file nobody locks was
-        # left by a dead process (reclaim_stale_arenas). flock works across pid namespaces.
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if self.capacity_bytes == 0:
-            return
-        # mmap refuses a length beyond the file's size, so size the file for the call only.
-        os.ftruncate(self._fd, self.capacity_bytes)
+        """Create and seal the memfd and map all of it (address space only: nothing is
+        allocated until ``grow``)."""
+        if not hasattr(os, "memfd_create"):
+            raise CapacityError("the DRAM tier needs memfd_create (Linux 3.17 or later)")
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            if self.capacity_bytes:
+                os.ftruncate(self._fd, self.capacity_bytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _ARENA_SEALS)
+            if self.capacity_bytes == 0:
+                return
             self._mmap = mmap.mmap(self._fd, self.capacity_bytes, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.ftruncate(self._fd, 0)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
         self.view = memoryview(self._mmap)
         probe = np.frombuffer(self._mmap, dtype=np.uint8, count=1)
         self._base = probe.ctypes.data
         del probe  # drops the buffer export so the mapping can still be closed
 
     def grow(self, nbytes: int) -> int:
-        """Extend the file by ``nbytes`` and prefault the new pages; return the old end.
+        """Allocate and prefault the ``nbytes`` after the grown part; return their offset.
 
-        Blocking (about 0.4 GB/s on tmpfs, the kernel zeroes every page): call it in a thread.
-        Raises CapacityError when the file system (tmpfs) has no room left.
+        Blocking (about 0.4 GB/s, the kernel zeroes every page): call it in a thread.
+        Raises CapacityError when the kernel has no memory to back them.
         """
         offset = self.size_bytes
         if nbytes <= 0 or offset + nbytes > self.capacity_bytes or nbytes % PAGE_ALIGN:
-            raise CapacityError(f"cannot grow arena {self.path} by {nbytes} bytes at {offset}")
-        os.ftruncate(self._fd, offset + nbytes)
+            raise CapacityError(f"cannot grow arena {self.name} by {nbytes} bytes at {offset}")
         try:
-            # Reserve the pages now: touching a page tmpfs cannot back would raise SIGBUS.
+            # Reserve the pages now: touching a page shmem cannot back would raise SIGBUS.
             os.posix_fallocate(self._fd, offset, nbytes)
         except OSError as exc:
-            os.ftruncate(self._fd, offset)
+            self._release(offset, nbytes)
             raise CapacityError(
-                f"shared memory for arena {self.path} is exhausted: {os.strerror(exc.errno)}"
+                f"shared memory for arena {self.name} is exhausted: {os.strerror(exc.errno)}"
             ) from None
         self._prefault(offset, nbytes)
         self.size_bytes = offset + nbytes
         return offset
+
+    def shrink(self, offset: int) -> None:
+        """Free the memory from ``offset`` to the grown end (nothing there may be in use).
+
+        Blocking (the kernel frees every page): call it in a thread.
+        """
+        if not 0 <= offset <= self.size_bytes or offset % PAGE_ALIGN:
+            raise CapacityError(f"cannot shrink arena {self.name} to {offset} bytes")
+        self._release(offset, self.size_bytes - offset)
+        self.size_bytes = offset
 
     def base_address(self) -> int:
         """Virtual address of the mapping's first byte in this process (0 if none)."""
         return self._base
 
     def close(self) -> None:
-        """Unmap (if no view is still held), close and unlink the file."""
+        """Unmap (if no view is still held) and close the memfd; its memory goes with the
+        last mapping of it, here or in a client."""
         self.view.release()  # slices handed out keep the mapping alive on their own
         self.view = memoryview(b"")
         if self._mmap is not None:
@@ -354,49 +416,24 @@ class ShmArena:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        if nbytes <= 0 or _MADVISE is None or not self._base:
+            return
+        if _MADVISE(self._base + offset, nbytes, MADV_REMOVE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_REMOVE) on arena {self.name}: {os.strerror(err)}")
 
     def _prefault(self, offset: int, nbytes: int) -> None:
-        # First writes into fresh tmpfs pages fault at ~0.5 GB/s against ~13 GB/s once mapped;
+        # First writes into fresh shmem pages fault at ~0.5 GB/s against ~13 GB/s once mapped;
         # pay that here, off the request path.
         if _MADVISE is not None:
             if _MADVISE(self._base + offset, nbytes, MADV_POPULATE_WRITE) == 0:
                 return
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) on {self.path}: "
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) on {self.name}: "
                                    f"{os.strerror(err)}")
         pages = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
         pages[::mmap.PAGESIZE] = 0  # one write per page maps it; the new pages are zero anyway
         del pages
-
-
-STALE_MIN_AGE_S = 5.0  # between creating an arena file and locking it there is a brief window
-
-
-def reclaim_stale_arenas(directory: str, pattern: str = "kvstore-dram-*.arena") -> list[str]:
-    """Unlink arena files in ``directory`` whose owner is gone (nobody holds their lock).
-
-    A daemon killed with SIGKILL cannot unlink its arena; without this, every crash would leak
-    its shared memory until reboot. Returns the paths removed.
-    """
-    removed = []
-    for path in glob.glob(os.path.join(directory, pattern)):
-        try:
-            if time.time() - os.stat(path).st_mtime < STALE_MIN_AGE_S:
-                continue  # just created: its owner may not hold the lock yet
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live owner holds it
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed

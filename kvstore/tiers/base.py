@@ -6,8 +6,8 @@ prefixes, namespaces or policy: the store (``kvstore.store``) walks an ordered c
 fastest first, decides what goes where and makes room; a tier only admits, holds, returns and
 forgets pages within its capacity, and says what it would need freed for a page to fit. The
 store never names a tier: it checks capabilities with ``isinstance`` (``SlotTier`` lends slots
-of memory other processes map; ``SharedTier`` is seen by several hosts and answers batched
-prefix probes).
+of memory other processes map, and ``FdRegions`` hands those out as file descriptors;
+``SharedTier`` is seen by several hosts and answers batched prefix probes).
 
 Threading: every method is called from the store's event loop. Async methods may await file or
 device I/O (through threads); sync methods must return quickly and never block on I/O.
@@ -18,15 +18,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
 
-__all__ = ["ClusterEntry", "Footprint", "RoomNeed", "SharedTier", "Slot", "SlotTier", "Tier",
-           "TierStats"]
+__all__ = ["ClusterEntry", "FdRegions", "Footprint", "RoomNeed", "SharedTier", "Slot",
+           "SlotTier", "Tier", "TierStats"]
 
 
 class Tier(ABC):
@@ -139,17 +139,22 @@ class Slot(Protocol):
 
 
 class SlotTier(Tier):
-    """A tier of fixed slots in memory other processes on the host map (a shared-memory arena,
+    """A tier of fixed slots in memory other processes on the host map (shared-memory arenas,
     a GPU pool exported over IPC): it lends slots for zero-copy writes and locates pages for
-    pinned zero-copy reads.
+    pinned zero-copy reads. Each tenant's slots are in a region of their own, which only that
+    tenant's clients are given to map.
 
-    - ``allocate_slot`` gives a writer a free slot owned by no key (None: no room; the store
-      makes room first). ``slot_view`` is the slot's memory in this process.
+    - ``allocate_slot(nbytes, tenant)`` gives a writer a free slot in ``tenant``'s region,
+      owned by no key (None: no room; the store makes room first). ``slot_view`` is the slot's
+      memory in this process.
     - ``publish`` makes the page a writer put into the slot readable under ``key``, after the
-      store verified it; if ``key`` was stored meanwhile, the slot is freed and the stored copy
-      kept. ``abort`` frees a slot never published.
-    - ``locate(key)`` is ``(offset, length)`` of a stored page in ``region``: valid while the
-      store keeps the block pinned.
+      store verified ``page``, its private copy of the slot's page: the tier seals that copy's
+      bytes, so a slot changed after the copy is never served. If ``key`` was stored
+      meanwhile, the slot is freed and the stored copy kept. ``abort`` frees a slot never
+      published.
+    - ``region_of(tenant)`` names the region a client maps to reach ``tenant``'s slots (an
+      arena; a pool); ``locate(key)`` is ``(offset, length)`` of a stored page in the region of
+      its tenant: valid while the store keeps the block pinned.
     """
 
     @property
@@ -157,20 +162,20 @@ class SlotTier(Tier):
     def medium(self) -> Medium:
         """Which memory the slots are in."""
 
-    @property
     @abstractmethod
-    def region(self) -> str:
-        """What a client maps to reach the slots (the arena path; the pool name)."""
+    def region_of(self, tenant: str) -> str:
+        """What a client of ``tenant`` maps to reach that tenant's slots."""
 
     @abstractmethod
-    async def allocate_slot(self, nbytes: int) -> Slot | None: ...
+    async def allocate_slot(self, nbytes: int, tenant: str) -> Slot | None: ...
 
     @abstractmethod
     def slot_view(self, slot: Slot) -> memoryview: ...
 
     @abstractmethod
-    def publish(self, slot: Slot, key: BlockKey, meta: PageMeta) -> int:
-        """Make the slot's page readable as ``key``; return its length."""
+    async def publish(self, slot: Slot, key: BlockKey, meta: PageMeta,
+                      page: bytes | memoryview) -> int:
+        """Make the slot's page readable as ``key`` (sealed over ``page``); return its length."""
 
     @abstractmethod
     def abort(self, slot: Slot) -> None: ...
@@ -245,3 +250,14 @@ class SharedTier(Tier):
     @abstractmethod
     def health(self) -> str:
         """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""
+
+
+@runtime_checkable
+class FdRegions(Protocol):
+    """A slot tier whose regions are memory files (memfds) with no path: a client maps one
+    through a descriptor the daemon sends it, over its Unix socket, once the caller's tenant
+    may have it (``kvstore.server.fdpass``)."""
+
+    def region_fd(self, region: str) -> tuple[str, int] | None:
+        """``(tenant, fd)`` of ``region``, or None if there is no such region. The tier keeps
+        owning the descriptor: callers send or duplicate it, never close it."""

@@ -115,13 +115,14 @@ def test_prefix_survives_a_daemon_restart(root):
 
 def test_prefix_split_across_dram_and_ssd(root):
     """A DRAM tier smaller than the prefix: the older blocks are demoted to SSD, and a prefix
-    read from both tiers gives the same tokens."""
+    read from both tiers gives the same tokens. The client streams: a zero-copy get pins the
+    whole prefix in DRAM, which holds only part of it here."""
     model = tiny_model("llama", num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
                        intermediate_size=128)  # 64 KiB blocks: 1 MiB of DRAM holds ~15
     ids = prompt(600)
     plain = model.generate(ids, max_new_tokens=4, **GREEDY)
     with DaemonThread(small_config(root, dram_bytes=1 * MiB)) as daemon, \
-            Client(daemon.unix_address) as kv:
+            Client(daemon.unix_address, zero_copy=False) as kv:
         cached = wrap(model, kv, revision="r1")
         cached.generate(ids, max_new_tokens=4, **GREEDY)
         assert_same_generation(plain, cached.generate(ids, max_new_tokens=4, **GREEDY))

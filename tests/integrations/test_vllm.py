@@ -9,7 +9,6 @@ vLLM runs in its own venv (``scripts/services/vllm.sh`` builds ``.venv-vllm`` an
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import Client
+from kvstore.client.arena import ArenaMaps
 from kvstore.keys import Namespace
 from tests.server.helpers import REPO_ROOT, DaemonProcess, MiB, short_tmpdir, small_config
 
@@ -54,15 +54,19 @@ def generate(root: Path, model: Path, address: str, name: str) -> dict:
 
 
 def damage_block(address: str, ns: Namespace, tokens: list[int], block_index: int) -> None:
-    """Flip bytes in the middle of one stored page, in place in the daemon's DRAM arena."""
+    """Flip bytes in the middle of one stored page, in place in the tenant's DRAM arena (mapped
+    through the descriptor the daemon hands this client)."""
     with Client(address) as kv:
         lease = kv.acquire(ns, tokens)
+        maps = ArenaMaps(channel=kv.health().arena_path)
         try:
             loc = lease.blocks[block_index]
-            with open(loc.region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
-                middle = loc.offset + loc.length // 2
-                arena[middle : middle + 8] = bytes(b ^ 0xFF for b in arena[middle : middle + 8])
+            page = maps.view(loc.region, loc.offset, loc.length, writable=True)
+            middle = loc.length // 2
+            page[middle : middle + 8] = bytes(b ^ 0xFF for b in page[middle : middle + 8])
+            del page
         finally:
+            maps.close()
             kv.release(lease.lease_id)
 
 

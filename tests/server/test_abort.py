@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
@@ -11,21 +13,27 @@ from kvstore.client.arena import ArenaMaps, write_reservation
 from kvstore.errors import LeaseNotFound
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.fdpass import fd_socket_path
 
 from ..conftest import random_kv, random_tokens
 from .helpers import DaemonThread
 
 
-async def test_abort_frees_the_slots_unpublished(aclient, ns, spec):
+async def _write_slots(daemon, ns, kv, reservation) -> None:
+    """Write valid pages into the reservation's slots, as a client of its tenant would (in a
+    thread: the descriptor socket is served by this test's own event loop)."""
+    maps = ArenaMaps(channel=fd_socket_path(daemon.socket_path))
+    try:
+        await asyncio.to_thread(write_reservation, maps, ns, kv, reservation)
+    finally:
+        maps.close()
+
+
+async def test_abort_frees_the_slots_unpublished(daemon, aclient, ns, spec):
     tokens, kv = random_tokens(48), random_kv(spec, 48)
     reservation = await aclient.reserve(ns, tokens)
     assert len(reservation.blocks) == 3
-    # valid pages in every slot: an abort still publishes none of them
-    maps = ArenaMaps()
-    try:
-        write_reservation(maps, ns, kv, reservation)
-    finally:
-        maps.close()
+    await _write_slots(daemon, ns, kv, reservation)  # an abort still publishes none of them
     assert (await aclient.stats()).active_reservations == 1
     await aclient.abort(reservation.reservation_id)
     assert (await aclient.stats()).active_reservations == 0
@@ -39,14 +47,10 @@ async def test_abort_frees_the_slots_unpublished(aclient, ns, spec):
         await aclient.commit(reservation.reservation_id)
 
 
-async def test_abort_after_commit_is_not_found(aclient, ns, spec):
+async def test_abort_after_commit_is_not_found(daemon, aclient, ns, spec):
     tokens, kv = random_tokens(32, seed=5), random_kv(spec, 32, seed=5)
     reservation = await aclient.reserve(ns, tokens)
-    maps = ArenaMaps()
-    try:
-        write_reservation(maps, ns, kv, reservation)
-    finally:
-        maps.close()
+    await _write_slots(daemon, ns, kv, reservation)
     assert await aclient.commit(reservation.reservation_id) == 32
     with pytest.raises(LeaseNotFound):
         await aclient.abort(reservation.reservation_id)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import mmap
 import os
 
 import grpc
@@ -13,6 +13,7 @@ import torch
 
 from kvstore.api import BlockInfo, LookupResult, StoreStats
 from kvstore.client import AsyncClient
+from kvstore.client.arena import ArenaMaps
 from kvstore.errors import (
     CorruptPage,
     InvalidArgument,
@@ -24,6 +25,7 @@ from kvstore.keys import block_keys
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
+from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.rpc.tensors import tensor_view
 
 from ..conftest import random_kv, random_tokens
@@ -99,17 +101,21 @@ async def test_leases(aclient, ns, spec):
         await aclient.acquire(ns, tokens, lease_s=1e9)
 
 
-async def test_commit_of_a_damaged_page_is_data_loss(aclient, ns, spec):
+def _scribble(channel: str, reservation) -> None:
+    """Overwrite the first 64 bytes of every reserved slot, through the tenant's own mapping."""
+    maps = ArenaMaps(channel=channel)
+    try:
+        for grant in reservation.blocks:
+            maps.view(grant.region, grant.offset, 64, writable=True)[:] = b"\xab" * 64
+    finally:
+        maps.close()
+
+
+async def test_commit_of_a_damaged_page_is_data_loss(daemon, aclient, ns, spec):
     tokens = random_tokens(32)
     reservation = await aclient.reserve(ns, tokens)
     assert len(reservation.blocks) == 2
-    for grant in reservation.blocks:
-        fd = os.open(grant.region, os.O_RDWR)
-        try:
-            with mmap.mmap(fd, 0) as arena:
-                arena[grant.offset : grant.offset + 64] = b"\xab" * 64
-        finally:
-            os.close(fd)
+    await asyncio.to_thread(_scribble, fd_socket_path(daemon.socket_path), reservation)
     with pytest.raises(CorruptPage):
         await aclient.commit(reservation.reservation_id)
     assert (await aclient.lookup(ns, tokens)).matched_tokens == 0
@@ -141,16 +147,10 @@ async def test_client_side_validation_raises_before_sending(aclient, ns, spec):
 
 async def test_zero_copy_falls_back_to_streaming_without_arena_access(daemon, ns, spec,
                                                                       monkeypatch):
-    """An arena this process cannot open (another user, another container) is not fatal in
-    automatic mode, and a clear error when zero-copy was demanded."""
-    real_open = os.open
-
-    def deny_arena(path, flags, *args):
-        if str(path) == daemon.store.arena_path:
-            raise PermissionError(13, "Permission denied", path)
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", deny_arena)
+    """A descriptor socket this process cannot reach (another container that sees only the
+    gRPC socket) is not fatal in automatic mode, and a clear error when zero-copy was
+    demanded."""
+    os.unlink(fd_socket_path(daemon.socket_path))  # the daemon serves on, out of our sight
     tokens, kv = random_tokens(32), random_kv(spec, 32)
     async with AsyncClient(daemon.unix_address) as client:
         assert await client.put(ns, tokens, kv) == 32

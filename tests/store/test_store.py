@@ -221,7 +221,7 @@ async def test_lease_pins_blocks_and_expires(tmp_path, ns, spec):
         lease = await store.acquire(ns, tokens, lease_s=0.5)
         assert lease.matched_tokens == 32 and len(lease.blocks) == 2
         assert await store.evict(everything=True) == 0  # pinned blocks stay
-        with open(lease.blocks[0].region, "rb") as f, \
+        with open(_arena_path(store, ns.tenant, lease.blocks[0].region), "rb") as f, \
                 mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as arena:
             loc = lease.blocks[0]
             page = decode_page(arena[loc.offset:loc.offset + loc.length], expected_key=loc.key)
@@ -242,7 +242,8 @@ async def test_reserve_commit_zero_copy_put(store, ns, spec):
     res = await store.reserve(ns, tokens)
     assert [g.block_index for g in res.blocks] == [0, 1, 2]
     codec = codecs.get(res.codec)
-    with open(res.blocks[0].region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(_arena_path(store, ns.tenant, res.blocks[0].region), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
         for g in res.blocks:
             meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=g.parent,
                             block_index=g.block_index, tenant=ns.tenant, model_id=ns.model_id,
@@ -260,7 +261,8 @@ async def test_reserve_commit_zero_copy_put(store, ns, spec):
 async def test_commit_of_a_bad_page_publishes_nothing(store, ns, spec):
     tokens = random_tokens(32)
     res = await store.reserve(ns, tokens)
-    with open(res.blocks[0].region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(_arena_path(store, ns.tenant, res.blocks[0].region), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
         arena[res.blocks[0].offset:res.blocks[0].offset + 8] = b"garbage!"
     with pytest.raises(CorruptPage):
         await store.commit(res.reservation_id)
@@ -350,7 +352,8 @@ async def test_commit_checks_the_codec_and_abort_frees_slots(store, ns, spec):
     meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=None, block_index=0,
                     tenant=ns.tenant, model_id=ns.model_id, codec=fp8.name, codec_id=fp8.codec_id)
     page = encode_page(meta, fp8.encode(kv))
-    with open(g.region, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(_arena_path(store, ns.tenant, g.region), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
         arena[g.offset:g.offset + len(page)] = page
     with pytest.raises(InvalidArgument, match="reservation asked for 'raw'"):
         await store.commit(res.reservation_id)
@@ -378,10 +381,19 @@ async def test_cold_tier_codec_transcodes_on_demotion(tmp_path, ns, spec, ssd_co
             assert used < kv.numel()  # < 1 byte/element against 2 for bf16
 
 
+def _arena_path(store: Store, tenant: str, region: str) -> str:
+    """A path this process opens ``tenant``'s arena by, checking it is the one ``region`` names
+    (a same-host client gets a descriptor from the daemon instead)."""
+    dram = store.tiers["dram"]
+    assert dram.region_of(tenant) == region
+    return dram.arena_path(tenant)
+
+
 def _damage_dram_copy(store: Store, key) -> None:
     """Flip bytes at the end of a block's DRAM page through a mapping of the arena file."""
     offset, length = store.tiers["dram"].locate(key)
-    with open(store.tiers["dram"].arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+    with open(store.tiers["dram"].arena_path("acme"), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
         at = offset + length - 40
         arena[at:at + 8] = bytes(b ^ 0xFF for b in arena[at:at + 8])
 

@@ -102,7 +102,7 @@ async def test_concurrent_writers_and_readers(tier):
 def _stored_at(tier: Tier, key: BlockKey, data: bytes) -> tuple[Path, int]:
     """The file holding the stored copy of ``data`` and its offset there."""
     if isinstance(tier, DramTier):
-        return Path(tier.arena_path), tier.locate(key)[0]
+        return Path(tier.arena_path("t")), tier.locate(key)[0]
     for seg in sorted(Path(tier._config.path).glob("seg-*.dat")):
         at = seg.read_bytes().find(data)
         if at >= 0:

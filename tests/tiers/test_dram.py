@@ -1,4 +1,5 @@
-"""DramTier: slots in a real /dev/shm arena, capacity, reuse, corruption, sharing, concurrency."""
+"""DramTier: slots in real memfd arenas (one per tenant), capacity, reuse, corruption, seals,
+sharing by descriptor, concurrency."""
 
 from __future__ import annotations
 
@@ -17,23 +18,23 @@ import pytest
 import torch
 
 from kvstore.config import DramConfig
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.page import PageMeta, decode_page, encode_page, verify_page
 from kvstore.policy.base import RoomNeed
 from kvstore.tiers.arena import SlabAllocator
 from kvstore.tiers.dram import THREAD_VERIFY_BYTES, DramTier
 
 MiB = 1 << 20
 HAS_SHM = os.path.isdir("/dev/shm")
-needs_shm = pytest.mark.skipif(not HAS_SHM, reason="no /dev/shm on this host")
 
 
-def make_page(seed: int, payload_bytes: int) -> tuple[BlockKey, bytes, PageMeta]:
+def make_page(seed: int, payload_bytes: int, tenant: str = "acme"
+              ) -> tuple[BlockKey, bytes, PageMeta]:
     """An encoded page with a key and payload derived from ``seed``."""
     key = BlockKey(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=16).digest())
     meta = PageMeta(key=key, namespace=bytes(16), parent=None, block_index=seed % 1000,
-                    tenant="acme", model_id="test/model", codec="raw", codec_id=1)
+                    tenant=tenant, model_id="test/model", codec="raw", codec_id=1)
     payload = np.random.default_rng(seed).integers(0, 256, payload_bytes, dtype=np.uint8)
     return key, encode_page(meta, payload.tobytes()), meta
 
@@ -44,11 +45,6 @@ def _flip_byte(path: str, offset: int) -> None:
         m = mmap.mmap(f.fileno(), offset + 1)
         m[offset] ^= 0xFF
         m.close()
-
-
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 @pytest.fixture
@@ -111,27 +107,99 @@ async def test_write_rejects_a_page_whose_meta_names_another_key(tier: DramTier)
         await tier.write(key, page, other_meta)
 
 
-@needs_shm
-async def test_arena_is_a_shm_file_another_process_reads(tier: DramTier) -> None:
-    key, page, _ = make_page(5, 300_000)
-    assert await tier.write(key, page, make_page(5, 300_000)[2])
-    path = tier.arena_path
-    assert path.startswith("/dev/shm/kvstore-dram-") and os.path.isfile(path)
+async def test_arena_is_a_memfd_another_process_maps_by_descriptor(tier: DramTier) -> None:
+    """No file in /dev/shm or anywhere: another process reaches the arena only through a
+    descriptor it was given (here inherited; the daemon sends it over its Unix socket)."""
+    key, page, meta = make_page(5, 300_000)
+    assert await tier.write(key, page, meta)
+    tenant, fd = tier.region_fd(tier.region_of("acme"))
+    assert tenant == "acme" and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    if HAS_SHM:
+        assert not [name for name in os.listdir("/dev/shm") if tier.region_of("acme") in name]
     offset, length = tier.locate(key)
+    child_fd = os.dup(fd)  # a descriptor of our own to hand over; the tier keeps its own
     script = textwrap.dedent(f"""
-        import mmap, os, hashlib
+        import mmap, hashlib
         from kvstore.page import decode_page
-        fd = os.open({path!r}, os.O_RDONLY)
-        m = mmap.mmap(fd, {length}, mmap.MAP_SHARED, mmap.PROT_READ, offset={offset})
+        m = mmap.mmap({child_fd}, {length}, mmap.MAP_SHARED, mmap.PROT_READ, offset={offset})
         page = decode_page(memoryview(m), expected_key=bytes.fromhex({bytes(key).hex()!r}))
         print(hashlib.sha256(page.payload).hexdigest(), page.meta.tenant)
     """)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(child_fd,))
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        os.close(child_fd)
     assert proc.returncode == 0, stderr.decode()
     expected = hashlib.sha256(decode_page(page).payload).hexdigest()
     assert stdout.decode().split() == [expected, "acme"]
+
+
+async def test_each_tenant_has_an_arena_of_its_own(tier: DramTier) -> None:
+    """Pages of two tenants land in two memfds: neither arena holds a byte of the other's."""
+    pages = {t: make_page(20 + i, 200_000, tenant=t) for i, t in enumerate(("acme", "globex"))}
+    for key, page, meta in pages.values():
+        assert await tier.write(key, page, meta)
+    regions = {t: tier.region_of(t) for t in pages}
+    assert len(set(regions.values())) == 2 and tier.stats().extra["arenas"] == 2
+    fds = {t: tier.region_fd(regions[t]) for t in pages}
+    assert {t: fd[0] for t, fd in fds.items()} == {"acme": "acme", "globex": "globex"}
+    assert tier.region_fd("dram.unknown") is None
+    for tenant, (key, page, _) in pages.items():
+        other = "globex" if tenant == "acme" else "acme"
+        with open(tier.arena_path(tenant), "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                               prot=mmap.PROT_READ) as m:
+            offset, length = tier.locate(key)
+            assert m[offset:offset + length] == page
+        with open(tier.arena_path(other), "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                              prot=mmap.PROT_READ) as m:
+            assert m.find(page[-4096:]) < 0
+
+
+async def test_a_holder_of_the_descriptor_cannot_resize_or_seal_the_arena(tier: DramTier) -> None:
+    """Regression guard: a client shrinking its arena under the daemon's mapping would kill
+    the daemon with SIGBUS on its next touch; the memfd is sealed at its size."""
+    import fcntl
+
+    key, page, meta = make_page(6, 100_000)
+    assert await tier.write(key, page, meta)
+    fd = os.open(tier.arena_path("acme"), os.O_RDWR)  # what a client holds: read-write
+    try:
+        size = os.fstat(fd).st_size
+        for new_size in (0, size + (1 << 20)):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, new_size)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    finally:
+        os.close(fd)
+    assert bytes((await tier.read(key)).data) == page
+
+
+async def test_tenants_share_the_capacity_and_free_tails_move_between_them(tmp_path) -> None:
+    """One tier-wide budget: one tenant may fill it, another finds no room, and once the first
+    empties its arena the second takes its memory back (arena bytes never pass capacity)."""
+    tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB))
+    await tier.open()
+    try:
+        acme = [make_page(6000 + i, 200_000) for i in range(40)]
+        stored = [k for k, p, m in acme if await tier.write(k, p, m)]
+        assert 0 < len(stored) < len(acme) and tier.used_bytes <= tier.capacity_bytes
+        key, page, meta = make_page(7000, 200_000, tenant="globex")
+        assert not await tier.write(key, page, meta)  # acme's arena holds all the memory
+        assert tier.stats().extra["arena_bytes"] <= tier.capacity_bytes
+        for k in stored:
+            await tier.delete(k)
+        assert await tier.write(key, page, meta)
+        assert bytes((await tier.read(key)).data) == page
+        assert tier.stats().extra["arena_bytes"] <= tier.capacity_bytes
+        big_key, big, big_meta = make_page(7001, 3 * MiB, tenant="globex")
+        assert await tier.write(big_key, big, big_meta)  # needs nearly all of acme's memory
+        assert tier.stats().extra["arena_bytes"] <= tier.capacity_bytes
+    finally:
+        await tier.close()
 
 
 async def test_capacity_bound_with_store_style_eviction(tmp_path) -> None:
@@ -151,7 +219,7 @@ async def test_capacity_bound_with_store_style_eviction(tmp_path) -> None:
                 assert await tier.delete(old_key)
             live.append((key, page))
             assert tier.used_bytes <= tier.capacity_bytes
-            assert os.path.getsize(tier.arena_path) <= config.capacity_bytes
+            assert tier.stats().extra["arena_bytes"] <= config.capacity_bytes
         stats = tier.stats()
         assert stats.rejected > 0
         assert stats.extra["arena_bytes"] <= config.capacity_bytes
@@ -206,48 +274,72 @@ async def test_corrupt_page_is_dropped_and_counted(tier: DramTier, payload_bytes
     key, page, meta = make_page(6, payload_bytes)
     assert await tier.write(key, page, meta)
     offset, length = tier.locate(key)
-    await asyncio.to_thread(_flip_byte, tier.arena_path, offset + length - 10)  # in the payload
+    await asyncio.to_thread(_flip_byte, tier.arena_path("acme"), offset + length - 10)
     assert await tier.read(key) is None
     stats = tier.stats()
     assert stats.corrupt == 1 and not tier.contains(key) and stats.used_bytes == 0
 
 
-async def test_close_unlinks_the_arena(tmp_path) -> None:
-    tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB))
+def _overwrite(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[offset:offset + len(data)] = data
+
+
+@pytest.mark.parametrize("payload_bytes", [50_000, THREAD_VERIFY_BYTES])
+async def test_a_page_forged_in_the_arena_fails_its_seal(tier: DramTier, payload_bytes) -> None:
+    """A writer with the arena mapped replaces a stored page's payload and recomputes the plain
+    checksum: the page still parses and its checksum holds, but it no longer matches the seal
+    the tier keeps, so every read is a corrupt miss."""
+    key, page, meta = make_page(16, payload_bytes)
+    assert await tier.write(key, page, meta)
+    forged = encode_page(meta, bytes(len(decode_page(page).payload)))  # same size, all zeros
+    assert decode_page(forged, expected_key=key).meta == meta
+    offset, _ = tier.locate(key)
+    await asyncio.to_thread(_overwrite, tier.arena_path("acme"), offset, forged)
+    unverified = await tier.read(key, verify=False)
+    assert bytes(unverified.data) == forged
+    with pytest.raises(CorruptPage, match="fails its seal"):
+        verify_page(unverified)
+    del unverified
+    assert await tier.read(key) is None
+    assert tier.stats().corrupt == 1 and not tier.contains(key)
+
+
+async def test_a_slot_changed_after_its_checked_copy_is_never_served(tier: DramTier) -> None:
+    """publish seals the store's checked copy, not the slot: a writer that rewrites its slot
+    after the copy was taken (a forged page, checksum recomputed) gets a corrupt miss."""
+    key, page, meta = make_page(17, 400_000)
+    slot = await tier.allocate_slot(len(page), "acme")
+    tier.slot_view(slot)[:len(page)] = page
+    checked = bytes(tier.slot_view(slot)[:len(page)])
+    forged = encode_page(meta, bytes(len(decode_page(page).payload)))
+    tier.slot_view(slot)[:len(forged)] = forged
+    assert await tier.publish(slot, key, meta, checked) == len(page)
+    assert await tier.read(key) is None and tier.stats().corrupt == 1
+    key2, page2, meta2 = make_page(18, 400_000)
+    slot = await tier.allocate_slot(len(page2), "acme")
+    tier.slot_view(slot)[:len(page2)] = page2
+    assert await tier.publish(slot, key2, meta2, bytes(page2)) == len(page2)
+    assert bytes((await tier.read(key2)).data) == page2
+    with pytest.raises(InvalidArgument, match="does not fit"):  # another tenant's page
+        slot = await tier.allocate_slot(len(page2), "globex")
+        await tier.publish(slot, key2, meta2, page2)
+
+
+async def test_close_releases_the_arenas(tmp_path) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB, shm_dir=str(tmp_path)))
     await tier.open()
     key, page, meta = make_page(7, 1000)
     assert await tier.write(key, page, meta)
-    held = await tier.read(key)  # a reader still holding a view must not break close
-    path = tier.arena_path
-    assert os.path.exists(path)
+    held = await tier.read(key, verify=False)  # a reader still holding a view must not break close
+    region = tier.region_of("acme")
+    assert tier.region_fd(region) is not None
     await tier.close()
-    assert not os.path.exists(path)
+    assert tier.region_fd(region) is None and tier.arena_path("acme") is None
     assert bytes(held.data) == page
+    assert os.listdir(tmp_path) == []  # nothing was ever made in shm_dir
     with pytest.raises(Unavailable):
         await tier.read(key)
-
-
-async def test_missing_shm_dir_falls_back_to_tempdir(tmp_path) -> None:
-    tier = DramTier(DramConfig(capacity_bytes=2 * MiB, chunk_bytes=MiB,
-                               shm_dir=str(tmp_path / "absent")))
-    await tier.open()
-    try:
-        assert os.path.dirname(tier.arena_path) == __import__("tempfile").gettempdir()
-    finally:
-        await tier.close()
-
-
-async def test_stale_arena_of_the_same_name_is_replaced(tmp_path) -> None:
-    tier = DramTier(DramConfig(capacity_bytes=2 * MiB, chunk_bytes=MiB, shm_dir=str(tmp_path)))
-    await asyncio.to_thread(_write_file, tier.arena_path, b"left by a crashed process")
-    await tier.open()
-    try:
-        assert os.path.getsize(tier.arena_path) == 0  # open() only creates the file
-        key, page, meta = make_page(8, 1000)
-        assert await tier.write(key, page, meta)
-        assert bytes((await tier.read(key)).data) == page
-    finally:
-        await tier.close()
 
 
 async def test_concurrent_writes_reads_deletes_stay_consistent(tier: DramTier) -> None:
@@ -280,9 +372,9 @@ async def test_reserve_grows_ahead_of_demand_within_capacity(tmp_path) -> None:
     await tier.open()
     try:
         assert tier.stats().extra["arena_bytes"] == 0
-        assert await tier.reserve(5 * MiB) == 5 * MiB  # one chunk, then the rest it asked for
-        assert os.path.getsize(tier.arena_path) == 5 * MiB
-        assert await tier.reserve(100 * MiB) == 6 * MiB  # capped at capacity
+        assert await tier.reserve(5 * MiB, "acme") == 5 * MiB  # a chunk, then the rest asked for
+        assert tier.stats().extra["arena_bytes"] == 5 * MiB
+        assert await tier.reserve(100 * MiB, "acme") == 6 * MiB  # capped at capacity
         key, page, meta = make_page(12, 5 * MiB)
         assert tier.can_write(len(page)) and await tier.write(key, page, meta)
         assert bytes((await tier.read(key)).data) == page
@@ -387,7 +479,7 @@ def measure_dram_throughput(num_pages: int = 32, rounds: int = 3,
         capacity = num_pages * 2 * (payload_bytes + 4096)  # room for the gathered puts
         tier = DramTier(DramConfig(capacity_bytes=capacity, chunk_bytes=64 * MiB))
         await tier.open()
-        await tier.reserve(capacity)  # grow and prefault before timing anything
+        await tier.reserve(capacity, "acme")  # grow and prefault before timing anything
         pages = [make_page(9000 + i, payload_bytes) for i in range(num_pages)]
         out = torch.ones(num_pages, payload_bytes, dtype=torch.uint8)  # faulted in up front
 
@@ -497,42 +589,32 @@ if __name__ == "__main__":
             json.dump(result, f, indent=1)
 
 
-async def test_arena_of_a_killed_process_is_reclaimed(tmp_path) -> None:
-    """Regression: a daemon killed with SIGKILL left its /dev/shm arena behind for good."""
+async def test_a_killed_process_leaves_no_arena_behind(tmp_path) -> None:
+    """Regression: a daemon killed with SIGKILL used to leave its /dev/shm arena behind for
+    good. A memfd has no name in any file system: its memory goes with its last holder."""
     import signal
-    import subprocess
-    import sys
 
     code = (
-        "import asyncio, sys\n"
+        "import asyncio, os\n"
         "from kvstore.config import DramConfig\n"
         "from kvstore.tiers.dram import DramTier\n"
+        "from kvstore.page import PageMeta, encode_page\n"
         "async def main():\n"
         f"    t = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,"
         f" shm_dir={str(tmp_path)!r}))\n"
         "    await t.open()\n"
-        "    print(t.arena_path, flush=True)\n"
+        "    meta = PageMeta(bytes(16), bytes(16), None, 0, 'acme', 'm', 'raw', 1)\n"
+        "    assert await t.write(meta.key, encode_page(meta, b'x' * 1000), meta)\n"
+        "    print(os.readlink(t.arena_path('acme')), flush=True)\n"
         "    await asyncio.sleep(60)\n"
         "asyncio.run(main())\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        orphan = child.stdout.readline().strip()
-        live = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,
-                                   shm_dir=str(tmp_path)))
-        await live.open()  # the child is alive and holds its lock: its arena stays
-        assert os.path.exists(orphan)
-        await live.close()
+        assert child.stdout.readline().startswith("/memfd:kvstore-dram.")
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    assert os.path.exists(orphan)  # SIGKILL: nobody unlinked it
-    old = time.time() - 60
-    os.utime(orphan, (old, old))  # past the grace period for files still being created
-    fresh = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,
-                                shm_dir=str(tmp_path)))
-    await fresh.open()
-    try:
-        assert not os.path.exists(orphan) and os.path.exists(fresh.arena_path)
-    finally:
-        await fresh.close()
+    assert os.listdir(tmp_path) == []
+    if HAS_SHM:  # arena files used to be named after their process
+        assert not [name for name in os.listdir("/dev/shm") if f"-{child.pid}-" in name]

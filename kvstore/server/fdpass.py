@@ -1,0 +1,203 @@
+"""The daemon's descriptor channel: a Unix socket beside the gRPC one that hands each
+same-host client the memfd of its own tenant's DRAM arena (the exchange is in
+``kvstore.rpc.fdpass``).
+
+A client is told a region by a lease or reservation; here it proves who it is with its bearer
+token (the same rules as a gRPC call: ``kvstore.server.auth.authenticate``) and gets that region's
+descriptor only if the region belongs to its tenant. Every read of a request is bounded in size
+and time, connections are bounded in number, and nothing blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+
+from kvstore.config import ServerConfig
+from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, NotFound, PermissionDenied
+from kvstore.rpc.fdpass import (
+    MAX_MESSAGE_BYTES,
+    encode_grant,
+    encode_refusal,
+    parse_request,
+)
+from kvstore.server.auth import Caller, TokenTable, authenticate
+from kvstore.tiers.base import FdRegions
+
+_log = logging.getLogger("kvstore.server.fdpass")
+
+REQUEST_TIMEOUT_S = 2.0  # a client that has not sent its whole request by then is dropped
+MAX_CONNECTIONS = 64  # exchanges in flight; more are closed at once, unanswered
+_UNIX_PEER = "unix:"  # the peer string authenticate() treats as the Unix socket
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class FdPassServer:
+    """Serves arena descriptors on ``path`` for the regions of ``regions``.
+
+    Args:
+        path: the socket to listen on (``kvstore.rpc.fdpass.fd_socket_path``), in the gRPC
+            socket's directory, with the gRPC socket's mode (``server.socket_mode``, 0600 by
+            default): whoever may call Reserve and Acquire may ask for their tenant's arena,
+            and the token check here is what keeps tenants apart.
+        config: the daemon's server config (tokens, ``require_auth_on_unix``).
+        regions: the slot tier whose regions it hands out.
+    """
+
+    def __init__(self, path: str, config: ServerConfig, regions: FdRegions) -> None:
+        self.path = path
+        self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
+        self._require_auth = config.require_auth_on_unix
+        self._mode = config.socket_mode
+        self._regions = regions
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._exchanges: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Bind and listen (replacing a stale socket file of a daemon that died)."""
+        _clear_stale(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # 0600 from the first instant: the bind creates the file
+        try:
+            listener.bind(self.path)
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(f"cannot bind the descriptor socket {self.path}: {exc}") from None
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self._mode)
+        listener.listen(MAX_CONNECTIONS)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def close(self) -> None:
+        """Stop accepting, drop exchanges in flight and remove the socket file. Idempotent."""
+        tasks = [t for t in (self._accepting, *self._exchanges) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            if len(self._exchanges) >= MAX_CONNECTIONS:
+                conn.close()  # the client sees EOF and streams instead
+                continue
+            task = loop.create_task(self._exchange(conn))
+            self._exchanges.add(task)
+            task.add_done_callback(self._exchanges.discard)
+
+    async def _exchange(self, conn: socket.socket) -> None:
+        with conn:
+            conn.setblocking(False)
+            pid, uid = _peer(conn)
+            try:
+                line = await asyncio.wait_for(_read_line(conn), REQUEST_TIMEOUT_S)
+                reply, fds = self._answer(line, pid, uid)
+            except TimeoutError:
+                _log.warning("descriptor request from pid %d timed out", pid)
+                return
+            except KVStoreError as exc:
+                _log.warning("refused an arena descriptor to pid %d (uid %d): %s", pid, uid, exc)
+                reply, fds = encode_refusal(exc), []
+            except OSError as exc:  # the client went away
+                _log.debug("descriptor exchange with pid %d failed: %s", pid, exc)
+                return
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(_send(conn, reply, fds), REQUEST_TIMEOUT_S)
+
+    def _answer(self, line: bytes, pid: int, uid: int) -> tuple[bytes, list[int]]:
+        """The reply to one request line and the descriptors to send with it."""
+        region, token = parse_request(line)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        caller = authenticate(self._tokens, metadata, _UNIX_PEER, self._require_auth)
+        if not region:
+            return encode_grant(caller.tenant or "", ""), []
+        found = self._regions.region_fd(region)
+        if found is None:
+            raise NotFound(f"no arena region {region[:64]!r} (the daemon restarted, or it "
+                           "was never handed out)")
+        tenant, fd = found
+        _check_tenant(caller, tenant)
+        _log.debug("sent arena %s of tenant %r to pid %d (uid %d)", region, tenant[:64], pid,
+                   uid)
+        return encode_grant(tenant, region), [fd]
+
+
+def _check_tenant(caller: Caller, tenant: str) -> None:
+    """PermissionDenied unless ``caller`` may map ``tenant``'s arena: its own tenant's only,
+    any for the admin and under local trust."""
+    if caller.tenant is not None and caller.tenant != tenant:
+        raise PermissionDenied(f"tenant {caller.tenant!r} may not map the arena of tenant "
+                               f"{tenant[:64]!r}")
+
+
+async def _read_line(conn: socket.socket) -> bytes:
+    """Bytes up to and including the first newline; InvalidArgument past the size bound."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await loop.sock_recv(conn, MAX_MESSAGE_BYTES - len(data))
+        if not chunk:
+            raise InvalidArgument("descriptor request ended before its newline")
+        data += chunk
+        if len(data) >= MAX_MESSAGE_BYTES and not data.endswith(b"\n"):
+            raise InvalidArgument(f"descriptor request longer than {MAX_MESSAGE_BYTES} bytes")
+        if b"\n" in data[:-1]:
+            raise InvalidArgument("descriptor request must be one line")
+    return data
+
+
+async def _send(conn: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send ``data`` with ``fds`` attached to its first byte, waiting (never blocking) while the
+    socket is full."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            sent = socket.send_fds(conn, [data], fds)
+            break
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_writer(conn.fileno(), ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_writer(conn.fileno())
+    if sent < len(data):
+        await loop.sock_sendall(conn, data[sent:])
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The connecting process's pid and uid (SO_PEERCRED), for the log."""
+    try:
+        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       _PEERCRED.size))
+    except OSError:
+        return -1, -1
+    return pid, uid
+
+
+def _clear_stale(path: str) -> None:
+    """Remove a socket file a dead daemon left at ``path``; the caller holds the socket lock,
+    so no live daemon serves it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it")
+    os.unlink(path)
