@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import struct
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
 from kvstore.codecs.base import Codec
@@ -31,6 +34,10 @@ from kvstore.tiers.base import Slot, SlotTier
 log = logging.getLogger("kvstore.leases")
 
 REAPER_INTERVAL_S = 0.25  # how often expired leases and reservations are reclaimed
+# What decoding a garbage payload can raise: CodecError (a ValueError) for what the codecs
+# check, the rest from torch and struct on what they do not.
+_DECODE_FAILURES = (ValueError, RuntimeError, TypeError, IndexError, OverflowError, MemoryError,
+                    struct.error)
 
 
 def page_bound(codec: Codec, spec: KVSpec) -> int:
@@ -299,7 +306,7 @@ class LeaseManager:
     async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> tuple[PageMeta, bytes]:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
         view = tier.slot_view(reserved.slot)
-        # Copying and checksumming a 2 MiB page takes about a millisecond: off the loop.
+        # A full decode may take milliseconds (lossy codecs): off the loop.
         return await asyncio.to_thread(check_written, ns, reserved, view)
 
     def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:
@@ -371,8 +378,11 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
     """The page a writer put into ``slot`` for ``reserved``, copied out and checked: its meta
     and the private copy, on which every check was made.
 
-    Checks the header, checksum, key, parent, namespace, position, tenant, model and codec name.
-    CorruptPage or InvalidArgument names the block. Blocking: run it in a thread.
+    Checks the header, checksum, key, parent, namespace, position, tenant, model and codec name,
+    then decodes the payload under the reservation's codec into the namespace's shape and
+    dtype and requires every value to be finite (a lossy tier's encoder refuses NaN and Inf, so
+    such a page could never be demoted). CorruptPage or InvalidArgument names the block.
+    Blocking: run it in a thread.
     """
     key = reserved.key
     # The writer can still change its slot: check, and have the tier seal, only this copy.
@@ -390,4 +400,13 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
     if meta.codec != codec.name:
         raise InvalidArgument(f"page for key {key.hex()} is encoded with "
                               f"{shown(meta.codec)}; the reservation asked for {codec.name!r}")
+    spec = ns.spec
+    out = torch.empty(spec.shape(spec.block_tokens), dtype=spec.torch_dtype)
+    try:
+        codec.decode(page.payload, out=out)
+    except _DECODE_FAILURES as exc:  # a garbage payload is refused, whatever it breaks
+        raise CorruptPage(f"page for key {key.hex()} does not decode as {codec.name} K/V of "
+                          f"shape {tuple(out.shape)} {spec.dtype}: {exc}") from None
+    if not bool(torch.isfinite(out).all()):
+        raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
     return meta, data
