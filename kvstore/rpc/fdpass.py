@@ -1,8 +1,8 @@
 """The descriptor channel: how a same-host client gets the memfd of its tenant's DRAM arena.
 
 gRPC cannot carry file descriptors, so the daemon listens on a second Unix socket beside its
-gRPC one (``fd_socket_path``: ``<socket_path>.fd``, with the gRPC socket's mode, 0600 by default).
-One exchange per connection:
+gRPC one (``fd_socket_path``: ``<socket_path>.fd``, with the gRPC socket's mode, 0600 unless
+configured). One exchange per connection:
 
 - the client sends one line of JSON, ``{"v": 1, "region": R, "token": T}``: ``R`` is the region
   a lease or reservation named (empty: a probe, answered without a descriptor), ``T`` its bearer

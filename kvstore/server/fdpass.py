@@ -19,7 +19,14 @@ import stat
 import struct
 
 from kvstore.config import ServerConfig
-from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, NotFound, PermissionDenied
+from kvstore.errors import (
+    ConfigError,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    PermissionDenied,
+    shown,
+)
 from kvstore.rpc.fdpass import (
     MAX_MESSAGE_BYTES,
     encode_grant,
@@ -129,11 +136,11 @@ class FdPassServer:
             return encode_grant(caller.tenant or "", ""), []
         found = self._regions.region_fd(region)
         if found is None:
-            raise NotFound(f"no arena region {region[:64]!r} (the daemon restarted, or it "
+            raise NotFound(f"no arena region {shown(region)} (the daemon restarted, or it "
                            "was never handed out)")
         tenant, fd = found
         _check_tenant(caller, tenant)
-        _log.debug("sent arena %s of tenant %r to pid %d (uid %d)", region, tenant[:64], pid,
+        _log.debug("sent arena %s of tenant %s to pid %d (uid %d)", region, shown(tenant), pid,
                    uid)
         return encode_grant(tenant, region), [fd]
 
@@ -142,8 +149,8 @@ def _check_tenant(caller: Caller, tenant: str) -> None:
     """PermissionDenied unless ``caller`` may map ``tenant``'s arena: its own tenant's only,
     any for the admin and under local trust."""
     if caller.tenant is not None and caller.tenant != tenant:
-        raise PermissionDenied(f"tenant {caller.tenant!r} may not map the arena of tenant "
-                               f"{tenant[:64]!r}")
+        raise PermissionDenied(f"tenant {shown(caller.tenant)} may not map the arena of tenant "
+                               f"{shown(tenant)}")
 
 
 async def _read_line(conn: socket.socket) -> bytes:

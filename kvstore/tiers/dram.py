@@ -38,7 +38,7 @@ import torch
 
 from kvstore.api import Medium
 from kvstore.config import DramConfig
-from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
+from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable, shown
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, PageSealer, Seal, decode_page, parse_page
 from kvstore.policy.base import Footprint, RoomNeed
@@ -345,7 +345,7 @@ class DramTier(SlotTier):
         view = memoryview(page).cast("B")
         if meta.key != key or meta.tenant != slot.arena.tenant or view.nbytes > slot.slot_bytes:
             raise InvalidArgument(f"page for key {bytes(key).hex()} does not fit this slot of "
-                                  f"tenant {slot.arena.tenant[:64]!r}'s arena")
+                                  f"tenant {shown(slot.arena.tenant)}'s arena")
         if view.nbytes >= THREAD_VERIFY_BYTES:
             seal = await asyncio.to_thread(self._sealer.seal, view)
         else:
@@ -411,7 +411,7 @@ class DramTier(SlotTier):
             return arena
         if len(self._arenas) >= MAX_ARENAS:
             raise CapacityError(f"the {self.name} tier holds {MAX_ARENAS} tenant arenas, its "
-                                f"limit; tenant {tenant[:64]!r} gets none")
+                                f"limit; tenant {shown(tenant)} gets none")
         region = f"{self.name}.{secrets.token_hex(8)}"
         memory = ShmArena(f"kvstore-{region}", self.capacity_bytes)
         memory.create()
@@ -419,7 +419,7 @@ class DramTier(SlotTier):
         alloc.merge_growth = not self._pin_cuda
         arena = self._arenas[tenant] = self._regions[region] = _Arena(tenant, region, memory,
                                                                         alloc)
-        log.info("dram: made arena %s for tenant %r", region, tenant[:64])
+        log.info("dram: made arena %s for tenant %s", region, shown(tenant))
         return arena
 
     def _fits(self, nbytes: int) -> bool:
