@@ -259,12 +259,16 @@ class Daemon:
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         started = time.monotonic()
         try:
-            if self.fd_server is not None:  # no arena goes out while the store closes
-                await self.fd_server.close()
             await self.server.stop(grace)
+            # After the drain (a draining put may still ask for its arena), before the store
+            # closes the arenas.
+            if self.fd_server is not None:
+                await self.fd_server.close()
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
             await self.store.close()
         finally:
+            if self.fd_server is not None:  # idempotent: removes the socket on any failure
+                await self.fd_server.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             self._lock.close()

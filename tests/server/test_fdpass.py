@@ -221,3 +221,21 @@ async def test_local_trust_may_map_any_tenants_arena(daemon, ns, spec):
     assert await _fetch(daemon, "", None) is None  # a probe
     with pytest.raises(NotFound):
         await _fetch(daemon, region + "x", None)
+
+
+async def test_the_descriptor_socket_goes_with_the_daemon_and_a_stale_one_is_replaced(config):
+    """A daemon removes its descriptor socket when it stops; one a killed daemon left behind
+    is replaced by the next (which holds the socket lock, so nobody else serves it)."""
+    path = fd_socket_path(config.server.socket_path)
+    daemon = await serve(config)
+    await daemon.stop(1.0)
+    assert not os.path.exists(path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never served, never unlinked: what SIGKILL leaves
+    stale.close()
+    daemon = await serve(config)
+    try:
+        assert await _fetch(daemon, "", None) is None
+    finally:
+        await daemon.stop(1.0)
+    assert not os.path.exists(path)
