@@ -127,7 +127,7 @@ class Placement:
         """
         for link in self.links:
             page = await self.transcode(meta, data, link)
-            if await self.write(link, meta, page):
+            if page is not None and await self.write(link, meta, page):
                 return self._dir.get(meta.key)
         sizes = ", ".join(f"{link.name} {link.tier.max_page_bytes} bytes" for link in self.links)
         share = "" if self._share is None else (
@@ -239,7 +239,7 @@ class Placement:
                     self._dir.unplace(entry.meta.key, link.name)
                     return False
             data = await self.transcode(entry.meta, page.data, lower)
-            if await self.write(lower, entry.meta, data):
+            if data is not None and await self.write(lower, entry.meta, data):
                 return True
         return False
 
@@ -275,6 +275,8 @@ class Placement:
             if page is None:
                 return False
             data = await self.transcode(entry.meta, page.data, target)
+            if data is None:
+                return False
             if target.name in entry.sizes:  # another promotion won the race
                 return True
             ok = await self.write(target, entry.meta, bytes(data))
@@ -297,8 +299,11 @@ class Placement:
         return None, None
 
     async def transcode(self, meta: PageMeta, data: bytes | memoryview, target: Link
-                        ) -> bytes | memoryview:
-        """The page re-encoded with ``target``'s codec (unchanged if it already matches)."""
+                        ) -> bytes | memoryview | None:
+        """The page re-encoded with ``target``'s codec (unchanged if it already matches), or
+        None when it cannot be (K/V the codec refuses, such as NaN for a lossy one): the failure
+        stays with this block, which simply does not move there, and never reaches the
+        request or the demotion that moved it."""
         codec = target.codec
         if meta.codec == codec.name:
             return data
@@ -308,7 +313,12 @@ class Placement:
             new_meta = dataclasses.replace(meta, codec=codec.name, codec_id=codec.codec_id)
             return encode_page(new_meta, codec.encode(kv))
 
-        return await asyncio.to_thread(work)
+        try:
+            return await asyncio.to_thread(work)
+        except KVStoreError as exc:
+            log.warning("block %s cannot be re-encoded for tier %s (%s): %s",
+                        meta.key.hex(), target.name, codec.name, exc)
+            return None
 
     # ------------------------------------------------------------------------------ background
 
@@ -342,6 +352,8 @@ class Placement:
             if page is None:
                 continue
             data = await self.transcode(entry.meta, page.data, target)
+            if data is None:
+                continue
             try:
                 saved += await self.write(target, entry.meta, data)
             except KVStoreError as exc:

@@ -331,3 +331,22 @@ async def test_hints_schedule_only_blocks_that_can_arrive_before_the_deadline(tm
         assert hit.tokens_per_tier.get("mem", 0) == 16 * counters.hint_landed
         assert await store.hint(ns, tokens, deadline_s=60) == 12 - counters.hint_landed
         assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def test_a_block_a_lower_codec_refuses_never_breaks_other_puts(tmp_path):
+    """Regression: a raw DRAM page of NaN K/V (accepted: raw stores what the engine computed)
+    could not be re-encoded for an fp8 SSD, and that CodecError escaped the demotion into the
+    put that was making room, failing another model's put. The failure now stays with the
+    block: it is not demoted (dropped when room is needed), and every other put goes on."""
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram()),
+                                  TierConfig("disk", "ssd", ssd(tmp_path, codec="fp8_e4m3"))))
+    poisoned, other = namespace(1, "acme"), namespace(2, "acme")
+    nan_kv = torch.full(SPEC.shape(16 * 10), float("nan"), dtype=torch.bfloat16)
+    async with Store(config) as store:
+        assert await store.put(poisoned, random_tokens(160, seed=50), nan_kv) == 160
+        for i in range(4):  # 40 more blocks push the NaN blocks out of the 15-block DRAM tier
+            tokens, kv = random_tokens(160, seed=60 + i), random_kv(SPEC, 160, seed=60 + i)
+            assert await store.put(other, tokens, kv) == 160
+            got = await store.get(other, tokens)
+            assert got is not None and got.shape == kv.shape
+        assert store.stats().counters.dropped >= 10
