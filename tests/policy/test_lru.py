@@ -50,16 +50,3 @@ def test_a_touched_chain_is_evicted_from_its_tail():
     order.remove(key(9))
     order.remove(key(9))  # idempotent
     assert order.charge(key(9)) == 0 and len(order) == 3
-
-
-def test_refile_moves_a_block_between_classes_and_keeps_its_rank():
-    order = LruOrder()
-    order.add(key(0), Footprint(size_class=1, nbytes=10))
-    order.add(key(1), Footprint(size_class=1, nbytes=10))
-    order.refile(key(0), Footprint(size_class=2, nbytes=12))
-    assert order.coldest(1, never) == [key(0)]  # still the least recent overall
-    assert order.evict(RoomNeed(nbytes=10, size_class=1), never) == [key(1)]
-    assert order.evict(RoomNeed(nbytes=12, size_class=2), never) == [key(0)]
-    assert order.charge(key(0)) == 12
-    order.refile(key(5), Footprint(1, 1))  # unknown: ignored
-    assert len(order) == 2
