@@ -454,23 +454,13 @@ def write_policy_report(report: Any, results: Mapping[str, Any], path: Any = Non
                         console: Any = None, command: str | None = None) -> Any:
     """Print the tables, write the JSON (the report plus ``{"traces": ...}``) and, when
     matplotlib is installed, a PNG of mean and p99 TTFT beside it."""
-    import json
-    from pathlib import Path
-
     from rich.console import Console
 
-    from kvstore.bench.report import default_path, render_tables
+    from kvstore.bench.report import write_report
 
     console = console or Console()
-    for table in render_tables(report):
-        console.print(table)
-    for note in report.notes:
-        console.print(note)
-    target = Path(path) if path is not None else default_path(report.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    document = {**report.as_dict(command), "traces": results}
-    target.write_text(json.dumps(document, indent=2) + "\n")
-    console.print(f"results written to {target}")
+    target = write_report(report, path, console=console, command=command,
+                          extra={"traces": results})
     console.print(plot(results, target.with_suffix(".png")))
     return target
 

@@ -113,7 +113,8 @@ def render_tables(report: BenchReport) -> list[Table]:
 
 
 def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None, *,
-                 console: Console | None = None, command: str | None = None) -> Path:
+                 console: Console | None = None, command: str | None = None,
+                 extra: dict[str, object] | None = None) -> Path:
     """Print ``report`` as a table and write it as JSON.
 
     Args:
@@ -121,6 +122,7 @@ def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None
         path: JSON destination; None for ``default_path(report.name)``. Parents are created.
         console: where the table goes (stdout by default).
         command: the command line recorded in the JSON (default: ``sys.argv``).
+        extra: more top-level JSON fields beside the report's (e.g. a benchmark's raw results).
 
     Returns:
         The path written.
@@ -132,7 +134,8 @@ def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None
         console.print(note)
     target = Path(path) if path is not None else default_path(report.name)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report.as_dict(command), indent=2) + "\n")
+    document = {**report.as_dict(command), **(extra or {})}
+    target.write_text(json.dumps(document, indent=2) + "\n")
     console.print(f"results written to {target}")
     return target
 
