@@ -1,0 +1,187 @@
+"""Kernels between device pages (``kvstore.codecs.device``) and an engine's paged KV cache
+(``kvstore.spec.EngineLayout``), through address tables: one launch moves a whole prefix.
+
+``to_engine`` decodes block i's device page, at byte address ``src[i]``, into engine page
+``block_ids[i]`` of every layer; ``from_engine`` encodes engine pages into device pages at
+``dst[i]``. Addresses are raw: a GPU pool slot, a staging buffer, or pinned host memory that the
+GPU reads over unified addressing. Every address must be ``SECTION_ALIGN``-aligned (the kernels
+promise the compiler 16-byte alignment for wide loads).
+
+CPU tensors run the same kernels through Triton's interpreter (TRITON_INTERPRET=1); fp8 encode
+rounds with integer arithmetic there (the interpreter's float8 cast is wrong, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout
+from kvstore.codecs.fp8 import E4M3_MAX, MIN_SCALE
+from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
+from kvstore.codecs.triton.fp8 import _bf16_round, _e4m3_bits
+from kvstore.errors import CodecError
+from kvstore.spec import EngineLayout
+
+RAW, FP8 = 0, 1  # DeviceLayout.engine_codec
+ROWS = 32  # rows (one token x one kv head) per program
+WARPS = 4
+
+_MAX = tl.constexpr(E4M3_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _rows(layers_ptr, ids_ptr, kv_stride, block_stride, token_stride, head_stride,
+          H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr):
+    """This program's block, slab (layer, K/V), rows of the slab and their engine addresses."""
+    b = tl.program_id(0)
+    slab = tl.program_id(1)
+    rows = tl.program_id(2) * R + tl.arange(0, R)
+    ok = rows < BT * H
+    token = rows // H
+    head = rows % H
+    layer_addr = tl.multiple_of(tl.load(layers_ptr + slab // 2), 16)
+    if FP16:
+        layer = layer_addr.to(tl.pointer_type(tl.float16))
+    else:
+        layer = layer_addr.to(tl.pointer_type(tl.bfloat16))
+    page = tl.load(ids_ptr + b).to(tl.int64)
+    eng = ((slab % 2) * kv_stride + page * block_stride + token.to(tl.int64) * token_stride
+           + head.to(tl.int64) * head_stride)
+    return b, slab, rows, ok, layer, eng
+
+
+@triton.jit
+def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, scales_off,
+                      kv_stride, block_stride, token_stride, head_stride,
+                      H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr):
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, kv_stride, block_stride,
+                                          token_stride, head_stride, H, BT, R, FP16)
+    cols = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (cols < D)[None, :]
+    src = tl.multiple_of(tl.load(src_ptr + b), 16)
+    r = (slab * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
+    if CODEC == 0:
+        if FP16:
+            base = src.to(tl.pointer_type(tl.float16))
+        else:
+            base = src.to(tl.pointer_type(tl.bfloat16))
+        x = tl.load(base + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    else:
+        codes = tl.load(src.to(tl.pointer_type(tl.uint8)) + r[:, None] * D + cols[None, :],
+                        mask=mask, other=0)
+        scale = tl.load((src + scales_off).to(tl.pointer_type(tl.bfloat16)) + r, mask=ok,
+                        other=0.0).to(tl.float32)
+        x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    tl.store(layer + eng[:, None] + cols[None, :], x.to(layer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, scales_off,
+                        kv_stride, block_stride, token_stride, head_stride,
+                        H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                        R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
+                        HW_ROUND: tl.constexpr):
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, kv_stride, block_stride,
+                                          token_stride, head_stride, H, BT, R, FP16)
+    cols = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (cols < D)[None, :]
+    dst = tl.multiple_of(tl.load(dst_ptr + b), 16)
+    r = (slab * (BT * H) + rows).to(tl.int64)
+    x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
+    if CODEC == 0:
+        if FP16:
+            base = dst.to(tl.pointer_type(tl.float16))
+        else:
+            base = dst.to(tl.pointer_type(tl.bfloat16))
+        tl.store(base + r[:, None] * D + cols[None, :], x, mask=mask)
+    else:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.maximum(_bf16_round(tl.math.div_rn(amax, tl.zeros_like(amax) + _MAX)),
+                           _MIN_SCALE)
+        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        y = tl.minimum(tl.maximum(x * inv[:, None], -_MAX), _MAX)
+        if HW_ROUND:
+            codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = _e4m3_bits(y)
+        tl.store(dst.to(tl.pointer_type(tl.uint8)) + r[:, None] * D + cols[None, :], codes,
+                 mask=mask)
+        tl.store((dst + scales_off).to(tl.pointer_type(tl.bfloat16)) + r,
+                 scale.to(tl.bfloat16), mask=ok)
+
+
+def _check(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[int],
+           block_ids: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    if dev.shape != (layout.num_layers, 2, layout.block_tokens, layout.num_kv_heads,
+                     layout.head_dim) or dev.dtype != layout.dtype:
+        raise CodecError(f"device pages of shape {dev.shape} {dev.dtype} do not fit an engine "
+                         f"cache of {layout.num_layers} layers, {layout.block_tokens}-token "
+                         f"pages, {layout.num_kv_heads} heads of {layout.head_dim}, "
+                         f"{layout.dtype}")
+    if not kernels_runnable(layout.device):
+        raise CodecError(f"engine kernels cannot run on {layout.device} here (need CUDA, or "
+                         "TRITON_INTERPRET=1 for CPU tensors)")
+    ids = layout.check_block_ids(block_ids)
+    table = torch.as_tensor(addrs, dtype=torch.int64)
+    if table.dim() != 1 or table.numel() != ids.numel():
+        raise CodecError(f"{table.numel()} page addresses for {ids.numel()} engine blocks")
+    if table.numel() and bool((table.cpu() % SECTION_ALIGN != 0).any()):
+        raise CodecError(f"device page addresses must be {SECTION_ALIGN}-byte aligned")
+    return table.to(layout.device), ids
+
+
+def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor,
+            ids: torch.Tensor, stream: torch.cuda.Stream | None, **extra) -> None:
+    n = ids.numel()
+    if n == 0:
+        return
+    layers = torch.tensor(layout.layer_ptrs, dtype=torch.int64).to(layout.device)
+    scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
+    grid = (n, 2 * layout.num_layers, triton.cdiv(layout.block_tokens * layout.num_kv_heads,
+                                                  ROWS))
+    args = (table, layers, ids, scales_off, layout.kv_stride, layout.block_stride,
+            layout.token_stride, layout.head_stride)
+    meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
+                D_PAD=triton.next_power_of_2(layout.head_dim), R=ROWS, CODEC=dev.engine_codec,
+                FP16=layout.dtype == torch.float16, num_warps=WARPS, **extra)
+    with on_device(layout.device):
+        if stream is not None and layout.device.type == "cuda":
+            with torch.cuda.stream(stream):
+                kernel[grid](*args, **meta)
+        else:
+            kernel[grid](*args, **meta)
+
+
+def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[int],
+              block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None
+              ) -> None:
+    """Decode the device pages at addresses ``src`` into engine pages ``block_ids``, every
+    layer, K and V, in one launch on ``stream`` (the current stream if None)."""
+    table, ids = _check(layout, dev, src, block_ids)
+    _launch(_to_engine_kernel, layout, dev, table, ids, stream)
+
+
+def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | list[int],
+                block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
+                hw_round: bool | None = None) -> None:
+    """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
+    are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``)."""
+    table, ids = _check(layout, dev, dst, block_ids)
+    if hw_round is None:
+        hw_round = not interpreter_enabled()
+    _launch(_from_engine_kernel, layout, dev, table, ids, stream, HW_ROUND=hw_round,
+            enable_fp_fusion=False)
+
+
+def page_tensors(pool: torch.Tensor, dev: DeviceLayout, offset: int) -> list[torch.Tensor]:
+    """Views of the sections of the device page at byte ``offset`` of a uint8 ``pool``."""
+    out = []
+    for s in dev.sections:
+        start = offset + s.offset
+        out.append(pool[start:start + s.nbytes].view(s.dtype).view(s.shape))
+    return out
