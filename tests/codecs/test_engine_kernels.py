@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.codecs.device import SECTION_ALIGN, device_layout
-from kvstore.codecs.fp8 import decode_fp8_reference, encode_fp8_reference, Fp8Parts
+from kvstore.codecs.fp8 import Fp8Parts, decode_fp8_reference, encode_fp8_reference
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.errors import CodecError, InvalidArgument
 from kvstore.spec import ENGINE_LAYOUTS, EngineLayout, KVSpec
@@ -139,7 +139,7 @@ def test_bad_inputs_name_what_is_wrong():
     caches = engine_cache("flash", spec, torch.bfloat16, fused=False)
     layout = EngineLayout.of(caches, spec)
     dev = device_layout("raw", spec)
-    pool, base = aligned_pool(dev.nbytes)
+    _pool, base = aligned_pool(dev.nbytes)  # kept alive: the kernels read its address
     with pytest.raises(InvalidArgument, match="block_ids span"):
         to_engine(layout, dev, [base], [NUM_PAGES])
     with pytest.raises(CodecError, match="aligned"):
