@@ -15,6 +15,7 @@ from kvstore.api import (
     HealthInfo,
     Lease,
     LookupResult,
+    Medium,
     ModelProfile,
     Reservation,
     StoreStats,
@@ -185,19 +186,19 @@ class AsyncClient:
     async def health(self) -> HealthInfo:
         return await self._unary(requests.health())
 
-    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Lease:
-        return await self._unary(requests.acquire(ns, tokens, lease_s))
+    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Lease:
+        return await self._unary(requests.acquire(ns, tokens, lease_s, medium))
 
     async def release(self, lease_id: str) -> None:
         await self._unary(requests.release(lease_id))
 
-    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Reservation:
-        return await self._unary(requests.reserve(ns, tokens, lease_s))
+    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Reservation:
+        return await self._unary(requests.reserve(ns, tokens, lease_s, medium))
 
-    async def commit(self, reservation_id: str) -> int:
-        return await self._unary(requests.commit(reservation_id))
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        return await self._unary(requests.commit(reservation_id, ready_event))
 
     async def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back unpublished; LeaseNotFound for an unknown id."""

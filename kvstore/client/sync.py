@@ -15,6 +15,7 @@ from kvstore.api import (
     HealthInfo,
     Lease,
     LookupResult,
+    Medium,
     ModelProfile,
     Reservation,
     StoreStats,
@@ -180,25 +181,29 @@ class Client:
     def health(self) -> HealthInfo:
         return self._unary(requests.health())
 
-    def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None) -> Lease:
-        """Pin the matched prefix in the DRAM arena until :meth:`release` or the deadline."""
-        return self._unary(requests.acquire(ns, tokens, lease_s))
+    def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                medium: Medium = Medium.HOST) -> Lease:
+        """Pin the matched prefix in the DRAM arena (``medium`` "device": the GPU pool) until
+        :meth:`release` or the deadline."""
+        return self._unary(requests.acquire(ns, tokens, lease_s, medium))
 
     def release(self, lease_id: str) -> None:
         self._unary(requests.release(lease_id))
 
-    def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                ) -> Reservation:
-        """DRAM slots for the blocks of ``tokens`` not stored yet; publish with :meth:`commit`."""
-        return self._unary(requests.reserve(ns, tokens, lease_s))
+    def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                medium: Medium = Medium.HOST) -> Reservation:
+        """DRAM slots (``medium`` "device": GPU pool slots) for the blocks of ``tokens`` not
+        stored yet; publish with :meth:`commit`."""
+        return self._unary(requests.reserve(ns, tokens, lease_s, medium))
 
-    def commit(self, reservation_id: str) -> int:
-        """Verify and publish the pages written into a reservation's slots.
+    def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        """Verify and publish the pages written into a reservation's slots; ``ready_event``
+        is the IPC handle of a CUDA event recorded after device slots were written.
 
         Returns:
             Tokens published.
         """
-        return self._unary(requests.commit(reservation_id))
+        return self._unary(requests.commit(reservation_id, ready_event))
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back unpublished, so its blocks can be written again at

@@ -29,6 +29,7 @@ from kvstore.rpc.convert import (
     key_from_bytes,
     lease_to_proto,
     lookup_to_proto,
+    medium_from_proto,
     namespace_from_proto,
     profile_from_proto,
     reservation_to_proto,
@@ -50,6 +51,7 @@ from kvstore.server.limits import StreamClock
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
+MAX_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_LIST_LIMIT = 100_000
 DEFAULT_LIST_LIMIT = 1000
 MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
@@ -214,13 +216,17 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "write")
         _require_unix(context, "Reserve", "Put")
         lease_s = self._lease_s(request.lease_s)
-        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s)
+        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s,
+                                                medium_from_proto(request.medium))
         self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
         return reservation_to_proto(reservation)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         self._grants.check(request.reservation_id, current_caller(), "reservation")
-        published = await self._store.commit(request.reservation_id)
+        if len(request.ready_event) > MAX_EVENT_HANDLE_BYTES:
+            raise InvalidArgument(f"ready_event holds {len(request.ready_event)} bytes; a CUDA "
+                                  f"IPC event handle has {MAX_EVENT_HANDLE_BYTES}")
+        published = await self._store.commit(request.reservation_id, request.ready_event)
         self._grants.discard(request.reservation_id)
         return pb.CommitResponse(tokens_published=published)
 
@@ -234,7 +240,8 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "read")
         _require_unix(context, "Acquire", "Get")
         lease_s = self._lease_s(request.lease_s)
-        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s)
+        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
+                                          medium_from_proto(request.medium))
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
         return lease_to_proto(lease)
 

@@ -342,30 +342,34 @@ class Store:
 
     # Leases, reservations and hints live in kvstore.store.leases; these delegate to it.
 
-    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Lease:
+    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Lease:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
         ``release`` or the lease's deadline; blocks only the shared tier holds are brought in
         first, as for ``get``."""
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
         await self._adopt_shared(ns, keys)
-        return await self._leases.acquire(ns, keys, lease_s)
+        return await self._leases.acquire(ns, keys, lease_s, Medium(medium))
 
     async def release(self, lease_id: str) -> None:
         self._check_open()
         self._leases.release(lease_id)
 
-    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Reservation:
-        """Slots for the blocks of ``tokens`` not stored yet; publish them with ``commit``."""
+    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Reservation:
+        """Slots of ``medium`` for the blocks of ``tokens`` not stored yet; publish them with
+        ``commit``."""
         self._check_open()
-        return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s)
+        return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s,
+                                          Medium(medium))
 
-    async def commit(self, reservation_id: str) -> int:
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        """Publish what a writer put into a reservation's slots; ``ready_event`` is the IPC
+        handle of a CUDA event it recorded after writing device slots."""
         self._check_open()
         keys = self._leases.reserved_keys(reservation_id)
-        written = await self._leases.commit(reservation_id)
+        written = await self._leases.commit(reservation_id, ready_event)
         self._wake_demoter()
         if written and self._placement.write_through_links():
             entries = [e for e in map(self._dir.get, keys) if e is not None]

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
+from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
 from kvstore.codecs.base import Codec
 from kvstore.config import QuotaConfig
 from kvstore.errors import (
@@ -29,7 +29,7 @@ from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, pa
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
-from kvstore.tiers.base import Slot, SlotTier
+from kvstore.tiers.base import DevicePages, Slot, SlotTier
 
 log = logging.getLogger("kvstore.leases")
 
@@ -174,20 +174,22 @@ class LeaseManager:
             raise InvalidArgument(f"lease_s must be in (0, {MAX_LEASE_S}], got {lease_s}")
         return time.time() + lease_s
 
-    def _slot_link(self) -> Link:
-        link = self._placement.slot_link()
+    def _slot_link(self, medium: Medium) -> Link:
+        link = self._placement.slot_link(medium)
         if link is None:
-            raise InvalidArgument("no tier of this store lends slots for zero-copy reads and "
-                                  "writes; use put and get")
+            raise InvalidArgument(f"no tier of this store lends {medium.value} slots for "
+                                  "zero-copy reads and writes; use put and get")
         return link
 
     # ------------------------------------------------------------------------------ leases
 
-    async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None) -> Lease:
-        """Pin the stored prefix of ``keys`` in the fastest slot tier (promoting into it)."""
+    async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
+                      medium: Medium = Medium.HOST) -> Lease:
+        """Pin the stored prefix of ``keys`` in the fastest slot tier of ``medium`` (promoting
+        into it)."""
         deadline = self._deadline(lease_s)
         self._leases.check_room(ns.tenant)
-        link = self._slot_link()
+        link = self._slot_link(medium)
         tier: SlotTier = link.tier  # type: ignore[assignment]
         entries = self._dir.match_prefix(keys)
         self._dir.pin(entries)
@@ -206,15 +208,16 @@ class LeaseManager:
             blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
-        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks))
+        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks),
+                     link.codec.name)
 
     def release(self, lease_id: str) -> None:
         self._dir.unpin(self._leases.pop(lease_id).entries)
 
     # ------------------------------------------------------------------------------ reservations
 
-    async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None
-                      ) -> Reservation:
+    async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
+                      medium: Medium = Medium.HOST) -> Reservation:
         """Slots in the fastest slot tier for the blocks of ``keys`` not stored yet.
 
         A reservation claims nothing: a second writer of the same prefix (a put, or another
@@ -223,9 +226,12 @@ class LeaseManager:
         """
         deadline = self._deadline(lease_s)
         self._reservations.check_room(ns.tenant)
-        link = self._slot_link()
+        link = self._slot_link(medium)
         tier: SlotTier = link.tier  # type: ignore[assignment]
-        slot_bytes = page_bound(link.codec, ns.spec)
+        if isinstance(tier, DevicePages):
+            slot_bytes = tier.device_slot_bytes(link.codec.name, ns.spec)
+        else:
+            slot_bytes = page_bound(link.codec, ns.spec)
         if slot_bytes > tier.max_page_bytes:
             raise CapacityError(f"a {slot_bytes}-byte slot for one block can never fit tier "
                                 f"{link.name} (largest page {tier.max_page_bytes} bytes)")
@@ -261,7 +267,7 @@ class LeaseManager:
         hold = self._reservations.get(reservation_id)
         return [] if hold is None else [reserved.key for reserved in hold.slots]
 
-    async def commit(self, reservation_id: str) -> int:
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Verify every page written into the reservation's slots and publish them; return the
         tokens newly published.
 
@@ -270,7 +276,8 @@ class LeaseManager:
         seal. A page that fails aborts the whole commit and frees every slot: nothing
         half-written, or that would not decode on a later read, demotion or transcode, is ever
         published. A block stored meanwhile by another writer keeps that copy and frees this
-        slot.
+        slot. Device slots (``DevicePages``) are published under the meta the store builds,
+        once ``ready_event`` (the writer's IPC event handle) fired.
         """
         hold = self._reservations.pop(reservation_id)
         try:
@@ -285,7 +292,11 @@ class LeaseManager:
                 if reserved.key in self._dir or tier.contains(reserved.key):
                     tier.abort(reserved.slot)
                 else:
-                    length = await tier.publish(reserved.slot, reserved.key, meta, page)
+                    if isinstance(tier, DevicePages):
+                        length = await tier.publish_sections(reserved.slot, reserved.key, meta,
+                                                             hold.ns.spec, ready_event)
+                    else:
+                        length = await tier.publish(reserved.slot, reserved.key, meta, page)
                     self._dir.place(meta, reserved.link.name, length,
                                     tier.footprint(reserved.key))
                     published.append(reserved.key)
@@ -303,8 +314,13 @@ class LeaseManager:
         hold = self._reservations.pop(reservation_id)
         self._abort_slots(hold.tenant, hold.slots)
 
-    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> tuple[PageMeta, bytes]:
+    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot
+                           ) -> tuple[PageMeta, bytes | None]:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+        if isinstance(tier, DevicePages):
+            codec = reserved.link.codec
+            return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
+                            ns.tenant, ns.model_id, codec.name, codec.codec_id), None
         view = tier.slot_view(reserved.slot)
         # A full decode may take milliseconds (lossy codecs): off the loop.
         return await asyncio.to_thread(check_written, ns, reserved, view)

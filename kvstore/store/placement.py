@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore import codecs
+from kvstore.api import Medium
 from kvstore.codecs.base import Codec
 from kvstore.config import TierConfig, TierSettings
 from kvstore.errors import CapacityError, KVStoreError, shown
@@ -96,9 +97,11 @@ class Placement:
     def fastest_holder(self, entry: BlockEntry) -> Link:
         return next(link for link in self.links if link.name in entry.sizes)
 
-    def slot_link(self) -> Link | None:
-        """The fastest tier that lends slots (zero-copy writes and pinned reads), if any."""
-        return next((link for link in self.links if isinstance(link.tier, SlotTier)), None)
+    def slot_link(self, medium: Medium = Medium.HOST) -> Link | None:
+        """The fastest tier that lends slots of ``medium`` (zero-copy writes and pinned reads),
+        if any."""
+        return next((link for link in self.links if isinstance(link.tier, SlotTier)
+                     and link.tier.medium is medium), None)
 
     def shared_link(self) -> Link | None:
         """The tier several hosts share, if the chain has one."""

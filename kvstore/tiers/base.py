@@ -24,8 +24,9 @@ from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.spec import KVSpec
 
-__all__ = ["ClusterEntry", "FdRegions", "Footprint", "RoomNeed", "SharedTier", "Slot",
+__all__ = ["ClusterEntry", "DevicePages", "FdRegions", "Footprint", "RoomNeed", "SharedTier", "Slot",
            "SlotTier", "Tier", "TierStats"]
 
 
@@ -250,6 +251,23 @@ class SharedTier(Tier):
     @abstractmethod
     def health(self) -> str:
         """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""
+
+
+@runtime_checkable
+class DevicePages(Protocol):
+    """A slot tier whose slots hold device pages (``kvstore.codecs.device``): a writer puts a
+    block's codec sections there with the engine kernels, not a framed page, and the tier frames
+    them as a host page when the block leaves it. The store cannot check such a slot on the host
+    without copying it off the device: it publishes it under the meta it builds itself; the
+    pool is the writer's tenant's alone, so a bad page reaches nobody else."""
+
+    def device_slot_bytes(self, codec: str, spec: KVSpec) -> int:
+        """Bytes of the slot one block of ``spec`` under ``codec`` takes."""
+
+    async def publish_sections(self, slot: Slot, key: BlockKey, meta: PageMeta, spec: KVSpec,
+                               ready_event: bytes = b"") -> int:
+        """Make the device page in ``slot`` readable as ``key`` once the writer's event
+        (``ready_event``, an IPC handle; empty: already written) fired; its host page bytes."""
 
 
 @runtime_checkable
