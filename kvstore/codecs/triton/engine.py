@@ -33,16 +33,18 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def _rows(layers_ptr, ids_ptr, kv_stride, block_stride, token_stride, head_stride,
+def _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride, token_stride, head_stride,
           H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr):
-    """This program's block, slab (layer, K/V), rows of the slab and their engine addresses."""
+    """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
+    addresses; the launch covers layers ``layer0`` on (``layers_ptr`` from there)."""
     b = tl.program_id(0)
-    slab = tl.program_id(1)
+    local = tl.program_id(1)
+    slab = layer0 * 2 + local
     rows = tl.program_id(2) * R + tl.arange(0, R)
     ok = rows < BT * H
     token = rows // H
     head = rows % H
-    layer_addr = tl.multiple_of(tl.load(layers_ptr + slab // 2), 16)
+    layer_addr = tl.multiple_of(tl.load(layers_ptr + local // 2), 16)
     if FP16:
         layer = layer_addr.to(tl.pointer_type(tl.float16))
     else:
@@ -54,11 +56,11 @@ def _rows(layers_ptr, ids_ptr, kv_stride, block_stride, token_stride, head_strid
 
 
 @triton.jit
-def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, scales_off,
+def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -80,12 +82,12 @@ def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, scales_off,
 
 
 @triton.jit
-def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, scales_off,
+def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, scales_off,
                         kv_stride, block_stride, token_stride, head_stride,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                         HW_ROUND: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -136,16 +138,20 @@ def _check(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[i
 
 
 def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor,
-            ids: torch.Tensor, stream: torch.cuda.Stream | None, **extra) -> None:
+            ids: torch.Tensor, stream: torch.cuda.Stream | None, layers: range | None = None,
+            **extra) -> None:
     n = ids.numel()
-    if n == 0:
+    layers = range(layout.num_layers) if layers is None else layers
+    if n == 0 or not layers:
         return
-    layers = torch.tensor(layout.layer_ptrs, dtype=torch.int64).to(layout.device)
+    if layers.step != 1 or layers.start < 0 or layers.stop > layout.num_layers:
+        raise CodecError(f"layers {layers} are not a run of the cache's {layout.num_layers}")
+    pointers = torch.tensor(layout.layer_ptrs[layers.start:layers.stop], dtype=torch.int64)
+    pointers = pointers.to(layout.device)
     scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
-    grid = (n, 2 * layout.num_layers, triton.cdiv(layout.block_tokens * layout.num_kv_heads,
-                                                  ROWS))
-    args = (table, layers, ids, scales_off, layout.kv_stride, layout.block_stride,
-            layout.token_stride, layout.head_stride)
+    grid = (n, 2 * len(layers), triton.cdiv(layout.block_tokens * layout.num_kv_heads, ROWS))
+    args = (table, pointers, ids, layers.start, scales_off, layout.kv_stride,
+            layout.block_stride, layout.token_stride, layout.head_stride)
     meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
                 D_PAD=triton.next_power_of_2(layout.head_dim), R=ROWS, CODEC=dev.engine_codec,
                 FP16=layout.dtype == torch.float16, num_warps=WARPS, **extra)
@@ -158,12 +164,12 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor
 
 
 def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[int],
-              block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None
-              ) -> None:
-    """Decode the device pages at addresses ``src`` into engine pages ``block_ids``, every
-    layer, K and V, in one launch on ``stream`` (the current stream if None)."""
+              block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
+              layers: range | None = None) -> None:
+    """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
+    layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
     table, ids = _check(layout, dev, src, block_ids)
-    _launch(_to_engine_kernel, layout, dev, table, ids, stream)
+    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers)
 
 
 def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | list[int],
@@ -174,7 +180,7 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
     table, ids = _check(layout, dev, dst, block_ids)
     if hw_round is None:
         hw_round = not interpreter_enabled()
-    _launch(_from_engine_kernel, layout, dev, table, ids, stream, HW_ROUND=hw_round,
+    _launch(_from_engine_kernel, layout, dev, table, ids, stream, None, HW_ROUND=hw_round,
             enable_fp_fusion=False)
 
 

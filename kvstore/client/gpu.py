@@ -1,0 +1,242 @@
+"""The engine's GPU path: register a paged KV cache once, then save and load prefixes by the
+engine's block ids, with kvstore's kernels reading and writing the cache in place.
+
+With a daemon whose chain has a GPU tier (``kind = "hbm"``), pages move between the engine's
+cache and the tenant's device pool, mapped once through CUDA IPC (``kvstore.ipc``): a save
+reserves pool slots, runs the encode kernel on the engine's stream and commits with an
+interprocess event the daemon waits on before it reads the slots; a load pins the prefix in the
+pool (the daemon promotes it from DRAM, SSD or the shared tier first) and decodes it into the
+engine's pages in one launch, or one launch per layer so layer i can run while later layers
+still land. Without a GPU tier, pages go through the host path of the client (``put``/``get``,
+shared memory where the daemon offers it) and one kernel launch to or from the cache.
+
+Only blocks that are whole in both ``tokens`` and ``block_ids`` move.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.api import Lease, Medium
+from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout, device_layout
+from kvstore.codecs.triton.engine import from_engine, to_engine
+from kvstore.errors import InvalidArgument
+from kvstore.ipc import map_region
+from kvstore.keys import Namespace
+from kvstore.spec import EngineLayout
+
+EVENTS_KEPT = 256  # exported events stay alive until the daemon surely opened them
+
+
+class LoadHandle:
+    """A load in flight: ``matched_tokens`` are (being) written into the engine's cache.
+
+    ``wait_for_layer(i)`` makes the caller's stream (or ``stream``) wait until layer ``i``
+    landed, without blocking the host; ``wait()`` blocks until every layer landed and gives the
+    lease back. A handle not waited on gives its lease back when the lease expires.
+    """
+
+    def __init__(self, matched_tokens: int, events: list[object], finish) -> None:
+        self.matched_tokens = matched_tokens
+        self._events = events  # one per layer, or one for all
+        self._finish = finish
+
+    def wait_for_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        if not self._events:
+            return
+        event = self._events[layer if len(self._events) > 1 else 0]
+        if event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(event)
+
+    def wait(self) -> int:
+        for event in self._events[-1:]:
+            if event is not None:
+                event.synchronize()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self.matched_tokens
+
+
+class EngineCache:
+    """An engine's paged KV cache registered with kvstore (see the module docstring).
+
+    Args:
+        client: a sync ``kvstore.client.Client`` of the daemon on this host.
+        ns: the namespace the cache's pages belong to (its spec is the cache's geometry).
+        kv_caches: the cache as the engine holds it (``EngineLayout.of``).
+        layout: a name from ``kvstore.spec.ENGINE_LAYOUTS`` when the shapes are ambiguous.
+    """
+
+    def __init__(self, client, ns: Namespace, kv_caches, *, layout: str | None = None) -> None:
+        self.client = client
+        self.ns = ns
+        self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
+        self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
+        self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[list[int], list[int]]:
+        bt = self.ns.spec.block_tokens
+        ids = self.layout.check_block_ids(block_ids).tolist()
+        n = min(len(tokens) // bt, len(ids))
+        return list(tokens[:n * bt]), ids[:n]
+
+    def _cuda(self) -> bool:
+        return self.layout.device.type == "cuda"
+
+    def _event(self, stream: torch.cuda.Stream | None, interprocess: bool = False):
+        if not self._cuda():
+            return None
+        event = torch.cuda.Event(interprocess=interprocess)
+        event.record(stream or torch.cuda.current_stream(self.layout.device))
+        return event
+
+    def _try_device(self, call):
+        """``call()`` on the daemon's device slots, or None when it lends none."""
+        if self._device_ok is False:
+            return None
+        try:
+            result = call()
+        except InvalidArgument as exc:
+            if "device slots" not in str(exc):
+                raise
+            self._device_ok = False
+            return None
+        self._device_ok = True
+        return result
+
+    # --- save -------------------------------------------------------------------------------
+
+    def save(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None
+             ) -> int:
+        """Store the blocks of ``tokens`` held in engine pages ``block_ids``; returns the
+        tokens newly published (blocks already stored are skipped)."""
+        tokens, ids = self._blocks(tokens, block_ids)
+        if not ids:
+            return 0
+        res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE))
+        if res is None:
+            return self._save_host(tokens, ids, stream)
+        try:
+            if res.blocks:
+                pool = map_region(res.blocks[0].region)
+                dev = device_layout(res.codec, self.ns.spec)
+                from_engine(self.layout, dev, [pool.base + g.offset for g in res.blocks],
+                            [ids[g.block_index] for g in res.blocks], stream)
+            event = self._event(stream, interprocess=True)
+            handle = b""
+            if event is not None:
+                handle = event.ipc_handle()
+                self._events.append(event)
+            return self.client.commit(res.reservation_id, handle)
+        except BaseException:
+            self.client.abort(res.reservation_id)
+            raise
+
+    def _save_host(self, tokens: list[int], ids: list[int], stream) -> int:
+        spec = self.ns.spec
+        dev = device_layout("raw", spec)
+        staging = _aligned(len(ids) * dev.nbytes, self.layout.device)
+        base = staging.data_ptr()
+        from_engine(self.layout, dev, [base + i * dev.nbytes for i in range(len(ids))], ids,
+                    stream)
+        if self._cuda():
+            (stream or torch.cuda.current_stream()).synchronize()
+        blocks = _canonical(staging, dev, len(ids)).cpu()  # [n, L, 2, bt, H, D]
+        kv = blocks.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(len(tokens)))
+        return self.client.put(self.ns, tokens, kv)
+
+    # --- load -------------------------------------------------------------------------------
+
+    def load(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None,
+             *, layerwise: bool = False, advice: bool = True) -> LoadHandle:
+        """Write the stored prefix of ``tokens`` into engine pages ``block_ids`` (block i of the
+        prefix into ``block_ids[i]``), on ``stream``.
+
+        ``advice``: load only the prefix the cost model says is worth fetching (the rest is
+        cheaper to recompute). ``layerwise``: one launch per layer, each with its event, so
+        the caller can start layer i (``LoadHandle.wait_for_layer``) before the rest landed.
+        """
+        tokens, ids = self._blocks(tokens, block_ids)
+        if not ids:
+            return LoadHandle(0, [], None)
+        bt = self.ns.spec.block_tokens
+        if advice:
+            hit = self.client.lookup(self.ns, tokens)
+            worth = hit.matched_tokens if hit.advised_tokens is None else hit.advised_tokens
+            tokens = tokens[:worth // bt * bt]
+            if not tokens:
+                return LoadHandle(0, [], None)
+        lease = self._try_device(lambda: self.client.acquire(self.ns, tokens,
+                                                             medium=Medium.DEVICE))
+        if lease is None:
+            return self._load_host(tokens, ids, stream)
+        release = _releaser(self.client, lease)
+        if not lease.blocks:
+            release()
+            return LoadHandle(0, [], None)
+        try:
+            pool = map_region(lease.blocks[0].region)
+            dev = device_layout(lease.codec, self.ns.spec)
+            addrs = [pool.base + b.offset for b in lease.blocks]
+            events = self._decode(dev, addrs, ids[:len(addrs)], stream, layerwise)
+        except BaseException:
+            release()
+            raise
+        return LoadHandle(lease.matched_tokens, events, release)
+
+    def _decode(self, dev: DeviceLayout, addrs: list[int], ids: list[int], stream,
+                layerwise: bool) -> list[object]:
+        if not layerwise:
+            to_engine(self.layout, dev, addrs, ids, stream)
+            return [self._event(stream)]
+        events = []
+        for layer in range(self.layout.num_layers):
+            to_engine(self.layout, dev, addrs, ids, stream, layers=range(layer, layer + 1))
+            events.append(self._event(stream))
+        return events
+
+    def _load_host(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+        kv = self.client.get(self.ns, tokens)
+        if kv is None or kv.shape[2] == 0:
+            return LoadHandle(0, [], None)
+        bt = self.ns.spec.block_tokens
+        n = kv.shape[2] // bt
+        dev = device_layout("raw", self.ns.spec)
+        staging = _aligned(n * dev.nbytes, self.layout.device)
+        blocks = kv.view(*kv.shape[:2], n, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+        _canonical(staging, dev, n).copy_(blocks, non_blocking=True)
+        addrs = [staging.data_ptr() + i * dev.nbytes for i in range(n)]
+        to_engine(self.layout, dev, addrs, ids[:n], stream)
+        event = self._event(stream)
+        return LoadHandle(n * bt, [event], lambda: staging)  # staging lives until waited on
+
+
+def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    raw = torch.empty(nbytes + SECTION_ALIGN, dtype=torch.uint8, device=device)
+    pad = -raw.data_ptr() % SECTION_ALIGN
+    return raw[pad:pad + nbytes]
+
+
+def _canonical(staging: torch.Tensor, dev: DeviceLayout, n: int) -> torch.Tensor:
+    """``n`` raw device pages in ``staging`` as ``[n, L, 2, bt, H, D]``."""
+    section = dev.sections[0]
+    pages = staging.view(n, dev.nbytes)[:, :section.nbytes]
+    return pages.view(dev.dtype).view(n, *section.shape)
+
+
+def _releaser(client, lease: Lease):
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            client.release(lease.lease_id)
+
+    return release
