@@ -21,7 +21,8 @@ from kvstore.errors import CodecError
 from kvstore.spec import KVSpec
 
 SECTION_ALIGN = 256  # bytes; every section (and slot) starts on this boundary
-DEVICE_CODECS = ("raw", "fp8_e4m3")
+DEVICE_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4")  # their order is the kernels' numbering
+ENCODABLE = ("raw", "fp8_e4m3")  # codecs the engine kernels also encode (save)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,18 @@ def device_layout(codec: str, spec: KVSpec) -> DeviceLayout:
     elif codec == "fp8_e4m3":
         parts = [(torch.uint8, shape), (torch.bfloat16, shape[:-1])]
         codec_id, params = 2, fp8.PARAMS
+    elif codec in ("nvfp4", "mxfp4"):
+        from kvstore.codecs.fp4 import MxFp4Codec, NvFp4Codec
+
+        cls = NvFp4Codec if codec == "nvfp4" else MxFp4Codec
+        if spec.head_dim % cls.block_size:
+            raise CodecError(f"{codec} device pages need head_dim a multiple of "
+                             f"{cls.block_size}, got {spec.head_dim}")
+        parts = [(torch.uint8, (*shape[:-1], shape[-1] // 2)),
+                 (torch.uint8, (*shape[:-1], shape[-1] // cls.block_size))]
+        if codec == "nvfp4":
+            parts.append((torch.float32, shape[:2]))
+        codec_id, params = cls.codec_id, cls.params
     else:
         raise CodecError(f"codec {codec!r} has no device kernels; device tiers and engine loads "
                          f"take {list(DEVICE_CODECS)}")

@@ -159,3 +159,37 @@ def test_bad_inputs_name_what_is_wrong():
         EngineLayout.of([torch.zeros(2, 3, 4, 4, 16, dtype=torch.bfloat16)], square)
     assert EngineLayout.of([torch.zeros(2, 3, 4, 4, 16, dtype=torch.bfloat16)], square,
                            layout="flash_hnd").head_stride == 64
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp4_pages_decode_into_the_engine(codec, dtype):
+    from kvstore.codecs.fp4 import (
+        Fp4Parts,
+        dequantize_reference,
+        mxfp4_quantize_reference,
+        nvfp4_quantize_reference,
+    )
+    from kvstore.codecs.triton.engine import page_tensors, to_engine
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=4, dtype=dtype)
+    dev = device_layout(codec, spec)
+    quantize = nvfp4_quantize_reference if codec == "nvfp4" else mxfp4_quantize_reference
+    n = 3
+    pool, base = aligned_pool(n * dev.nbytes)
+    blocks = [torch.randn(spec.block_shape).to(dtype) for _ in range(n)]
+    for i, block in enumerate(blocks):
+        for view, section in zip(page_tensors(pool, dev, i * dev.nbytes),
+                                 quantize(block).sections()):
+            view.copy_(section.to(DEVICE))
+    caches = engine_cache("flashinfer", spec, dtype, fused=False)
+    layout = EngineLayout.of(caches, spec)
+    ids = [4, 0, 7]
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    with pytest.raises(CodecError, match="do not encode"):
+        from kvstore.codecs.triton.engine import from_engine
+
+        from_engine(layout, dev, [base], [0])
+    for i, page in enumerate(ids):
+        parts = Fp4Parts(*(t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)))
+        assert_decoded(read_block(layout, page).cpu(), dequantize_reference(parts, dtype))

@@ -17,14 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout
+from kvstore.codecs.device import ENCODABLE, SECTION_ALIGN, DeviceLayout
 from kvstore.codecs.fp8 import E4M3_MAX, MIN_SCALE
 from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
+from kvstore.codecs.triton.fp4 import _e2m1_scaled, _e4m3_value, _pack_words
 from kvstore.codecs.triton.fp8 import _bf16_round, _e4m3_bits
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
 
-RAW, FP8 = 0, 1  # DeviceLayout.engine_codec
+RAW, FP8, NVFP4, MXFP4 = 0, 1, 2, 3  # DeviceLayout.engine_codec
 ROWS = 32  # rows (one token x one kv head) per program
 WARPS = 4
 
@@ -56,12 +57,44 @@ def _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride, token_stride, he
 
 
 @triton.jit
+def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   IS_NV: tl.constexpr, FP16: tl.constexpr, EXACT: tl.constexpr):
+    """Decode rows of e2m1 pairs (even element in the low nibble) into engine words."""
+    half = tl.arange(0, D_PAD // 2)
+    mask = ok[:, None] & (half < D // 2)[None, :]
+    packed = tl.load(src.to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // 2) + half[None, :],
+                     mask=mask, other=0).to(tl.int32)
+    group = (2 * half) // BLOCK
+    byte = tl.load((src + scales_off).to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // BLOCK)
+                   + group[None, :], mask=mask, other=0).to(tl.int32)
+    if IS_NV:
+        ts = tl.load((src + ts_off).to(tl.pointer_type(tl.float32)) + slab)
+        half_scale = _e4m3_value(byte) * ts * 0.5
+    else:  # 2^(byte - 128) as float32 bits, subnormal for bytes 0 and 1
+        half_scale = tl.where(byte >= 2, (byte - 1) << 23,
+                              0x200000 << tl.minimum(byte, 1)).to(tl.float32, bitcast=True)
+    even = _e2m1_scaled(packed & 0x0F, half_scale)
+    odd = _e2m1_scaled(packed >> 4, half_scale)
+    words = _pack_words(even, odd, 2 if FP16 else 1, EXACT)
+    dst = layer.to(tl.pointer_type(tl.int32), bitcast=True) + (eng[:, None] // 2 + half[None, :])
+    tl.store(dst, words.to(tl.int32), mask=mask)
+
+
+@triton.jit
 def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                      R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr):
+                      R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
+                      TS_OFF: tl.constexpr = 0, EXACT: tl.constexpr = False):
     b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16)
+    if CODEC >= 2:
+        src = tl.multiple_of(tl.load(src_ptr + b), 16)
+        r = (slab * (BT * H) + rows).to(tl.int64)
+        _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
+                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT)
+        return
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
     src = tl.multiple_of(tl.load(src_ptr + b), 16)
@@ -169,7 +202,11 @@ def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
     layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
     table, ids = _check(layout, dev, src, block_ids)
-    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers)
+    extra = {}
+    if dev.engine_codec >= NVFP4:
+        extra = {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
+                 "EXACT": interpreter_enabled()}
+    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers, **extra)
 
 
 def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | list[int],
@@ -178,6 +215,9 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
     """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
     are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``)."""
     table, ids = _check(layout, dev, dst, block_ids)
+    if dev.codec not in ENCODABLE:
+        raise CodecError(f"the engine kernels decode {dev.codec} pages but do not encode them; "
+                         f"saves take {list(ENCODABLE)}")
     if hw_round is None:
         hw_round = not interpreter_enabled()
     _launch(_from_engine_kernel, layout, dev, table, ids, stream, None, HW_ROUND=hw_round,
