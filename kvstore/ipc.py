@@ -46,7 +46,12 @@ def export_cuda_pool(ptr: int, nbytes: int, device_index: int) -> str:
 
     with cupy.cuda.Device(device_index):
         handle = cupy.cuda.runtime.ipcGetMemHandle(ptr)
-    return f"cuda-ipc:{device_index}:{nbytes}:{bytes(handle).hex()}"
+    region = f"cuda-ipc:{device_index}:{nbytes}:{bytes(handle).hex()}"
+    # CUDA cannot open an IPC handle in the process that exported it: this process (a daemon
+    # with an engine inside it) maps the pool directly.
+    with _LOCK:
+        _MAPPED[region] = Mapping(region, ptr, nbytes, torch.device("cuda", device_index), None)
+    return region
 
 
 def map_region(region: str) -> Mapping:
@@ -86,14 +91,14 @@ def _open_cuda(region: str, rest: str) -> Mapping:
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             raise Unavailable(f"cannot open the GPU pool of region {shown(region, 48)}: "
                               f"{exc}") from None
-    return Mapping(region, int(ptr), size, torch.device("cuda", index), None)
+    return Mapping(region, int(ptr), size, torch.device("cuda", index), "ipc")
 
 
 def forget(region: str) -> None:
     """Drop this process's mapping of ``region`` (the pool's owner went away)."""
     with _LOCK:
         mapped = _MAPPED.pop(region, None)
-    if mapped is not None and region.startswith("cuda-ipc:"):
+    if mapped is not None and region.startswith("cuda-ipc:") and mapped.keep == "ipc":
         import cupy
 
         with cupy.cuda.Device(mapped.device.index):

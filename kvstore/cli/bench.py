@@ -117,6 +117,23 @@ def bench_codecs(
     _publish(run(**options), json_path)
 
 
+@bench_app.command("gpu")
+@boundary
+def bench_gpu(
+    total_bytes: Annotated[str, typer.Option(
+        help="Raw K/V bytes each pass moves (2 MiB blocks), e.g. 2GiB.")] = "2GiB",
+    quick: Annotated[bool, typer.Option(help="64 blocks: a smoke run.")] = False,
+    ssd_path: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Directory for the O_DIRECT read probe [default: the temp dir]")] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """The GPU path's kernels against device copy and the PCIe link (kvstore.bench.gpu)."""
+    run = load_runner("kvstore.bench.gpu", "run_gpu_bench", "kvstore bench gpu")
+    _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), quick=quick,
+                 ssd_dir=None if ssd_path is None else str(ssd_path)), json_path)
+
+
 @bench_app.command("policy")
 @boundary
 def bench_policy(

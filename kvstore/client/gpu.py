@@ -128,11 +128,13 @@ class EngineCache:
                 dev = device_layout(res.codec, self.ns.spec)
                 from_engine(self.layout, dev, [pool.base + g.offset for g in res.blocks],
                             [ids[g.block_index] for g in res.blocks], stream)
-            event = self._event(stream, interprocess=True)
             handle = b""
-            if event is not None:
+            if res.blocks and pool.keep == "ipc":  # the daemon is another process
+                event = self._event(stream, interprocess=True)
                 handle = event.ipc_handle()
                 self._events.append(event)
+            elif res.blocks and self._cuda():  # the daemon is this process: wait here
+                self._event(stream).synchronize()
             return self.client.commit(res.reservation_id, handle)
         except BaseException:
             self.client.abort(res.reservation_id)
