@@ -26,7 +26,8 @@ MiB = 1 << 20
 
 
 def engine(role: str, socket: str, seed: int) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else "")}
     done = subprocess.run([sys.executable, "-m", "tests.gpu.engine_proc", role, socket,
                            str(seed)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=240, check=False)

@@ -111,7 +111,7 @@ async def test_device_tier_refuses_what_it_cannot_hold():
     async with Store(chain(MiB)) as store:
         ns = namespace()
         res = await store.reserve(ns, random_tokens(32), medium=Medium.DEVICE)
-        with pytest.raises(InvalidArgument, match="ready event"):
+        with pytest.raises(InvalidArgument, match="ready.event"):
             await store.commit(res.reservation_id, ready_event=b"\x01" * 64)
 
 

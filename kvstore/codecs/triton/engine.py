@@ -172,7 +172,7 @@ def _check(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[i
 
 def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor,
             ids: torch.Tensor, stream: torch.cuda.Stream | None, layers: range | None = None,
-            **extra) -> None:
+            tile: tuple[int, int] | None = None, **extra) -> None:
     n = ids.numel()
     layers = range(layout.num_layers) if layers is None else layers
     if n == 0 or not layers:
@@ -182,12 +182,13 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor
     pointers = torch.tensor(layout.layer_ptrs[layers.start:layers.stop], dtype=torch.int64)
     pointers = pointers.to(layout.device)
     scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
-    grid = (n, 2 * len(layers), triton.cdiv(layout.block_tokens * layout.num_kv_heads, ROWS))
+    rows, warps = tile or (ROWS, WARPS)
+    grid = (n, 2 * len(layers), triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows))
     args = (table, pointers, ids, layers.start, scales_off, layout.kv_stride,
             layout.block_stride, layout.token_stride, layout.head_stride)
     meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
-                D_PAD=triton.next_power_of_2(layout.head_dim), R=ROWS, CODEC=dev.engine_codec,
-                FP16=layout.dtype == torch.float16, num_warps=WARPS, **extra)
+                D_PAD=triton.next_power_of_2(layout.head_dim), R=rows, CODEC=dev.engine_codec,
+                FP16=layout.dtype == torch.float16, num_warps=warps, **extra)
     with on_device(layout.device):
         if stream is not None and layout.device.type == "cuda":
             with torch.cuda.stream(stream):
@@ -198,7 +199,7 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor
 
 def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[int],
               block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
-              layers: range | None = None) -> None:
+              layers: range | None = None, tile: tuple[int, int] | None = None) -> None:
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
     layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
     table, ids = _check(layout, dev, src, block_ids)
@@ -206,12 +207,12 @@ def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[
     if dev.engine_codec >= NVFP4:
         extra = {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
                  "EXACT": interpreter_enabled()}
-    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers, **extra)
+    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers, tile, **extra)
 
 
 def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | list[int],
                 block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
-                hw_round: bool | None = None) -> None:
+                hw_round: bool | None = None, tile: tuple[int, int] | None = None) -> None:
     """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
     are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``)."""
     table, ids = _check(layout, dev, dst, block_ids)
@@ -220,7 +221,7 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
                          f"saves take {list(ENCODABLE)}")
     if hw_round is None:
         hw_round = not interpreter_enabled()
-    _launch(_from_engine_kernel, layout, dev, table, ids, stream, None, HW_ROUND=hw_round,
+    _launch(_from_engine_kernel, layout, dev, table, ids, stream, None, tile, HW_ROUND=hw_round,
             enable_fp_fusion=False)
 
 
