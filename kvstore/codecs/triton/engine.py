@@ -35,7 +35,8 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 @triton.jit
 def _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride, token_stride, head_stride,
-          H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr):
+          H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
+          ALIGNED: tl.constexpr):
     """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
     addresses; the launch covers layers ``layer0`` on (``layers_ptr`` from there)."""
     b = tl.program_id(0)
@@ -53,13 +54,16 @@ def _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride, token_stride, he
     page = tl.load(ids_ptr + b).to(tl.int64)
     eng = ((slab % 2) * kv_stride + page * block_stride + token.to(tl.int64) * token_stride
            + head.to(tl.int64) * head_stride)
+    if ALIGNED:  # every stride is a multiple of 8 elements: rows start on 16 bytes
+        eng = tl.multiple_of(eng, 8)
     return b, slab, rows, ok, layer, eng
 
 
 @triton.jit
 def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   IS_NV: tl.constexpr, FP16: tl.constexpr, EXACT: tl.constexpr):
+                   IS_NV: tl.constexpr, FP16: tl.constexpr, EXACT: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     """Decode rows of e2m1 pairs (even element in the low nibble) into engine words."""
     half = tl.arange(0, D_PAD // 2)
     mask = ok[:, None] & (half < D // 2)[None, :]
@@ -77,7 +81,8 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
     even = _e2m1_scaled(packed & 0x0F, half_scale)
     odd = _e2m1_scaled(packed >> 4, half_scale)
     words = _pack_words(even, odd, 2 if FP16 else 1, EXACT)
-    dst = layer.to(tl.pointer_type(tl.int32), bitcast=True) + (eng[:, None] // 2 + half[None, :])
+    at = tl.multiple_of(eng // 2, 4) if ALIGNED else eng // 2  # in words of two elements
+    dst = layer.to(tl.pointer_type(tl.int32), bitcast=True) + (at[:, None] + half[None, :])
     tl.store(dst, words.to(tl.int32), mask=mask)
 
 
@@ -86,14 +91,15 @@ def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
-                      TS_OFF: tl.constexpr = 0, EXACT: tl.constexpr = False):
+                      ALIGNED: tl.constexpr, TS_OFF: tl.constexpr = 0,
+                      EXACT: tl.constexpr = False):
     b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
-                                          token_stride, head_stride, H, BT, R, FP16)
+                                          token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     if CODEC >= 2:
         src = tl.multiple_of(tl.load(src_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
         _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
-                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT)
+                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT, ALIGNED)
         return
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -119,9 +125,9 @@ def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, scales_off,
                         kv_stride, block_stride, token_stride, head_stride,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
-                        HW_ROUND: tl.constexpr):
+                        ALIGNED: tl.constexpr, HW_ROUND: tl.constexpr):
     b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
-                                          token_stride, head_stride, H, BT, R, FP16)
+                                          token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
     dst = tl.multiple_of(tl.load(dst_ptr + b), 16)
@@ -186,7 +192,9 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor
     grid = (n, 2 * len(layers), triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows))
     args = (table, pointers, ids, layers.start, scales_off, layout.kv_stride,
             layout.block_stride, layout.token_stride, layout.head_stride)
-    meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
+    strides = (layout.kv_stride, layout.block_stride, layout.token_stride, layout.head_stride)
+    aligned = all(s % 8 == 0 for s in strides) and all(p % 16 == 0 for p in layout.layer_ptrs)
+    meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim, ALIGNED=aligned,
                 D_PAD=triton.next_power_of_2(layout.head_dim), R=rows, CODEC=dev.engine_codec,
                 FP16=layout.dtype == torch.float16, num_warps=warps, **extra)
     with on_device(layout.device):
