@@ -34,15 +34,20 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride, token_stride, head_stride,
+def _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride, token_stride, head_stride,
           H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
           ALIGNED: tl.constexpr):
     """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
-    addresses; the launch covers layers ``layer0`` on (``layers_ptr`` from there)."""
-    b = tl.program_id(0)
-    local = tl.program_id(1)
+    addresses; the launch covers ``num_slabs`` slabs from layer ``layer0`` (``layers_ptr`` from
+    there). Programs run in source order: the chunks of a slab, the slabs of a block, then
+    the next block, so a launch streams the device pages front to back."""
+    pid = tl.program_id(0).to(tl.int64)
+    chunks = (BT * H + R - 1) // R
+    chunk = pid % chunks
+    local = (pid // chunks) % num_slabs
+    b = pid // (chunks * num_slabs)
     slab = layer0 * 2 + local
-    rows = tl.program_id(2) * R + tl.arange(0, R)
+    rows = chunk * R + tl.arange(0, R)
     ok = rows < BT * H
     token = rows // H
     head = rows % H
@@ -87,13 +92,13 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
 
 
 @triton.jit
-def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, scales_off,
+def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                       ALIGNED: tl.constexpr, TS_OFF: tl.constexpr = 0,
                       EXACT: tl.constexpr = False):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     if CODEC >= 2:
         src = tl.multiple_of(tl.load(src_ptr + b), 16)
@@ -121,12 +126,12 @@ def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, scales_off,
 
 
 @triton.jit
-def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, scales_off,
+def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_off,
                         kv_stride, block_stride, token_stride, head_stride,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                         ALIGNED: tl.constexpr, HW_ROUND: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -189,8 +194,9 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor
     pointers = pointers.to(layout.device)
     scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
     rows, warps = tile or (ROWS, WARPS)
-    grid = (n, 2 * len(layers), triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows))
-    args = (table, pointers, ids, layers.start, scales_off, layout.kv_stride,
+    chunks = triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows)
+    grid = (n * 2 * len(layers) * chunks,)
+    args = (table, pointers, ids, layers.start, 2 * len(layers), scales_off, layout.kv_stride,
             layout.block_stride, layout.token_stride, layout.head_stride)
     strides = (layout.kv_stride, layout.block_stride, layout.token_stride, layout.head_stride)
     aligned = all(s % 8 == 0 for s in strides) and all(p % 16 == 0 for p in layout.layer_ptrs)
