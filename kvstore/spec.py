@@ -244,7 +244,7 @@ class EngineLayout:
         )
 
     def check_block_ids(self, block_ids: torch.Tensor | list[int]) -> torch.Tensor:
-        """``block_ids`` as an int32 tensor on the cache's device, every id in range."""
+        """``block_ids`` as a 1-D int64 CPU tensor, every id a page of the cache."""
         ids = torch.as_tensor(block_ids, dtype=torch.int64)
         if ids.dim() != 1:
             raise InvalidArgument(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
@@ -253,7 +253,7 @@ class EngineLayout:
             if low < 0 or high >= self.num_blocks:
                 raise InvalidArgument(f"block_ids span [{low}, {high}], the engine cache has "
                                       f"{self.num_blocks} pages")
-        return ids.to(device=self.device, dtype=torch.int32)
+        return ids.cpu()
 
     def block_view(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one engine page of one layer as ``[block_tokens, heads, head_dim]`` views

@@ -92,7 +92,7 @@ class Rig:
         for cache in self.caches:
             cache.normal_()
         self.layout = EngineLayout.of(self.caches, spec)
-        self.ids = torch.randperm(pages, device=device)[:num_blocks].to(torch.int32)
+        self.ids = torch.randperm(pages)[:num_blocks]  # host tables: the launch copies them
         self.engine_bytes = num_blocks * spec.block_bytes
         # A few distinct random blocks repeated: the reference encoders run on the CPU.
         distinct = [torch.randn(spec.block_shape).to(torch.bfloat16) for _ in range(4)]
@@ -125,7 +125,7 @@ class Rig:
         dev = self.layouts[codec]
         count = self.n if count is None else count
         base = memory.data_ptr()
-        return torch.arange(count, dtype=torch.int64, device=self.device) * dev.nbytes + base
+        return torch.arange(count, dtype=torch.int64) * dev.nbytes + base
 
     def page_bytes(self, codec: str, count: int | None = None) -> int:
         dev = self.layouts[codec]
@@ -192,7 +192,7 @@ def _staged_load(rig: Rig, codec: str, count: int, chunk_blocks: int, ring: list
                                    non_blocking=True)
             landed[k].record(copy_stream)
         compute.wait_event(landed[k])
-        addrs = torch.arange(stop - start, dtype=torch.int64, device=rig.device) * dev.nbytes
+        addrs = torch.arange(stop - start, dtype=torch.int64) * dev.nbytes
         to_engine(rig.layout, dev, addrs + ring[k].data_ptr(), rig.ids[start:stop])
         freed[k].record(compute)
 

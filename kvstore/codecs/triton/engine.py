@@ -13,6 +13,8 @@ rounds with integer arithmetic there (the interpreter's float8 cast is wrong, se
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,7 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride, token_stride, head_stride,
+def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, token_stride, head_stride,
           H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
           ALIGNED: tl.constexpr):
     """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
@@ -46,6 +48,8 @@ def _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride, token
     chunk = pid % chunks
     local = (pid // chunks) % num_slabs
     b = pid // (chunks * num_slabs)
+    ids_ptr = table_ptr + num_blocks
+    layers_ptr = table_ptr + 2 * num_blocks
     slab = layer0 * 2 + local
     rows = chunk * R + tl.arange(0, R)
     ok = rows < BT * H
@@ -92,23 +96,23 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
 
 
 @triton.jit
-def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_off,
+def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                       ALIGNED: tl.constexpr, TS_OFF: tl.constexpr = 0,
                       EXACT: tl.constexpr = False):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     if CODEC >= 2:
-        src = tl.multiple_of(tl.load(src_ptr + b), 16)
+        src = tl.multiple_of(tl.load(table_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
         _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
                        16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT, ALIGNED)
         return
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
-    src = tl.multiple_of(tl.load(src_ptr + b), 16)
+    src = tl.multiple_of(tl.load(table_ptr + b), 16)
     r = (slab * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
     if CODEC == 0:
         if FP16:
@@ -126,16 +130,16 @@ def _to_engine_kernel(src_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_of
 
 
 @triton.jit
-def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_off,
+def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                         kv_stride, block_stride, token_stride, head_stride,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                         ALIGNED: tl.constexpr, HW_ROUND: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(layers_ptr, ids_ptr, layer0, num_slabs, kv_stride, block_stride,
+    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
-    dst = tl.multiple_of(tl.load(dst_ptr + b), 16)
+    dst = tl.multiple_of(tl.load(table_ptr + b), 16)
     r = (slab * (BT * H) + rows).to(tl.int64)
     x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
     if CODEC == 0:
@@ -161,8 +165,20 @@ def _from_engine_kernel(dst_ptr, layers_ptr, ids_ptr, layer0, num_slabs, scales_
                  scale.to(tl.bfloat16), mask=ok)
 
 
-def _check(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[int],
-           block_ids: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _host_ints(values: torch.Tensor | list[int], name: str) -> torch.Tensor:
+    """``values`` as a 1-D int64 CPU tensor (a device tensor is copied back: a sync)."""
+    t = torch.as_tensor(values, dtype=torch.int64)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dim() != 1:
+        raise CodecError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _table(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[int],
+           block_ids: torch.Tensor | list[int], layers: range) -> torch.Tensor:
+    """The launch's table on the cache's device, checked on the host first: page addresses,
+    engine block ids, then the layers' base addresses, one int64 tensor, one async copy."""
     if dev.shape != (layout.num_layers, 2, layout.block_tokens, layout.num_kv_heads,
                      layout.head_dim) or dev.dtype != layout.dtype:
         raise CodecError(f"device pages of shape {dev.shape} {dev.dtype} do not fit an engine "
@@ -172,43 +188,52 @@ def _check(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[i
     if not kernels_runnable(layout.device):
         raise CodecError(f"engine kernels cannot run on {layout.device} here (need CUDA, or "
                          "TRITON_INTERPRET=1 for CPU tensors)")
-    ids = layout.check_block_ids(block_ids)
-    table = torch.as_tensor(addrs, dtype=torch.int64)
-    if table.dim() != 1 or table.numel() != ids.numel():
-        raise CodecError(f"{table.numel()} page addresses for {ids.numel()} engine blocks")
-    if table.numel() and bool((table.cpu() % SECTION_ALIGN != 0).any()):
-        raise CodecError(f"device page addresses must be {SECTION_ALIGN}-byte aligned")
-    return table.to(layout.device), ids
-
-
-def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, table: torch.Tensor,
-            ids: torch.Tensor, stream: torch.cuda.Stream | None, layers: range | None = None,
-            tile: tuple[int, int] | None = None, **extra) -> None:
-    n = ids.numel()
-    layers = range(layout.num_layers) if layers is None else layers
-    if n == 0 or not layers:
-        return
     if layers.step != 1 or layers.start < 0 or layers.stop > layout.num_layers:
         raise CodecError(f"layers {layers} are not a run of the cache's {layout.num_layers}")
+    ids = _host_ints(block_ids, "block_ids")
+    layout.check_block_ids(ids)
+    table = _host_ints(addrs, "page addresses")
+    if table.numel() != ids.numel():
+        raise CodecError(f"{table.numel()} page addresses for {ids.numel()} engine blocks")
+    if table.numel() and bool((table % SECTION_ALIGN != 0).any()):
+        raise CodecError(f"device page addresses must be {SECTION_ALIGN}-byte aligned")
     pointers = torch.tensor(layout.layer_ptrs[layers.start:layers.stop], dtype=torch.int64)
-    pointers = pointers.to(layout.device)
-    scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
-    rows, warps = tile or (ROWS, WARPS)
-    chunks = triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows)
-    grid = (n * 2 * len(layers) * chunks,)
-    args = (table, pointers, ids, layers.start, 2 * len(layers), scales_off, layout.kv_stride,
-            layout.block_stride, layout.token_stride, layout.head_stride)
-    strides = (layout.kv_stride, layout.block_stride, layout.token_stride, layout.head_stride)
-    aligned = all(s % 8 == 0 for s in strides) and all(p % 16 == 0 for p in layout.layer_ptrs)
-    meta = dict(H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim, ALIGNED=aligned,
-                D_PAD=triton.next_power_of_2(layout.head_dim), R=rows, CODEC=dev.engine_codec,
-                FP16=layout.dtype == torch.float16, num_warps=warps, **extra)
-    with on_device(layout.device):
-        if stream is not None and layout.device.type == "cuda":
-            with torch.cuda.stream(stream):
-                kernel[grid](*args, **meta)
-        else:
-            kernel[grid](*args, **meta)
+    packed = torch.cat([table, ids, pointers])
+    if layout.device.type != "cuda":
+        return packed
+    # Pinned, so the copy is queued behind the stream's work instead of waiting for it; the
+    # caching host allocator keeps the buffer until the copy ran.
+    return packed.pin_memory().to(layout.device, non_blocking=True)
+
+
+def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, addrs, block_ids,
+            stream: torch.cuda.Stream | None, layers: range | None = None,
+            tile: tuple[int, int] | None = None, **extra) -> None:
+    layers = range(layout.num_layers) if layers is None else layers
+    with on_device(layout.device), _on_stream(layout, stream):
+        table = _table(layout, dev, addrs, block_ids, layers)
+        n = (table.numel() - len(layers)) // 2
+        if n == 0 or not layers:
+            return
+        scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
+        rows, warps = tile or (ROWS, WARPS)
+        chunks = triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows)
+        grid = (n * 2 * len(layers) * chunks,)
+        strides = (layout.kv_stride, layout.block_stride, layout.token_stride,
+                   layout.head_stride)
+        aligned = all(s % 8 == 0 for s in strides) and all(
+            p % 16 == 0 for p in layout.layer_ptrs)
+        kernel[grid](table, n, layers.start, 2 * len(layers), scales_off, *strides,
+                     H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
+                     ALIGNED=aligned, D_PAD=triton.next_power_of_2(layout.head_dim), R=rows,
+                     CODEC=dev.engine_codec, FP16=layout.dtype == torch.float16,
+                     num_warps=warps, **extra)
+
+
+def _on_stream(layout: EngineLayout, stream: torch.cuda.Stream | None):
+    if stream is not None and layout.device.type == "cuda":
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
 
 
 def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[int],
@@ -216,12 +241,11 @@ def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[
               layers: range | None = None, tile: tuple[int, int] | None = None) -> None:
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
     layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
-    table, ids = _check(layout, dev, src, block_ids)
     extra = {}
     if dev.engine_codec >= NVFP4:
         extra = {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
                  "EXACT": interpreter_enabled()}
-    _launch(_to_engine_kernel, layout, dev, table, ids, stream, layers, tile, **extra)
+    _launch(_to_engine_kernel, layout, dev, src, block_ids, stream, layers, tile, **extra)
 
 
 def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | list[int],
@@ -229,13 +253,12 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
                 hw_round: bool | None = None, tile: tuple[int, int] | None = None) -> None:
     """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
     are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``)."""
-    table, ids = _check(layout, dev, dst, block_ids)
     if dev.codec not in ENCODABLE:
         raise CodecError(f"the engine kernels decode {dev.codec} pages but do not encode them; "
                          f"saves take {list(ENCODABLE)}")
     if hw_round is None:
         hw_round = not interpreter_enabled()
-    _launch(_from_engine_kernel, layout, dev, table, ids, stream, None, tile, HW_ROUND=hw_round,
+    _launch(_from_engine_kernel, layout, dev, dst, block_ids, stream, None, tile, HW_ROUND=hw_round,
             enable_fp_fusion=False)
 
 
