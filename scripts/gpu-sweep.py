@@ -11,7 +11,7 @@ from kvstore.bench.gpu import Rig, _aligned, _bench, _copy_ms
 from kvstore.codecs.triton.engine import from_engine, to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-tiles = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (256, 8)]
+tiles = [(16, 4), (32, 4), (64, 4), (128, 8)]
 device = torch.device("cuda")
 rig = Rig(n, device)
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device=device)

@@ -30,6 +30,11 @@ from kvstore.spec import EngineLayout
 RAW, FP8, NVFP4, MXFP4 = 0, 1, 2, 3  # DeviceLayout.engine_codec
 ROWS = 32  # rows (one token x one kv head) per program
 WARPS = 4
+# (rows, warps) per codec, from a sweep on an H200 (triton 3.6, 2026-12-01, 2 GiB of 2 MiB
+# blocks, scripts/gpu-sweep.py): pages in device memory, and pages read from pinned host memory
+# over the link, where more bytes in flight per program pay.
+DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": (32, 4)}
+HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4)}
 
 _MAX = tl.constexpr(E4M3_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -72,21 +77,27 @@ def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, tok
 def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
                    IS_NV: tl.constexpr, FP16: tl.constexpr, EXACT: tl.constexpr,
-                   ALIGNED: tl.constexpr):
+                   ALIGNED: tl.constexpr, R: tl.constexpr):
     """Decode rows of e2m1 pairs (even element in the low nibble) into engine words."""
     half = tl.arange(0, D_PAD // 2)
     mask = ok[:, None] & (half < D // 2)[None, :]
     packed = tl.load(src.to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // 2) + half[None, :],
                      mask=mask, other=0).to(tl.int32)
-    group = (2 * half) // BLOCK
-    byte = tl.load((src + scales_off).to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // BLOCK)
-                   + group[None, :], mask=mask, other=0).to(tl.int32)
+    scales = (src + scales_off).to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // BLOCK)
+    if D == D_PAD:  # one load per scale block, broadcast over its pairs in registers
+        groups = tl.arange(0, D // BLOCK)
+        byte = tl.load(scales + groups[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    else:  # a head_dim that is not a power of two: one (cached) load per pair
+        byte = tl.load(scales + ((2 * half) // BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
     if IS_NV:
         ts = tl.load((src + ts_off).to(tl.pointer_type(tl.float32)) + slab)
         half_scale = _e4m3_value(byte) * ts * 0.5
     else:  # 2^(byte - 128) as float32 bits, subnormal for bytes 0 and 1
         half_scale = tl.where(byte >= 2, (byte - 1) << 23,
                               0x200000 << tl.minimum(byte, 1)).to(tl.float32, bitcast=True)
+    if D == D_PAD:
+        half_scale = tl.reshape(tl.broadcast_to(half_scale[:, :, None],
+                                                (R, D // BLOCK, BLOCK // 2)), (R, D // 2))
     even = _e2m1_scaled(packed & 0x0F, half_scale)
     odd = _e2m1_scaled(packed >> 4, half_scale)
     words = _pack_words(even, odd, 2 if FP16 else 1, EXACT)
@@ -108,7 +119,7 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
         _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
-                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT, ALIGNED)
+                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT, ALIGNED, R)
         return
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -216,7 +227,7 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, addrs, block_ids,
         if n == 0 or not layers:
             return
         scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
-        rows, warps = tile or (ROWS, WARPS)
+        rows, warps = tile or DEVICE_TILES.get(dev.codec, (ROWS, WARPS))
         chunks = triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows)
         grid = (n * 2 * len(layers) * chunks,)
         strides = (layout.kv_stride, layout.block_stride, layout.token_stride,
