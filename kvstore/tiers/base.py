@@ -54,6 +54,10 @@ class Tier(ABC):
       free, in ``footprint`` terms: deleting unpinned blocks whose footprints are of
       ``need.size_class`` (any class if None) and add up to ``need.nbytes`` lets the page fit.
       ``max_page_bytes`` is the largest page the tier could ever hold.
+      ``room_for_tenant(n, tenant)`` answers the same for a page of ``tenant`` in a tier whose
+      memory is split by tenant: its need may name the tenant whose blocks must go (and the
+      exact blocks, ``RoomNeed.keys``), which is not always the one whose page is coming; a
+      tier shared by all tenants alike answers ``room_for(n)``.
     """
 
     name: str = "tier"
@@ -81,6 +85,10 @@ class Tier(ABC):
     @abstractmethod
     def room_for(self, nbytes: int) -> RoomNeed | None:
         """None if a page of ``nbytes`` fits now; else what must be freed first."""
+
+    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """None if ``tenant``'s page of ``nbytes`` fits now; else what must be freed first."""
+        return self.room_for(nbytes)
 
     def can_write(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without evicting anything."""
