@@ -170,31 +170,104 @@ def _row(path: str, codec: str, ms: float, nbytes: float, ceiling: str, ceiling_
             "aim": aim}
 
 
-def _staged_load(rig: Rig, codec: str, count: int, chunk_blocks: int, ring: list[torch.Tensor],
-                 copy_stream: torch.cuda.Stream) -> None:
-    """Pinned host pages DMA'd chunk by chunk into a device ring on ``copy_stream``, each chunk
-    decoded into the engine on the current stream as soon as it landed."""
-    from kvstore.codecs.triton.engine import to_engine
-
+def _staged_load(rig: Rig, codec: str, ring) -> None:
+    """Pinned host pages DMA'd chunk by chunk into a device ring and decoded on the current
+    stream as each chunk lands: the engine client's own path (``StagingRing``)."""
     dev = rig.layouts[codec]
-    compute = torch.cuda.current_stream()
-    freed = [torch.cuda.Event() for _ in ring]
-    landed = [torch.cuda.Event() for _ in ring]
     host = rig.hosts[codec]
-    for c, start in enumerate(range(0, count, chunk_blocks)):
-        k = c % len(ring)
-        stop = min(start + chunk_blocks, count)
-        nbytes = (stop - start) * dev.nbytes
-        with torch.cuda.stream(copy_stream):
-            if c >= len(ring):
-                copy_stream.wait_event(freed[k])
-            ring[k][:nbytes].copy_(host[start * dev.nbytes:start * dev.nbytes + nbytes],
-                                   non_blocking=True)
-            landed[k].record(copy_stream)
-        compute.wait_event(landed[k])
-        addrs = torch.arange(stop - start, dtype=torch.int64) * dev.nbytes
-        to_engine(rig.layout, dev, addrs + ring[k].data_ptr(), rig.ids[start:stop])
-        freed[k].record(compute)
+    pages = [host[i * dev.nbytes:i * dev.nbytes + dev.span] for i in range(rig.n)]
+    ring.load(rig.layout, dev, pages, rig.ids.tolist())
+
+
+class _DaemonThread:
+    """``kvstore serve`` with ``config`` on an event loop in a thread, for the end-to-end rows."""
+
+    def __init__(self, config) -> None:
+        import asyncio
+        import threading
+
+        self._config = config
+        self._ready = threading.Event()
+        self._stop = None
+        self._loop = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        import asyncio
+
+        from kvstore.server.daemon import serve
+
+        try:
+            daemon = await serve(self._config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            self.error = exc
+            self._ready.set()
+            return
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await daemon.stop(2.0)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        self._ready.wait(60)
+        if self.error is not None:
+            raise self.error
+        return f"unix://{self._config.server.socket_path}"
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+def _end_to_end_rows(tokens: int, prefill_ms: float, root: str) -> list[dict]:
+    """``EngineCache.save`` then ``load`` of a ``tokens`` prefix through a real daemon: from
+    its HBM pool, and from its DRAM tier (raw and fp8 pages) with no GPU tier above it."""
+    from kvstore.client import Client
+    from kvstore.client.gpu import EngineCache
+    from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
+    from kvstore.keys import Namespace
+
+    blocks = tokens // SPEC.block_tokens
+    nbytes = blocks * SPEC.block_bytes
+    rows = []
+    setups = [("HBM pool", "raw"), ("DRAM arena", "raw"), ("DRAM arena", "fp8_e4m3")]
+    for i, (tier, codec) in enumerate(setups):
+        hbm = TierConfig("hbm", "hbm", HbmConfig(capacity_bytes=2 * nbytes, codec=codec))
+        dram = TierConfig("dram", "dram", DramConfig(capacity_bytes=2 * nbytes + (1 << 30),
+                                                     chunk_bytes=256 << 20, codec=codec))
+        config = KVStoreConfig(tiers=(hbm, dram) if tier == "HBM pool" else (dram,),
+                               server=ServerConfig(socket_path=f"{root}/e2e{i}.sock",
+                                                   log_level="WARNING"))
+        ns = Namespace(model_id="bench", spec=SPEC, tenant="default")
+        prompt = list(range(tokens))
+        with _DaemonThread(config) as address, Client(address) as client:
+            shape = (2, 2 * blocks, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
+            caches = [torch.randn(shape, device="cuda").to(torch.bfloat16)
+                      for _ in range(SPEC.num_layers)]
+            with EngineCache(client, ns, caches) as engine:
+                pages = torch.randperm(2 * blocks)[:blocks].tolist()
+                engine.save(prompt, pages)
+                torch.cuda.synchronize()
+                times, source = [], ""
+                for _ in range(6):
+                    target = torch.randperm(2 * blocks)[:blocks].tolist()
+                    start = time.perf_counter()
+                    handle = engine.load(prompt, target, advice=False)
+                    handle.wait()
+                    times.append((time.perf_counter() - start) * 1e3)
+                    source = handle.source
+                    if handle.matched_tokens != tokens:
+                        raise KVStoreError(f"bench gpu: end-to-end load matched "
+                                           f"{handle.matched_tokens} of {tokens} tokens")
+            ms = sorted(times[1:])[len(times[1:]) // 2]
+        rows.append({"section": "ready", "path": f"{tokens} tokens, EngineCache.load from "
+                     f"the daemon's {tier} ({source})", "codec": codec, "ms": ms,
+                     "gbps": nbytes / (ms * 1e6), "ceiling": "full prefill",
+                     "ceiling_gbps": prefill_ms, "ratio": prefill_ms / ms, "aim": ""})
+    return rows
 
 
 def _copy_ms(src: torch.Tensor) -> float:
@@ -320,9 +393,11 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
 
     # Pinned DRAM -> engine: the kernel reads host pages over unified addressing, or pages are
     # DMA'd in chunks into a device ring and decoded on the compute stream as they land.
-    copy_stream = torch.cuda.Stream(device)
+    from kvstore.client.gpu import StagingRing
+
     chunk_blocks = 32
-    ring = [_aligned(chunk_blocks * rig.layouts["raw"].nbytes, device) for _ in range(3)]
+    rings = {codec: StagingRing(rig.layouts[codec], device, chunk_blocks)
+             for codec in rig.layouts}
     link_aims = {"raw": ">= 0.90 of H2D", "fp8_e4m3": ">= 1.85x H2D", "nvfp4": ">= 3.3x H2D",
                  "mxfp4": ""}
     best: dict[str, float] = {}
@@ -338,11 +413,10 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
         rows.append(_row("pinned DRAM -> engine, kernel reads host", codec, direct,
                          rig.engine_bytes, "H2D", h2d, link_aims[codec]))
         rig.poison()
-        _staged_load(rig, codec, n, chunk_blocks, ring, copy_stream)
+        _staged_load(rig, codec, rings[codec])
         torch.cuda.synchronize()
         rig.check_loaded(codec)
-        staged = _bench(lambda codec=codec: _staged_load(rig, codec, n, chunk_blocks, ring,
-                                                         copy_stream))
+        staged = _bench(lambda codec=codec: _staged_load(rig, codec, rings[codec]))
         rows.append(_row("pinned DRAM -> engine, staged DMA + decode", codec, staged,
                          rig.engine_bytes, "H2D", h2d, link_aims[codec]))
         best[codec] = min(direct, staged) / n  # ms per block
@@ -398,6 +472,9 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
                          "codec": codec, "ms": layer_ms, "gbps": math.nan,
                          "ceiling": "whole prefix", "ceiling_gbps": full_ms,
                          "ratio": full_ms / layer_ms, "aim": ""})
+    with tempfile.TemporaryDirectory() as root:
+        e2e_tokens = 256 if quick else 8192
+        rows.extend(_end_to_end_rows(e2e_tokens, _prefill_s(e2e_tokens, flops) * 1e3, root))
     notes.append("ready rows: ceiling GB/s holds the full prefill's ms (ratio = prefill / "
                  "ready), or the whole prefix's ms for first-layer rows")
     notes.append(f"{n} blocks of {SPEC.block_bytes >> 20} MiB (32 layers, 8 KV heads, head dim "

@@ -16,19 +16,25 @@ Only blocks that are whole in both ``tokens`` and ``block_ids`` move.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
 from kvstore.api import Lease, Medium
-from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout, device_layout
+from kvstore.codecs.base import unpack_blob
+from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
 from kvstore.errors import InvalidArgument
 from kvstore.ipc import map_region
 from kvstore.keys import Namespace
+from kvstore.page import parse_page
 from kvstore.spec import EngineLayout
 
 EVENTS_KEPT = 256  # exported events stay alive until the daemon surely opened them
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: the arena is mapped read-only here.
+_HOST_REGISTER_READ_ONLY = 1 | 8
 
 
 class LoadHandle:
@@ -39,8 +45,10 @@ class LoadHandle:
     lease back. A handle not waited on gives its lease back when the lease expires.
     """
 
-    def __init__(self, matched_tokens: int, events: list[object], finish) -> None:
+    def __init__(self, matched_tokens: int, events: list[object], finish,
+                 source: str = "") -> None:
         self.matched_tokens = matched_tokens
+        self.source = source  # "device pool", "host arena", "stream" or "" (nothing loaded)
         self._events = events  # one per layer, or one for all
         self._finish = finish
 
@@ -77,6 +85,20 @@ class EngineCache:
         self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
         self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
         self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
+        self._rings: dict[str, StagingRing] = {}
+        self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
+
+    def close(self) -> None:
+        """Unregister the arena mappings this cache pinned (the engine's tensors stay)."""
+        for base in list(self._pinned):
+            torch.cuda.cudart().cudaHostUnregister(base)
+            del self._pinned[base]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -190,7 +212,7 @@ class EngineCache:
         except BaseException:
             release()
             raise
-        return LoadHandle(lease.matched_tokens, events, release)
+        return LoadHandle(lease.matched_tokens, events, release, "device pool")
 
     def _decode(self, dev: DeviceLayout, addrs: list[int], ids: list[int], stream,
                 layerwise: bool) -> list[object]:
@@ -204,6 +226,68 @@ class EngineCache:
         return events
 
     def _load_host(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+        """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
+        staging ring and decoded into the engine as each chunk lands; without an arena this
+        client can map (a remote daemon), the socket path's ``get``."""
+        lease = None
+        maps = getattr(getattr(self.client, "_zero_copy", None), "maps", None)
+        if maps is not None and maps.channel is None:  # where the daemon hands out arenas
+            maps.usable(self.client.health().arena_path)
+        if maps is not None and maps.channel:
+            lease = self.client.acquire(self.ns, tokens)
+        if lease is None:
+            return self._load_streamed(tokens, ids, stream)
+        release = _releaser(self.client, lease)
+        if not lease.blocks or lease.codec not in DEVICE_CODECS:  # none, or zstd-framed pages
+            release()
+            return self._load_streamed(tokens, ids, stream) if lease.blocks else LoadHandle(
+                0, [], None)
+        try:
+            dev = device_layout(lease.codec, self.ns.spec)
+            pages = [self._host_sections(maps, block, dev) for block in lease.blocks]
+            ring = self._ring(dev)
+            events = ring.load(self.layout, dev, pages, ids[:len(pages)], stream)
+        except BaseException:
+            release()
+            raise
+        return LoadHandle(lease.matched_tokens, events, release, "host arena")
+
+    def _host_sections(self, maps, block, dev: DeviceLayout) -> torch.Tensor:
+        """The section bytes of a leased host page, as a (pinned where possible) CPU tensor."""
+        view = maps.view(block.region, block.offset, block.length)
+        page = parse_page(view, block.key)  # the daemon sealed it; its tenant alone maps it
+        blob = unpack_blob(page.payload, verify=False)
+        if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
+            raise InvalidArgument(f"page {bytes(block.key).hex()} is not a {dev.codec} block "
+                                  f"of this namespace's shape")
+        start = _address(blob.sections[0]) - _address(view)
+        if not dev.packed:
+            raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; "
+                                  "they load through get")
+        self._pin(view)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+        return flat[start:start + dev.span]
+
+    def _pin(self, view: memoryview) -> None:
+        """Register the arena mapping holding ``view`` as pinned memory, once (DMA at the
+        link's rate instead of through a bounce buffer)."""
+        if not self._cuda():
+            return
+        mapping = view.obj
+        base, size = _address(memoryview(mapping)), len(mapping)
+        if self._pinned.get(base) == size:
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(base, size, _HOST_REGISTER_READ_ONLY))
+        if err == 0:
+            self._pinned[base] = size
+
+    def _ring(self, dev: DeviceLayout) -> StagingRing:
+        ring = self._rings.get(dev.codec)
+        if ring is None:
+            ring = self._rings[dev.codec] = StagingRing(dev, self.layout.device)
+        return ring
+
+    def _load_streamed(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
         kv = self.client.get(self.ns, tokens)
         if kv is None or kv.shape[2] == 0:
             return LoadHandle(0, [], None)
@@ -216,7 +300,83 @@ class EngineCache:
         addrs = [staging.data_ptr() + i * dev.nbytes for i in range(n)]
         to_engine(self.layout, dev, addrs, ids[:n], stream)
         event = self._event(stream)
-        return LoadHandle(n * bt, [event], lambda: staging)  # staging lives until waited on
+        return LoadHandle(n * bt, [event], lambda: staging, "stream")  # staging kept till waited
+
+
+class StagingRing:
+    """Device staging for pages that cross the link: ``slots`` chunks of ``chunk_pages``
+    device pages. ``load`` copies pages in chunks on a copy stream and decodes each chunk into
+    the engine on the caller's stream as soon as it landed, so transfer and decode overlap
+    (on an H200: 0.98 of the link for raw pages, 1.95x the link in engine bytes for fp8, 3.5x
+    for nvfp4; 2026-12-01, BENCHMARKS.md)."""
+
+    def __init__(self, dev: DeviceLayout, device: torch.device, chunk_pages: int = 32,
+                 slots: int = 3) -> None:
+        self.dev = dev
+        self.chunk_pages = chunk_pages
+        self.slots = [_aligned(chunk_pages * dev.nbytes, device) for _ in range(slots)]
+        cuda = device.type == "cuda"
+        self._copy = torch.cuda.Stream(device) if cuda else None
+        self._freed = [torch.cuda.Event() if cuda else None for _ in self.slots]
+        self._used = [False] * slots
+
+    def load(self, layout: EngineLayout, dev: DeviceLayout, pages: Sequence[torch.Tensor],
+             ids: Sequence[int], stream: torch.cuda.Stream | None = None) -> list[object]:
+        """Decode ``pages`` (CPU tensors of each page's packed sections, pinned for speed) into
+        engine pages ``ids``; returns the event of the last chunk (None on the CPU)."""
+        cuda = self._copy is not None
+        compute = (stream or torch.cuda.current_stream(layout.device)) if cuda else None
+        last = None
+        for c, start in enumerate(range(0, len(pages), self.chunk_pages)):
+            k = c % len(self.slots)
+            chunk = pages[start:start + self.chunk_pages]
+            slot = self.slots[k]
+            with _on(self._copy):
+                if cuda and self._used[k]:
+                    self._copy.wait_event(self._freed[k])
+                for j, page in _runs(chunk, dev.nbytes):
+                    slot[j * dev.nbytes:j * dev.nbytes + page.numel()].copy_(
+                        page, non_blocking=cuda)
+                landed = torch.cuda.Event() if cuda else None
+                if cuda:
+                    landed.record(self._copy)
+            if cuda:
+                compute.wait_event(landed)
+            base = slot.data_ptr()
+            to_engine(layout, dev, [base + j * dev.nbytes for j in range(len(chunk))],
+                      list(ids[start:start + len(chunk)]), compute)
+            if cuda:
+                self._freed[k].record(compute)
+                self._used[k] = True
+                last = self._freed[k]
+        return [last]
+
+
+def _runs(pages: Sequence[torch.Tensor], stride: int):
+    """``(index, tensor)`` copies for ``pages``: neighbours that lie back to back in memory,
+    each ``stride`` bytes, are merged into one copy."""
+    i = 0
+    while i < len(pages):
+        j = i + 1
+        while (j < len(pages) and pages[j - 1].numel() == stride
+               and pages[j].data_ptr() == pages[j - 1].data_ptr() + stride):
+            j += 1
+        if j - i == 1:
+            yield i, pages[i]
+        else:
+            first = pages[i]
+            yield i, first.as_strided(((j - i - 1) * stride + pages[j - 1].numel(),), (1,))
+        i = j
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:

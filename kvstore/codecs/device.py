@@ -49,6 +49,23 @@ class DeviceLayout:
     nbytes: int  # the device page, padded to SECTION_ALIGN
 
     @property
+    def span(self) -> int:
+        """Bytes from the first section's start to the last one's end."""
+        last = self.sections[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def packed(self) -> bool:
+        """Whether the sections lie back to back (no padding): then a blob's sections, which
+        always do, are byte for byte the device page, and one copy moves them."""
+        at = 0
+        for section in self.sections:
+            if section.offset != at:
+                return False
+            at += section.nbytes
+        return True
+
+    @property
     def engine_codec(self) -> int:
         """The kernels' codec number (``kvstore.codecs.triton.engine``)."""
         return DEVICE_CODECS.index(self.codec)

@@ -74,6 +74,7 @@ def test_save_then_load_into_another_cache(tmp_path, tiers, layerwise):
         for layer in range(SPEC.num_layers):
             handle.wait_for_layer(layer)
         assert handle.wait() == 80
+        assert handle.source == ("device pool" if tiers == "hbm" else "host arena")
         assert same_pages(src, src_pages[:5], dst, dst_pages)
         untouched = [p for p in range(PAGES) if p not in dst_pages]
         assert all(torch.isnan(t[:, untouched]).all() for t in dst)
