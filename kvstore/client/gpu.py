@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import weakref
 from collections.abc import Sequence
 from typing import Self
 
@@ -29,9 +31,15 @@ from kvstore.codecs.triton.engine import from_engine, to_engine
 from kvstore.errors import InvalidArgument
 from kvstore.ipc import map_region
 from kvstore.keys import Namespace
-from kvstore.page import parse_page
+from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
 from kvstore.spec import EngineLayout
 
+log = logging.getLogger("kvstore.gpu")
+# A page's fixed header (kvstore.page): magic at 0, the block key at 28, the meta length at 60.
+_PAGE_FIXED = HEADER_BYTES
+_PAGE_MAGIC = PAGE_MAGIC
+_KEY = slice(28, 44)
+_META_LEN = slice(60, 64)
 EVENTS_KEPT = 256  # exported events stay alive until the daemon surely opened them
 # cudaHostRegisterPortable | cudaHostRegisterReadOnly: the arena is mapped read-only here.
 _HOST_REGISTER_READ_ONLY = 1 | 8
@@ -87,12 +95,14 @@ class EngineCache:
         self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
         self._rings: dict[str, StagingRing] = {}
         self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
+        self._unpinnable: set[int] = set()
+        weakref.finalize(self, _unregister, self._pinned)
 
     def close(self) -> None:
-        """Unregister the arena mappings this cache pinned (the engine's tensors stay)."""
-        for base in list(self._pinned):
-            torch.cuda.cudart().cudaHostUnregister(base)
-            del self._pinned[base]
+        """Unregister the arena mappings this cache pinned (the engine's tensors stay); also
+        done when the cache is collected. Close it before its client: a mapping the client
+        unmaps while registered stays registered."""
+        _unregister(self._pinned)
 
     def __enter__(self) -> Self:
         return self
@@ -244,7 +254,8 @@ class EngineCache:
                 0, [], None)
         try:
             dev = device_layout(lease.codec, self.ns.spec)
-            pages = [self._host_sections(maps, block, dev) for block in lease.blocks]
+            layout_of: dict[tuple[int, bytes], int] = {}  # (page length, meta length) -> start
+            pages = [self._host_sections(maps, block, dev, layout_of) for block in lease.blocks]
             ring = self._ring(dev)
             events = ring.load(self.layout, dev, pages, ids[:len(pages)], stream)
         except BaseException:
@@ -252,18 +263,30 @@ class EngineCache:
             raise
         return LoadHandle(lease.matched_tokens, events, release, "host arena")
 
-    def _host_sections(self, maps, block, dev: DeviceLayout) -> torch.Tensor:
-        """The section bytes of a leased host page, as a (pinned where possible) CPU tensor."""
+    def _host_sections(self, maps, block, dev: DeviceLayout,
+                       layout_of: dict[tuple[int, bytes], int]) -> torch.Tensor:
+        """The section bytes of a leased host page, as a (pinned where possible) CPU tensor.
+
+        The daemon sealed the page when it stored it, and only its tenant maps the arena: the
+        page is parsed, not re-hashed (a 2 MiB hash costs more than its transfer). Pages of
+        one namespace and codec share their framing: after the first, a page whose header
+        names its key and has the same lengths has its sections at the same offset.
+        """
         view = maps.view(block.region, block.offset, block.length)
-        page = parse_page(view, block.key)  # the daemon sealed it; its tenant alone maps it
-        blob = unpack_blob(page.payload, verify=False)
-        if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
-            raise InvalidArgument(f"page {bytes(block.key).hex()} is not a {dev.codec} block "
-                                  f"of this namespace's shape")
-        start = _address(blob.sections[0]) - _address(view)
-        if not dev.packed:
-            raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; "
-                                  "they load through get")
+        header = bytes(view[:_PAGE_FIXED])
+        shape_key = (block.length, header[_META_LEN])
+        start = layout_of.get(shape_key)
+        if start is None or header[:4] != _PAGE_MAGIC or header[_KEY] != bytes(block.key):
+            page = parse_page(view, block.key)
+            blob = unpack_blob(page.payload, verify=False)
+            if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
+                raise InvalidArgument(f"page {bytes(block.key).hex()} is not a {dev.codec} "
+                                      f"block of this namespace's shape")
+            if not dev.packed:
+                raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; "
+                                      "they load through get")
+            start = _address(blob.sections[0]) - _address(view)
+            layout_of[shape_key] = start
         self._pin(view)
         flat = torch.frombuffer(view, dtype=torch.uint8)
         return flat[start:start + dev.span]
@@ -275,11 +298,17 @@ class EngineCache:
             return
         mapping = view.obj
         base, size = _address(memoryview(mapping)), len(mapping)
-        if self._pinned.get(base) == size:
+        if self._pinned.get(base) == size or base in self._unpinnable:
             return
-        err = int(torch.cuda.cudart().cudaHostRegister(base, size, _HOST_REGISTER_READ_ONLY))
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(base, size, _HOST_REGISTER_READ_ONLY))
         if err == 0:
             self._pinned[base] = size
+            return
+        cudart.cudaGetLastError()  # a refused registration must not fail a later CUDA call
+        self._unpinnable.add(base)  # e.g. registered already by another cache: copies still run
+        log.info("arena mapping at %#x stays pageable here (cudaHostRegister: error %d)", base,
+                 err)
 
     def _ring(self, dev: DeviceLayout) -> StagingRing:
         ring = self._rings.get(dev.codec)
@@ -367,6 +396,12 @@ def _runs(pages: Sequence[torch.Tensor], stride: int):
             first = pages[i]
             yield i, first.as_strided(((j - i - 1) * stride + pages[j - 1].numel(),), (1,))
         i = j
+
+
+def _unregister(pinned: dict[int, int]) -> None:
+    for base in list(pinned):
+        torch.cuda.cudart().cudaHostUnregister(base)
+        del pinned[base]
 
 
 def _address(view: memoryview) -> int:

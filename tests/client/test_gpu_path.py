@@ -68,12 +68,12 @@ def test_save_then_load_into_another_cache(tmp_path, tiers, layerwise):
         assert set(hit.tokens_per_tier) == ({"gpu"} if tiers == "hbm" else {"dram"})
 
         dst = engine(poison=True)
-        loader = EngineCache(client, ns, dst)
-        dst_pages = [3, 5, 1, 10, 8]
-        handle = loader.load(tokens, dst_pages, layerwise=layerwise)
-        for layer in range(SPEC.num_layers):
-            handle.wait_for_layer(layer)
-        assert handle.wait() == 80
+        with EngineCache(client, ns, dst) as loader:
+            dst_pages = [3, 5, 1, 10, 8]
+            handle = loader.load(tokens, dst_pages, layerwise=layerwise)
+            for layer in range(SPEC.num_layers):
+                handle.wait_for_layer(layer)
+            assert handle.wait() == 80
         assert handle.source == ("device pool" if tiers == "hbm" else "host arena")
         assert same_pages(src, src_pages[:5], dst, dst_pages)
         untouched = [p for p in range(PAGES) if p not in dst_pages]
