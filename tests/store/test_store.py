@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from kvstore import codecs
-from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig, TierConfig
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
 from kvstore.spec import KVSpec
 from kvstore.store import Store
+from kvstore.store.facade import WriteBuffers
 
 from ..conftest import random_kv, random_tokens
 
@@ -294,10 +295,11 @@ async def test_closed_store_refuses(tmp_path, ns):
 
 CRASH_CHILD = """
 import asyncio, os, sys
-from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig, TierConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 from kvstore.store import Store
+from kvstore.store.facade import WriteBuffers
 from tests.conftest import random_kv, random_tokens
 
 async def main(path):
@@ -440,3 +442,41 @@ async def test_damaged_dram_copy_is_served_from_ssd(tmp_path, ns, spec):
         stats = store.stats()
         assert stats.tiers["dram"].corrupt == 2 and stats.tiers["ssd"].corrupt == 0
         assert (await store.lookup(ns, tokens)).tokens_per_tier == {"dram": 32, "ssd": 32}
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+async def test_puts_reuse_their_write_buffer_without_touching_stored_pages(tmp_path, spec, ns,
+                                                                           kind):
+    """In-process puts write their pages into a buffer the next put reuses: pages stored
+    before (copied into the arena, appended to a segment) stay intact as later puts overwrite
+    the buffer, one at a time and side by side."""
+    tier = (TierConfig("mem", "dram", DramConfig(capacity_bytes=64 * MiB, chunk_bytes=MiB))
+            if kind == "dram" else
+            TierConfig("disk", "ssd", SsdConfig(path=str(tmp_path / "ssd"),
+                                                capacity_bytes=64 * MiB, segment_bytes=MiB,
+                                                fsync="batch", admit_after_accesses=0)))
+    prompts = [(random_tokens(48, seed=i), random_kv(spec, 48, seed=i)) for i in range(8)]
+    async with Store(KVStoreConfig(tiers=(tier,))) as store:
+        for tokens, kv in prompts[:4]:
+            assert await store.put(ns, tokens, kv) == 48
+        written = await asyncio.gather(*(store.put(ns, t, kv) for t, kv in prompts[4:]))
+        assert written == [48] * 4
+        for tokens, kv in prompts:
+            assert torch.equal(await store.get(ns, tokens), kv)
+
+
+def test_write_buffers_reuse_the_smallest_fit_within_bounds(monkeypatch):
+    buffers = WriteBuffers()
+    monkeypatch.setattr(WriteBuffers, "MAX_KEPT", 2)
+    monkeypatch.setattr(WriteBuffers, "MAX_KEPT_BYTES", 2000)
+    small, large = buffers.take(100), buffers.take(1000)
+    buffers.give(large)
+    buffers.give(small)
+    assert buffers.take(50) is small and buffers.take(50) is large
+    assert len(buffers.take(50)) == 50  # none left: a new one
+    for _ in range(3):
+        buffers.give(bytearray(10))
+    buffers.give(big := bytearray(20))
+    assert buffers.take(15) is big and len(buffers.take(15)) == 15  # only two were kept
+    buffers.give(bytearray(2001))  # over the bytes bound: dropped
+    assert len(buffers.take(2000)) == 2000
