@@ -17,6 +17,7 @@ if it still matches its tag, so a forged page, checksum recomputed, is never ser
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import secrets
@@ -158,7 +159,14 @@ def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload) ->
 
 
 def _meta_bytes(meta: PageMeta) -> bytes:
-    return json.dumps({"tenant": meta.tenant, "model": meta.model_id, "codec": meta.codec},
+    return _meta_json(meta.tenant, meta.model_id, meta.codec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_json(tenant: str, model_id: str, codec: str) -> bytes:
+    # The same few (tenant, model, codec) triples on every page: json.dumps cost about 30 us a
+    # page, a tenth of writing a 2 MiB raw page.
+    return json.dumps({"tenant": tenant, "model": model_id, "codec": codec},
                       separators=(",", ":")).encode()
 
 
