@@ -286,6 +286,29 @@ def section_tensor(section: memoryview, dtype: torch.dtype, shape: tuple[int, ..
     return torch.frombuffer(section, dtype=torch.uint8).view(dtype).view(shape)
 
 
+# Magnitude bits and the all-ones exponent of each float dtype: a value is NaN or Inf exactly
+# when its magnitude bits reach the all-ones exponent.
+_NONFINITE = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
+              torch.float32: (0x7FFFFFFF, 0x7F800000)}
+
+
+def is_all_finite(t: torch.Tensor) -> bool:
+    """Whether a CPU float tensor holds no NaN or Inf, checked on its bits with numpy.
+
+    One thread whatever torch's settings: ``torch.isfinite(t).all()`` on a 2 MiB bf16 block
+    took 3.5-11 ms on the busy 2-core box (its OpenMP team fighting other processes) against
+    0.12 ms for this (2026-12-01).
+    """
+    masks = _NONFINITE.get(t.dtype)
+    if masks is None:
+        return bool(torch.isfinite(t).all())
+    magnitude, exponent = masks
+    if t.numel() == 0:
+        return True
+    bits = as_array(t)
+    return int(np.bitwise_and(bits, magnitude).max()) < exponent
+
+
 def check_kv_input(kv: object, name: str) -> torch.Tensor:
     """Common input check for codecs: a float tensor in the canonical 5-D layout."""
     if not isinstance(kv, torch.Tensor):

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
-from kvstore.codecs.base import Codec, section_tensor, unpack_blob
+from kvstore.codecs.base import Codec, is_all_finite, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
 from kvstore.config import QuotaConfig
 from kvstore.errors import (
@@ -410,7 +410,7 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
     except _DECODE_FAILURES as exc:  # a garbage payload is refused, whatever it breaks
         raise CorruptPage(f"page for key {key.hex()} does not decode as {codec.name} K/V of "
                           f"shape {tuple(shape)} {spec.dtype}: {exc}") from None
-    if not bool(torch.isfinite(out).all()):
+    if not is_all_finite(out):
         raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
     return meta, data
 

@@ -159,3 +159,19 @@ def test_sections_copy_from_any_strides_and_any_device_dtype():
         assert base.copy_section(memoryview(out), section, (h,)) == len(expected)
         assert bytes(out[: len(expected)]) == expected
         assert h.intdigest() == xxhash.xxh3_64_intdigest(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_is_all_finite_reads_the_bits_of_any_float_dtype(dtype):
+    t = _run(dtype)[:, :, 8:40]  # strided, as a block of a run
+    assert base.is_all_finite(t)
+    info = torch.finfo(dtype)
+    edge = t.clone()
+    edge[0, 0, 0, 0, :2] = torch.tensor([info.max, -info.max])  # the largest finite values
+    assert base.is_all_finite(edge)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        damaged = t.clone()
+        damaged[2, 1, 31, 1, 31] = bad
+        assert not base.is_all_finite(damaged)
+        assert not base.is_all_finite(damaged[:, :, 16:])
+    assert base.is_all_finite(t[:, :, :0])
