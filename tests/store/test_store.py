@@ -480,3 +480,26 @@ def test_write_buffers_reuse_the_smallest_fit_within_bounds(monkeypatch):
     assert buffers.take(15) is big and len(buffers.take(15)) == 15  # only two were kept
     buffers.give(bytearray(2001))  # over the bytes bound: dropped
     assert len(buffers.take(2000)) == 2000
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+async def test_commit_refuses_a_page_holding_nan_or_inf(store, ns, spec, bad):
+    """A well-formed raw page (checksum and all) whose K/V holds NaN or Inf is refused at
+    commit: a lossy tier below could never take it on demotion."""
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    kv[1, 0, 20, 1, 3] = bad  # in the second block
+    res = await store.reserve(ns, tokens)
+    raw = codecs.get(res.codec)
+    bt = spec.block_tokens
+    with open(_arena_path(store, ns.tenant, res.blocks[0].region), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
+        for g in res.blocks:
+            meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=g.parent,
+                            block_index=g.block_index, tenant=ns.tenant, model_id=ns.model_id,
+                            codec=raw.name, codec_id=raw.codec_id)
+            block = kv[:, :, g.block_index * bt:(g.block_index + 1) * bt]
+            page = encode_page(meta, raw.encode(block))
+            arena[g.offset:g.offset + len(page)] = page
+    with pytest.raises(CorruptPage, match="NaN or Inf"):
+        await store.commit(res.reservation_id)
+    assert (await store.lookup(ns, tokens)).matched_tokens == 0
