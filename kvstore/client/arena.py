@@ -19,11 +19,13 @@ a torch copy runs on the caller's OpenMP team, whose threads a busy engine host 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,6 +49,22 @@ from kvstore.rpc.fdpass import (
 # that has just started is used within a second.
 PROBE_RETRY_S = 1.0
 _clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
+HUGE_PAGE_BYTES = 2 << 20
+HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
 
 
 class ZeroCopy:
@@ -222,13 +240,31 @@ def _check_host(medium: Medium) -> None:
         raise InvalidArgument(f"a {medium.value} slot cannot be mapped through the host arena")
 
 
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a get's result, backed by transparent huge pages where
+    the kernel gives them on request (``madvise`` mode).
+
+    A large allocation is fresh memory each time (glibc maps and unmaps it), and faulting it in
+    4 KiB at a time cost more than the copy into it: 57-72 ms against 18 ms with huge pages for
+    32 MiB on the 2-core box (2026-12-01), where a copy into warm memory took 12 ms.
+    """
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes >= HUGE_ADVICE_MIN_BYTES and _MADVISE is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (out.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if end > start:
+            _MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
+    return out
+
+
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | None:
     """The K/V of a lease's pinned pages, each verified once (its page checksum, against its
     key) and then decoded without checking the blob checksum inside it again."""
     if not lease.blocks:
         return None
     bt = ns.spec.block_tokens
-    out = torch.empty(ns.spec.shape(len(lease.blocks) * bt), dtype=ns.spec.torch_dtype)
+    out = fresh_tensor(ns.spec.shape(len(lease.blocks) * bt), ns.spec.torch_dtype)
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
         page = decode_page(maps.view(loc.region, loc.offset, loc.length),
