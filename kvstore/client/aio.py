@@ -73,7 +73,7 @@ class AsyncClient:
         """(use shared memory, fail rather than fall back); see Client._zero_copy_mode."""
         if self._zero_copy.must_probe(requested):
             arena = (await self.health()).arena_path
-            self._zero_copy.arena_ok = await asyncio.to_thread(self._zero_copy.maps.usable, arena)
+            self._zero_copy.probed(await asyncio.to_thread(self._zero_copy.maps.usable, arena))
         return self._zero_copy.mode(requested)
 
     async def _give_back(self, reservation_id: str, write: asyncio.Future[None]) -> None:

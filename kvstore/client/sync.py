@@ -47,7 +47,8 @@ class Client:
         timeout_s: deadline of each call.
         max_message_bytes: largest gRPC message either way; tensors stream in chunks below it.
         zero_copy: move tensor bytes through the shared DRAM arena: None picks it for Unix
-            sockets (falling back to streaming when the arena cannot be opened), True always
+            sockets whenever the daemon hands this client its arena (streaming meanwhile, and
+            asking again at most every ``kvstore.client.arena.PROBE_RETRY_S``), True always
             (errors if impossible), False never. Each call can override it.
     """
 
@@ -79,7 +80,7 @@ class Client:
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
         if self._zero_copy.must_probe(requested):
-            self._zero_copy.arena_ok = self._zero_copy.maps.usable(self.health().arena_path)
+            self._zero_copy.probed(self._zero_copy.maps.usable(self.health().arena_path))
         return self._zero_copy.mode(requested)
 
     def _give_back(self, reservation_id: str) -> None:

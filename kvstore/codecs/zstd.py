@@ -7,7 +7,7 @@ import struct
 import torch
 import zstandard
 
-from kvstore.codecs.base import Codec
+from kvstore.codecs.base import Codec, FinishedPayload
 from kvstore.errors import CodecError
 
 ZSTD_MAGIC = b"KVZS"
@@ -37,8 +37,10 @@ class ZstdStage(Codec):
         self.codec_id = inner.codec_id
         self.lossless = inner.lossless
 
-    def encode(self, kv: torch.Tensor) -> bytes:
-        return compress(self.inner.encode(kv), self.level, self.threads)
+    def prepare(self, kv: torch.Tensor) -> FinishedPayload:
+        # The compressed size is only known once compressed: the stage's output is finished
+        # bytes, copied once into place.
+        return FinishedPayload(compress(self.inner.encode(kv), self.level, self.threads))
 
     def decode(self, blob, out=None, verify=True):
         return self.inner.decode(decompress(blob, bound_for(out)), out, verify)
