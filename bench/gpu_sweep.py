@@ -1,4 +1,4 @@
-"""Tile sweep of the engine kernels on a CUDA machine (rows per program x warps), 2 GiB of
+"""Tile sweep of the engine kernels on a CUDA machine (run from the repository root) (rows per program x warps), 2 GiB of
 blocks: prints ratios to the device copy / the PCIe link and writes $OUT/sweep.json."""
 
 import json
