@@ -1,5 +1,6 @@
-"""Tile sweep of the engine kernels on a CUDA machine (run from the repository root) (rows per program x warps), 2 GiB of
-blocks: prints ratios to the device copy / the PCIe link and writes $OUT/sweep.json."""
+"""Tile sweep of the engine kernels (rows per program x warps) on a CUDA machine, 2 GiB of
+blocks: prints ratios to the device copy and the PCIe link, writes $OUT/sweep.json.
+Run from the repository root: PYTHONPATH=. python3 bench/gpu_sweep.py [blocks]"""
 
 import json
 import os
