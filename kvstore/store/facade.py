@@ -38,7 +38,7 @@ from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
-from kvstore.tiers.base import FdRegions, SharedTier, Tier
+from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, SharedTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -179,6 +179,12 @@ class Store:
             for meta in link.tier.entries():
                 self._dir.place(meta, link.name, link.tier.page_size(meta.key),
                                 link.tier.footprint(meta.key))
+        if any(isinstance(t, DevicePages) for t in self.tiers.values()):
+            # Demotion off the GPU copies into host tiers: pin what lends host slots (in the
+            # background, chunk by chunk as arenas grow; about 0.5 s per GiB).
+            for tier in self.tiers.values():
+                if isinstance(tier, HostPinning):
+                    self._spawn(tier.pin_cuda())
         self._demote_wakeup = asyncio.Event()
         self._spawn(self._demoter())
         self._spawn(self._leases.reaper())

@@ -26,8 +26,19 @@ from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
-__all__ = ["ClusterEntry", "DevicePages", "FdRegions", "Footprint", "RoomNeed", "SharedTier", "Slot",
-           "SlotTier", "Tier", "TierStats"]
+__all__ = [
+    "ClusterEntry",
+    "DevicePages",
+    "FdRegions",
+    "Footprint",
+    "HostPinning",
+    "RoomNeed",
+    "SharedTier",
+    "Slot",
+    "SlotTier",
+    "Tier",
+    "TierStats",
+]
 
 
 class Tier(ABC):
@@ -276,6 +287,15 @@ class DevicePages(Protocol):
                                ready_event: bytes = b"") -> int:
         """Make the device page in ``slot`` readable as ``key`` once the writer's event
         (``ready_event``, an IPC handle; empty: already written) fired; its host page bytes."""
+
+
+@runtime_checkable
+class HostPinning(Protocol):
+    """A tier of host memory that can register itself as pinned CUDA memory (cudaHostRegister),
+    now and as it grows, so copies off a GPU tier DMA into it."""
+
+    async def pin_cuda(self) -> bool:
+        """Register (in the background, chunk by chunk); False without CUDA."""
 
 
 @runtime_checkable

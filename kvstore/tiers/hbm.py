@@ -58,6 +58,10 @@ class _Pool:
     memory: torch.Tensor  # uint8 view of the whole allocation
     nbytes: int
     owner: object = None  # what frees the allocation when the pool goes (cupy memory)
+    # The pool's own copy stream and lock: a writer's event that fires late (a slow kernel
+    # ahead of it) holds up its own tenant's copies only.
+    stream: object = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     bump: int = 0  # bytes from here on were never handed out
     free: dict[int, list[int]] = field(default_factory=dict)  # slot bytes -> free offsets
     used: int = 0
@@ -103,7 +107,7 @@ def host_page_bytes(layout: DeviceLayout, meta: PageMeta) -> int:
 
 
 def _on(stream: object):
-    """Issue copies on ``stream`` (the tier's copy stream), or plainly without CUDA."""
+    """Issue copies on ``stream`` (a pool's copy stream), or plainly without CUDA."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -120,10 +124,9 @@ class HbmTier(SlotTier):
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
         self._slot_of_page: dict[int, int] = {}  # host page bytes -> device slot bytes
         self._device = torch.device(config.device)
-        self._copy_stream = None
+        self._cuda = False
         self._is_open = False
         self._stats = TierStats(name=name)
-        self._lock = asyncio.Lock()  # one device copy at a time off the loop
 
     # --- identity and space ------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class HbmTier(SlotTier):
             except ImportError as exc:
                 raise Unavailable(f"the {self.name} tier needs cupy for its device pools: "
                                   f"{exc}") from None
-            self._copy_stream = torch.cuda.Stream(self._device)
+            self._cuda = True
         self._is_open = True
 
     async def close(self) -> None:
@@ -238,7 +241,8 @@ class HbmTier(SlotTier):
             pad = -raw.data_ptr() % SECTION_ALIGN
             memory = raw[pad:pad + nbytes]
             region = export_host_pool(memory, self.name)
-        pool = self._pools[tenant] = _Pool(tenant, region, memory, nbytes, owner)
+        stream = torch.cuda.Stream(self._device) if self._cuda else None
+        pool = self._pools[tenant] = _Pool(tenant, region, memory, nbytes, owner, stream=stream)
         log.info("%s: made a %d-byte pool for tenant %s", self.name, nbytes, shown(tenant))
         return pool
 
@@ -337,7 +341,7 @@ class HbmTier(SlotTier):
         if slot is None:
             return False
         try:
-            async with self._lock:
+            async with slot.pool.lock:
                 await asyncio.to_thread(self._copy_in, slot, layout, sections)
         except BaseException:
             self.abort(slot)
@@ -350,19 +354,19 @@ class HbmTier(SlotTier):
         return True
 
     def _copy_in(self, slot: PoolSlot, layout: DeviceLayout, sections: list[memoryview]) -> None:
-        memory = slot.pool.memory
-        with _on(self._copy_stream):
+        memory, stream = slot.pool.memory, slot.pool.stream
+        with _on(stream):
             for section, view in zip(layout.sections, sections):
                 start = slot.offset + section.offset
                 memory[start:start + section.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
 
     def _copy_out(self, entry: _Entry) -> list[torch.Tensor]:
-        memory = entry.slot.pool.memory
-        with _on(self._copy_stream):
+        memory, stream = entry.slot.pool.memory, entry.slot.pool.stream
+        with _on(stream):
             if entry.ready is not None:  # the writer's kernel may still be running
-                self._copy_stream.wait_event(entry.ready)
+                stream.wait_event(entry.ready)
             out = []
             for section in entry.layout.sections:
                 start = entry.slot.offset + section.offset
@@ -376,7 +380,7 @@ class HbmTier(SlotTier):
         if entry is None:
             self._stats.misses += 1
             return None
-        async with self._lock:
+        async with entry.slot.pool.lock:
             sections = await asyncio.to_thread(self._copy_out, entry)
         if self._entries.get(key) is not entry:  # deleted while copying
             self._stats.misses += 1
