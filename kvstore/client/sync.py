@@ -31,7 +31,7 @@ from kvstore.client.arena import (
 )
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import KVStoreError, LeaseNotFound, NotFound
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
@@ -110,6 +110,7 @@ class Client:
         Returns:
             Tokens newly written (full blocks only).
         """
+        _check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
@@ -146,7 +147,7 @@ class Client:
             have = 0 if stored is None else stored.shape[2] // ns.spec.block_tokens
             raise NotFound(f"block {have} of the prefix is not stored; the blocks before "
                            f"block {first_block} must be stored before more are added to them")
-        return torch.cat((stored, kv.to(stored.dtype)), dim=2)
+        return torch.cat((stored, kv), dim=2)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
             ) -> torch.Tensor | None:
@@ -192,6 +193,7 @@ class Client:
         Returns:
             The number of blocks of the stored prefix, visited or not.
         """
+        _check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
@@ -280,3 +282,8 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_first_block(first_block: int) -> None:
+    if not isinstance(first_block, int) or first_block < 0:
+        raise InvalidArgument(f"first_block must be a block index >= 0, got {first_block!r}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.client import Client
-from kvstore.errors import NotFound
+from kvstore.errors import InvalidArgument, NotFound
 from tests.server.helpers import DaemonThread
 
 from ..conftest import random_kv, random_tokens
@@ -52,3 +52,11 @@ def test_put_from_first_block_needs_the_prefix_stored(config, ns, spec, zero_cop
             client.put(ns, tokens, kv[:, :, 32:], first_block=2, zero_copy=zero_copy)
         assert client.lookup(ns, tokens).matched_tokens == 16  # nothing half-written
         assert client.stats().num_blocks == 1
+
+
+def test_a_negative_first_block_is_refused(config, ns, spec):
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        with pytest.raises(InvalidArgument, match="first_block"):
+            client.put(ns, random_tokens(16), random_kv(spec, 16), first_block=-1)
+        with pytest.raises(InvalidArgument, match="first_block"):
+            client.read_blocks(ns, random_tokens(16), lambda i, kv: None, first_block=-2)
