@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -34,7 +35,14 @@ from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
 from kvstore.codecs.base import BLOB_MAGIC, as_array, check_out, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.errors import (
+    CapacityError,
+    CodecError,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    NotFound,
+)
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, page_bytes, write_page
 from kvstore.rpc.fdpass import (
@@ -285,6 +293,51 @@ def _decode_into(payload: memoryview, out: torch.Tensor) -> None:
     np.copyto(as_array(out), as_array(src))
 
 
+BlockVisitor = Callable[[int, torch.Tensor], None]  # (block index, its K/V [L, 2, bt, H, D])
+
+
+def _raw_block(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+               ) -> torch.Tensor | None:
+    """A read-only view of a verified raw page's K/V in place, or None for other codecs."""
+    parts = unpack_blob(payload, verify=False)  # the page checksum covered the blob
+    if parts.codec_id != RawCodec.codec_id:
+        return None
+    if parts.dtype != dtype or parts.shape != shape:
+        raise CodecError(f"page holds {parts.dtype} {parts.shape}, the namespace expects "
+                         f"{dtype} {shape}")
+    with warnings.catch_warnings():
+        # The lease's pages are mapped read-only; the visitor only reads the view.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return section_tensor(parts.sections[0], parts.dtype, parts.shape)
+
+
+def visit_lease(maps: ArenaMaps, ns: Namespace, lease: Lease, visit: BlockVisitor,
+                first_block: int = 0) -> int:
+    """Hand each of a lease's pages from block ``first_block`` on to ``visit``, in order, each
+    verified (checksum, key) first.
+
+    The K/V handed over is ``[L, 2, block_tokens, H, D]`` and valid only during the call: for a
+    raw page a read-only view of the page in the arena (a visitor copying it out moves each
+    byte once), for other codecs a scratch tensor the page was decoded into.
+
+    Returns:
+        The number of blocks the lease holds (visited or not).
+    """
+    spec = ns.spec
+    shape, dtype = spec.shape(spec.block_tokens), spec.torch_dtype
+    scratch: torch.Tensor | None = None
+    for i in range(first_block, len(lease.blocks)):
+        loc = lease.blocks[i]
+        _check_host(loc.medium)
+        page = decode_page(maps.view(loc.region, loc.offset, loc.length), expected_key=loc.key)
+        kv = _raw_block(page.payload, shape, dtype)
+        if kv is None:
+            scratch = scratch if scratch is not None else torch.empty(shape, dtype=dtype)
+            kv = codecs.decode(page.payload, out=scratch, verify=False)
+        visit(i, kv)
+    return len(lease.blocks)
+
+
 def must_abort(exc: BaseException, committing: bool) -> bool:
     """Whether a zero-copy put that raised ``exc`` still holds its reservation and must Abort
     it: always while the slots are being written; during Commit only when the caller was
@@ -294,16 +347,23 @@ def must_abort(exc: BaseException, committing: bool) -> bool:
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
-                      reservation: Reservation) -> None:
+                      reservation: Reservation, first_block: int = 0) -> None:
     """Encode each reserved block of ``kv`` with the reservation's codec straight into its
     slot: the page header and meta in front, the blob behind them, in one pass that copies
-    (or quantises) and hashes (``kvstore.page.write_page``)."""
+    (or quantises) and hashes (``kvstore.page.write_page``). ``kv`` starts at block
+    ``first_block``: NotFound if the reservation holds a block before it (a prefix block the
+    caller counted on being stored)."""
     codec = codecs.get(reservation.codec)
     bt = ns.spec.block_tokens
     kv = kv.detach().cpu()
+    missing = [g.block_index for g in reservation.blocks if g.block_index < first_block]
+    if missing:
+        raise NotFound(f"block {missing[0]} of the prefix is not stored; the blocks before "
+                       f"block {first_block} must be stored before more are added to them")
     for grant in reservation.blocks:
         _check_host(grant.medium)
-        block = kv[:, :, grant.block_index * bt : (grant.block_index + 1) * bt]
+        start = (grant.block_index - first_block) * bt
+        block = kv[:, :, start : start + bt]
         meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
                         block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
                         codec=codec.name, codec_id=codec.codec_id)

@@ -22,10 +22,17 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
+from kvstore.client.arena import (
+    BlockVisitor,
+    ZeroCopy,
+    must_abort,
+    read_lease,
+    visit_lease,
+    write_reservation,
+)
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import KVStoreError, LeaseNotFound
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
@@ -92,34 +99,57 @@ class Client:
     # ------------------------------------------------------------------------------ data path
 
     def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *,
-            zero_copy: bool | None = None) -> int:
+            zero_copy: bool | None = None, first_block: int = 0) -> int:
         """Store ``kv`` (canonical layout, one row per token) for ``tokens``.
+
+        Args:
+            first_block: ``kv`` holds the tokens from this block on: an engine adding blocks
+                to a prefix it stored earlier hands over only the new ones. The blocks before
+                it must be stored (NotFound if one is not). Through shared memory nothing else
+                moves; streaming reads the stored blocks back first, as the Put RPC carries
+                the whole prefix.
 
         Returns:
             Tokens newly written (full blocks only).
         """
+        _check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
-                return self._put_shared(ns, tokens, kv)
+                return self._put_shared(ns, tokens, kv, first_block)
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
+        if first_block:
+            kv = self._with_stored_head(ns, tokens, kv, first_block)
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         return stream.parse(self._call(lambda: self._stub.Put(
             iter(stream), timeout=self._settings.timeout_s, metadata=self._settings.metadata)))
 
-    def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
-        requests.check_put(ns, tokens, kv)
+    def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
+                    first_block: int = 0) -> int:
+        requests.check_put(ns, tokens[first_block * ns.spec.block_tokens:], kv)
         reservation = self.reserve(ns, tokens)
         committing = False
         try:
-            write_reservation(self._zero_copy.maps, ns, kv, reservation)
+            write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block)
             committing = True
             return self.commit(reservation.reservation_id)
         except BaseException as exc:
             if must_abort(exc, committing):
                 self._give_back(reservation.reservation_id)
             raise
+
+    def _with_stored_head(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
+                          first_block: int) -> torch.Tensor:
+        """``kv`` behind the stored K/V of the blocks before ``first_block``."""
+        head = first_block * ns.spec.block_tokens
+        requests.check_put(ns, tokens[head:], kv)
+        stored = self.get(ns, tokens[:head], zero_copy=False)
+        if stored is None or stored.shape[2] < head:
+            have = 0 if stored is None else stored.shape[2] // ns.spec.block_tokens
+            raise NotFound(f"block {have} of the prefix is not stored; the blocks before "
+                           f"block {first_block} must be stored before more are added to them")
+        return torch.cat((stored, kv), dim=2)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
             ) -> torch.Tensor | None:
@@ -150,6 +180,41 @@ class Client:
             # reused, so the caller falls back instead of trusting what was read.
             self.release(lease.lease_id)
         return kv
+
+    def read_blocks(self, ns: Namespace, tokens: Tokens, visit: BlockVisitor, *,
+                    first_block: int = 0, zero_copy: bool | None = None) -> int:
+        """Hand the K/V of the longest stored prefix of ``tokens`` to ``visit(block_index,
+        kv)``, block by block from ``first_block`` on, in order.
+
+        ``kv`` is ``[L, 2, block_tokens, H, D]`` and valid only during the call: copy out of
+        it. Through shared memory a raw page is handed over in place in the arena, so a caller
+        copying blocks into its own buffers (an engine's paged cache) moves each byte once;
+        other codecs are decoded into a scratch block first. A page found damaged raises
+        CorruptPage after the blocks before it were visited.
+
+        Returns:
+            The number of blocks of the stored prefix, visited or not.
+        """
+        _check_first_block(first_block)
+        use, strict = self._zero_copy_mode(zero_copy)
+        if use:
+            try:
+                lease = self.acquire(ns, tokens)
+                try:
+                    return visit_lease(self._zero_copy.maps, ns, lease, visit, first_block)
+                finally:
+                    self.release(lease.lease_id)
+            except (OSError, LeaseNotFound) as exc:
+                self._zero_copy.get_failed(exc, strict)
+        request = requests.get_request(ns, tokens)
+        kv = self._call(lambda: self._get_stream(request))
+        if kv is None:
+            return 0
+        bt = ns.spec.block_tokens
+        num_blocks = kv.shape[2] // bt
+        for i in range(first_block, num_blocks):
+            visit(i, kv[:, :, i * bt : (i + 1) * bt])
+        return num_blocks
 
     # --------------------------------------------------------------------------- control path
 
@@ -223,3 +288,8 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_first_block(first_block: int) -> None:
+    if not isinstance(first_block, int) or first_block < 0:
+        raise InvalidArgument(f"first_block must be a block index >= 0, got {first_block!r}")
