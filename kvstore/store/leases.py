@@ -198,7 +198,8 @@ class LeaseManager:
         held: list[BlockEntry] = []
         try:
             for entry in entries:
-                if not await self._placement.promote(entry, link):
+                if link.name not in entry.sizes and not await self._placement.promote(entry,
+                                                                                      link):
                     break
                 held.append(entry)
         finally:

@@ -264,6 +264,8 @@ class Placement:
     async def promote(self, entry: BlockEntry, target: Link) -> bool:
         """Copy a block into ``target`` from the fastest tier holding it; True if it is in
         ``target`` afterwards."""
+        if target.name in entry.sizes:  # already there: nothing moved, nothing to count
+            return True
         ok = await self.copy(entry, target)
         if ok:
             self._count(entry.meta.tenant, promotions=1)
