@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -36,6 +37,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFoun
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 
 if TYPE_CHECKING:
     from typing import Self
@@ -67,6 +69,8 @@ class Client:
                                               options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
+        self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
+        self._hold: grpc.Call | None = None
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -80,9 +84,29 @@ class Client:
 
     def _unary(self, call: Unary[T]) -> T:
         rpc = getattr(self._stub, call.method)
+        metadata = self._settings.metadata
+        if call.method in SESSION_METHODS:
+            metadata = metadata + self._session_metadata()
         return call.parse(self._call(
-            lambda: rpc(call.request, timeout=self._settings.timeout_s,
-                        metadata=self._settings.metadata)))
+            lambda: rpc(call.request, timeout=self._settings.timeout_s, metadata=metadata)))
+
+    def _session_metadata(self) -> tuple[tuple[str, str], ...]:
+        """This client's session (opened at its first Acquire or Reserve): what it holds is
+        given back the moment the process goes away. A daemon without sessions: none."""
+        if self._session is None:
+            self._session = ()
+            session_id = new_session_id()
+            call = self._stub.Hold(pb.HoldRequest(session=session_id),
+                                   metadata=self._settings.metadata)
+            opened = threading.Event()
+            threading.Thread(target=_drain_hold, args=(call, opened), daemon=True,
+                             name="kvstore-session").start()
+            if opened.wait(OPEN_TIMEOUT_S) and call.running():
+                self._hold = call
+                self._session = ((SESSION_HEADER, session_id),)
+            else:
+                call.cancel()
+        return self._session
 
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
@@ -280,6 +304,10 @@ class Client:
     # ------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        """Close the channel; leases and reservations still held are given back."""
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         self._zero_copy.maps.close()
         self._channel.close()
 
@@ -288,6 +316,14 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _drain_hold(call, opened: threading.Event) -> None:
+    """Read a Hold stream's heartbeats until it ends; ``opened`` once the first arrived."""
+    with contextlib.suppress(grpc.RpcError):
+        for _ in call:
+            opened.set()
+    opened.set()
 
 
 def _check_first_block(first_block: int) -> None:

@@ -452,3 +452,15 @@ class ReportPrefillRequest(_message.Message):
 class ReportPrefillResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class HoldEvent(_message.Message):
+    __slots__ = ("server_time",)
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    server_time: float
+    def __init__(self, server_time: _Optional[float] = ...) -> None: ...
