@@ -31,6 +31,7 @@ SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)  # 2
 # The prefill model of the ready rows: an 8B dense model (2 x 8e9 FLOPs per token) with 32
 # query heads of 128 over 32 layers for causal attention.
 MODEL_FLOPS_PER_TOKEN = 2 * 8e9
+CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2")
 QUERY_HEADS = 32
 
 COLUMNS = (
@@ -73,8 +74,14 @@ def _pages(codec: str, blocks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             out.append([parts.codes, parts.scales])
         elif codec == "nvfp4":
             out.append(nvfp4_quantize_reference(block).sections())
-        else:
+        elif codec == "mxfp4":
             out.append(mxfp4_quantize_reference(block).sections())
+        else:
+            from kvstore.codecs.kivi import encode_kivi_reference
+
+            group = device_layout(codec, SPEC).group_size
+            bits = 4 if codec == "int4" else 2
+            out.append(encode_kivi_reference(block, bits, group).tensors())
     return out
 
 
@@ -100,7 +107,7 @@ class Rig:
         self.layouts: dict[str, DeviceLayout] = {}
         self.pools: dict[str, torch.Tensor] = {}
         self.hosts: dict[str, torch.Tensor] = {}
-        for codec in ("raw", "fp8_e4m3", "nvfp4", "mxfp4"):
+        for codec in CODECS:
             dev = device_layout(codec, spec)
             self.layouts[codec] = dev
             one = _aligned(dev.nbytes, "cpu")
@@ -148,8 +155,14 @@ class Rig:
                 want = parts[0]
             elif codec == "fp8_e4m3":
                 want = decode_fp8_reference(Fp8Parts(*parts), torch.bfloat16)
-            else:
+            elif codec in ("nvfp4", "mxfp4"):
                 want = dequantize_reference(Fp4Parts(*parts), torch.bfloat16)
+            else:
+                from kvstore.codecs.kivi import KiviParts, decode_kivi_reference
+
+                bits = 4 if codec == "int4" else 2
+                want = decode_kivi_reference(KiviParts(bits, dev.group_size, *parts),
+                                             torch.bfloat16)
             page = int(self.ids[i])
             got = torch.stack([torch.stack(self.layout.block_view(layer, page))
                                for layer in range(SPEC.num_layers)]).cpu()
@@ -352,8 +365,9 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
                      section="ceilings"))
 
     # HBM pool -> engine layout, one launch for the whole prefix.
-    aims = {"raw": ">= 0.92", "fp8_e4m3": ">= 0.90", "nvfp4": ">= 0.85", "mxfp4": ">= 0.85"}
-    for codec in ("raw", "fp8_e4m3", "nvfp4", "mxfp4"):
+    aims = {"raw": ">= 0.92", "fp8_e4m3": ">= 0.90", "nvfp4": ">= 0.85", "mxfp4": ">= 0.85",
+            "int4": ">= 0.85", "int2": ">= 0.85"}
+    for codec in CODECS:
         dev = rig.layouts[codec]
         addrs = rig.addrs(rig.pools[codec], codec)
         rig.poison()
@@ -399,9 +413,9 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
     rings = {codec: StagingRing(rig.layouts[codec], device, chunk_blocks)
              for codec in rig.layouts}
     link_aims = {"raw": ">= 0.90 of H2D", "fp8_e4m3": ">= 1.85x H2D", "nvfp4": ">= 3.3x H2D",
-                 "mxfp4": ""}
+                 "mxfp4": "", "int4": "", "int2": ""}
     best: dict[str, float] = {}
-    for codec in ("raw", "fp8_e4m3", "nvfp4", "mxfp4"):
+    for codec in CODECS:
         dev = rig.layouts[codec]
         addrs = rig.addrs(rig.hosts[codec], codec)
         rig.poison()

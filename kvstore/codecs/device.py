@@ -21,7 +21,8 @@ from kvstore.errors import CodecError
 from kvstore.spec import KVSpec
 
 SECTION_ALIGN = 256  # bytes; every section (and slot) starts on this boundary
-DEVICE_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4")  # their order is the kernels' numbering
+# Their order is the kernels' numbering (kvstore.codecs.triton.engine).
+DEVICE_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2")
 ENCODABLE = ("raw", "fp8_e4m3")  # codecs the engine kernels also encode (save)
 
 
@@ -47,6 +48,7 @@ class DeviceLayout:
     shape: tuple[int, ...]  # the block's canonical shape
     sections: tuple[Section, ...]
     nbytes: int  # the device page, padded to SECTION_ALIGN
+    group_size: int = 0  # int4/int2: the KIVI group (tokens of a K group, channels of a V one)
 
     @property
     def span(self) -> int:
@@ -117,6 +119,16 @@ def device_layout(codec: str, spec: KVSpec) -> DeviceLayout:
         if codec == "nvfp4":
             parts.append((torch.float32, shape[:2]))
         codec_id, params = cls.codec_id, cls.params
+    elif codec in ("int4", "int2"):
+        from kvstore.codecs import kivi
+
+        cls = kivi.Int4Codec if codec == "int4" else kivi.Int2Codec
+        group = cls().group_for(spec.block_tokens)
+        shapes = kivi.section_shapes(shape, cls.bits, group)
+        dtypes = (torch.uint8, torch.float16, spec.torch_dtype, torch.uint8, torch.float16)
+        parts = list(zip(dtypes, shapes))
+        codec_id = cls.codec_id
+        params = kivi._PARAMS.pack(kivi.FORMAT_VERSION, cls.bits, group)
     else:
         raise CodecError(f"codec {codec!r} has no device kernels; device tiers and engine loads "
                          f"take {list(DEVICE_CODECS)}")
@@ -125,4 +137,6 @@ def device_layout(codec: str, spec: KVSpec) -> DeviceLayout:
         section = Section(dtype, tuple(sec_shape), offset)
         sections.append(section)
         offset = _align(offset + section.nbytes)
-    return DeviceLayout(codec, codec_id, params, spec.torch_dtype, shape, tuple(sections), offset)
+    group = group if codec in ("int4", "int2") else 0
+    return DeviceLayout(codec, codec_id, params, spec.torch_dtype, shape, tuple(sections), offset,
+                        group)

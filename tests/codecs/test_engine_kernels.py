@@ -193,3 +193,33 @@ def test_fp4_pages_decode_into_the_engine(codec, dtype):
     for i, page in enumerate(ids):
         parts = Fp4Parts(*(t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)))
         assert_decoded(read_block(layout, page).cpu(), dequantize_reference(parts, dtype))
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2"])
+@pytest.mark.parametrize("block_tokens", [8, 12])  # 12: four K tokens kept whole
+def test_kivi_pages_decode_into_the_engine(codec, block_tokens):
+    from kvstore.codecs import kivi
+    from kvstore.codecs.triton.engine import page_tensors, to_engine
+
+    dtype = torch.float16 if block_tokens == 12 else torch.bfloat16
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=block_tokens,
+                  dtype=dtype)
+    dev = device_layout(codec, spec)
+    bits = 4 if codec == "int4" else 2
+    n = 3
+    pool, base = aligned_pool(n * dev.nbytes)
+    for i in range(n):
+        block = torch.randn(spec.block_shape).to(dtype)
+        parts = kivi.encode_kivi_reference(block, bits, dev.group_size)
+        for view, section in zip(page_tensors(pool, dev, i * dev.nbytes), parts.tensors()):
+            view.copy_(section.to(DEVICE))
+    caches = engine_cache("fused_nhd", spec, dtype, fused=False)
+    layout = EngineLayout.of(caches, spec)
+    ids = [2, 8, 5]
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    for i, page in enumerate(ids):
+        views = [t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)]
+        want = kivi.decode_kivi_reference(kivi.KiviParts(bits, dev.group_size, *views), dtype)
+        got = read_block(layout, page).cpu()
+        assert not torch.isnan(got).any()
+        assert_decoded(got, want)

@@ -27,14 +27,16 @@ from kvstore.codecs.triton.fp8 import _bf16_round, _e4m3_bits
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
 
-RAW, FP8, NVFP4, MXFP4 = 0, 1, 2, 3  # DeviceLayout.engine_codec
+RAW, FP8, NVFP4, MXFP4, INT4, INT2 = 0, 1, 2, 3, 4, 5  # DeviceLayout.engine_codec
 ROWS = 32  # rows (one token x one kv head) per program
 WARPS = 4
 # (rows, warps) per codec, from a sweep on an H200 (triton 3.6, 2026-12-01, 2 GiB of 2 MiB
 # blocks, bench/gpu_sweep.py): pages in device memory, and pages read from pinned host memory
 # over the link, where more bytes in flight per program pay.
-DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": (32, 4)}
-HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4)}
+DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
+                "int4": (32, 4), "int2": (32, 4)}
+HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
+              "int4": (32, 4), "int2": (32, 4)}
 
 _MAX = tl.constexpr(E4M3_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -107,14 +109,68 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
 
 
 @triton.jit
+def _kivi_to_engine(src, slab, rows, ok, layer, eng, D: tl.constexpr, D_PAD: tl.constexpr,
+                    H: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    TQ: tl.constexpr, K_META: tl.constexpr, K_RES: tl.constexpr,
+                    V_CODES: tl.constexpr, V_META: tl.constexpr, FP16: tl.constexpr):
+    """Decode rows of a KIVI page (kvstore.codecs.kivi: K per channel over groups of G tokens,
+    the last BT - TQ tokens of K kept whole; V per token over groups of G channels)."""
+    cols = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (cols < D)[None, :]
+    layer_i = (slab // 2).to(tl.int64)
+    token = (rows // H).to(tl.int64)
+    head = (rows % H).to(tl.int64)
+    packed = D * BITS // 8
+    byte = (cols * BITS) // 8
+    shift = (cols % (8 // BITS)) * BITS
+    channel = head[:, None] * D + cols[None, :]  # the channel within the layer's H * D
+    if slab % 2 == 0:  # K
+        quantised = token < TQ
+        qmask = mask & quantised[:, None]
+        codes = tl.load(src.to(tl.pointer_type(tl.uint8)) + ((layer_i * TQ + token) * H + head)[
+            :, None] * packed + byte[None, :], mask=qmask, other=0).to(tl.int32)
+        meta = (src + K_META).to(tl.pointer_type(tl.float16))
+        at = ((layer_i * (TQ // G) + token // G) * 2)[:, None] * (H * D) + channel
+        scale = tl.load(meta + at, mask=qmask, other=0.0).to(tl.float32)
+        zero = tl.load(meta + at + H * D, mask=qmask, other=0.0).to(tl.float32)
+        x = ((codes >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) * scale + zero
+        if BT > TQ:
+            rmask = mask & (token >= TQ)[:, None]
+            if FP16:
+                residual = (src + K_RES).to(tl.pointer_type(tl.float16))
+            else:
+                residual = (src + K_RES).to(tl.pointer_type(tl.bfloat16))
+            kept = tl.load(residual + ((layer_i * (BT - TQ) + token - TQ) * H + head)[:, None] * D
+                           + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
+            x = tl.where(quantised[:, None], x, kept)
+    else:  # V
+        codes = tl.load((src + V_CODES).to(tl.pointer_type(tl.uint8)) + (
+            (layer_i * BT + token) * H + head)[:, None] * packed + byte[None, :], mask=mask,
+            other=0).to(tl.int32)
+        meta = (src + V_META).to(tl.pointer_type(tl.float16))
+        at = ((layer_i * BT + token) * 2)[:, None] * (H * D // G) + channel // G
+        scale = tl.load(meta + at, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(meta + at + H * D // G, mask=mask, other=0.0).to(tl.float32)
+        x = ((codes >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) * scale + zero
+    tl.store(layer + eng[:, None] + cols[None, :], x.to(layer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                       kv_stride, block_stride, token_stride, head_stride,
                       H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                       ALIGNED: tl.constexpr, TS_OFF: tl.constexpr = 0,
-                      EXACT: tl.constexpr = False):
+                      EXACT: tl.constexpr = False, BITS: tl.constexpr = 4, G: tl.constexpr = 1,
+                      TQ: tl.constexpr = 0, K_META: tl.constexpr = 0, K_RES: tl.constexpr = 0,
+                      V_CODES: tl.constexpr = 0, V_META: tl.constexpr = 0):
     b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
                                           token_stride, head_stride, H, BT, R, FP16, ALIGNED)
+    if CODEC >= 4:
+        src = tl.multiple_of(tl.load(table_ptr + b), 16)
+        _kivi_to_engine(src, slab, rows, ok, layer, eng, D, D_PAD, H, BT, BITS, G, TQ, K_META,
+                        K_RES, V_CODES, V_META, FP16)
+        return
     if CODEC >= 2:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
@@ -253,7 +309,13 @@ def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
     layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
     extra = {}
-    if dev.engine_codec >= NVFP4:
+    if dev.engine_codec >= INT4:
+        k_codes, _, _, _, _ = dev.sections
+        extra = {"BITS": 4 if dev.codec == "int4" else 2, "G": dev.group_size,
+                 "TQ": k_codes.shape[1], "K_META": dev.sections[1].offset,
+                 "K_RES": dev.sections[2].offset, "V_CODES": dev.sections[3].offset,
+                 "V_META": dev.sections[4].offset, "enable_fp_fusion": False}
+    elif dev.engine_codec >= NVFP4:
         extra = {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
                  "EXACT": interpreter_enabled()}
     _launch(_to_engine_kernel, layout, dev, src, block_ids, stream, layers, tile, **extra)
