@@ -149,7 +149,7 @@ def test_bad_inputs_name_what_is_wrong():
     with pytest.raises(CodecError, match="do not fit"):
         to_engine(layout, device_layout("raw", spec_of(torch.float16)), [base], [0])
     with pytest.raises(CodecError, match="no device kernels"):
-        device_layout("int2", spec)
+        device_layout("fp8_e4m3+zstd", spec)
     with pytest.raises(InvalidArgument, match="layers"):
         EngineLayout.of(caches[:2], spec)
     with pytest.raises(InvalidArgument, match="matches no known layout"):
