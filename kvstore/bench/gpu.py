@@ -192,49 +192,6 @@ def _staged_load(rig: Rig, codec: str, ring) -> None:
     ring.load(rig.layout, dev, pages, rig.ids.tolist())
 
 
-class _DaemonThread:
-    """``kvstore serve`` with ``config`` on an event loop in a thread, for the end-to-end rows."""
-
-    def __init__(self, config) -> None:
-        import asyncio
-        import threading
-
-        self._config = config
-        self._ready = threading.Event()
-        self._stop = None
-        self._loop = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        import asyncio
-
-        from kvstore.server.daemon import serve
-
-        try:
-            daemon = await serve(self._config)
-        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
-            self.error = exc
-            self._ready.set()
-            return
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self._ready.set()
-        await self._stop.wait()
-        await daemon.stop(2.0)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        self._ready.wait(60)
-        if self.error is not None:
-            raise self.error
-        return f"unix://{self._config.server.socket_path}"
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-
 def _end_to_end_rows(tokens: int, prefill_ms: float, root: str) -> list[dict]:
     """``EngineCache.save`` then ``load`` of a ``tokens`` prefix through a real daemon: from
     its HBM pool, and from its DRAM tier (raw and fp8 pages) with no GPU tier above it."""
@@ -242,6 +199,7 @@ def _end_to_end_rows(tokens: int, prefill_ms: float, root: str) -> list[dict]:
     from kvstore.client.gpu import EngineCache
     from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
     from kvstore.keys import Namespace
+    from kvstore.server.daemon import DaemonThread
 
     blocks = tokens // SPEC.block_tokens
     nbytes = blocks * SPEC.block_bytes
@@ -256,7 +214,7 @@ def _end_to_end_rows(tokens: int, prefill_ms: float, root: str) -> list[dict]:
                                                    log_level="WARNING"))
         ns = Namespace(model_id="bench", spec=SPEC, tenant="default")
         prompt = list(range(tokens))
-        with _DaemonThread(config) as address, Client(address) as client:
+        with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
             shape = (2, 2 * blocks, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
             caches = [torch.randn(shape, device="cuda").to(torch.bfloat16)
                       for _ in range(SPEC.num_layers)]

@@ -22,6 +22,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -358,3 +359,49 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class DaemonThread:
+    """``serve(config)`` on an event loop of its own in a thread, for a process that also runs
+    a blocking client (an engine with the daemon inside it, benchmarks, tests)::
+
+        with DaemonThread(config) as daemon:
+            with Client(daemon.unix_address) as client: ...
+    """
+
+    def __init__(self, config: KVStoreConfig, stop_grace_s: float = 1.0) -> None:
+        self.config = config
+        self.daemon: Daemon | None = None
+        self._grace_s = stop_grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True,
+                                        name="kvstore-daemon")
+
+    async def _main(self) -> None:
+        try:
+            self.daemon = await serve(self.config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await self.daemon.stop(self._grace_s)
+
+    def __enter__(self) -> Daemon:
+        self._thread.start()
+        self._ready.wait(60)
+        if self._error is not None:
+            raise self._error
+        if self.daemon is None:
+            raise KVStoreError("the daemon did not start within 60 s")
+        return self.daemon
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)

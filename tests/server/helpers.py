@@ -3,7 +3,6 @@ real subprocess (``python -m kvstore.server.daemon``), all on small configs."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -11,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,6 @@ from typing import Any
 from kvstore.client import NO_RETRY, Client
 from kvstore.config import DramConfig, KVStoreConfig, ServerConfig, SsdConfig
 from kvstore.errors import KVStoreError
-from kvstore.server.daemon import Daemon, serve
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,45 +37,6 @@ def small_config(root: Path, *, dram_bytes: int = 16 * MiB, ssd: dict[str, Any] 
                      "shutdown_grace_s": 2.0, **server}
     return KVStoreConfig(dram=DramConfig(capacity_bytes=dram_bytes, chunk_bytes=1 * MiB),
                          ssd=SsdConfig(**ssd_fields), server=ServerConfig(**server_fields))
-
-
-class DaemonThread:
-    """``serve(config)`` on its own event loop in a thread, so a blocking client (or a test's
-    own loop) can call it without deadlocking."""
-
-    def __init__(self, config: KVStoreConfig) -> None:
-        self.config = config
-        self.daemon: Daemon | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        try:
-            self.daemon = await serve(self.config)
-        except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
-            self._error = exc
-            self._ready.set()
-            return
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self._ready.set()
-        await self._stop.wait()
-        await self.daemon.stop(1.0)
-
-    def __enter__(self) -> Daemon:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise self._error
-        assert self.daemon is not None
-        return self.daemon
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
 
 
 def _toml_value(value: Any) -> str:

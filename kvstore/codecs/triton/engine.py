@@ -20,10 +20,9 @@ import triton
 import triton.language as tl
 
 from kvstore.codecs.device import ENCODABLE, SECTION_ALIGN, DeviceLayout
-from kvstore.codecs.fp8 import E4M3_MAX, MIN_SCALE
 from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
 from kvstore.codecs.triton.fp4 import _e2m1_scaled, _e4m3_value, _pack_words
-from kvstore.codecs.triton.fp8 import _bf16_round, _e4m3_bits
+from kvstore.codecs.triton.fp8 import _quantise_rows
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
 
@@ -38,8 +37,6 @@ DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": 
 HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
               "int4": (32, 4), "int2": (32, 4)}
 
-_MAX = tl.constexpr(E4M3_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
@@ -216,16 +213,7 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
             base = dst.to(tl.pointer_type(tl.bfloat16))
         tl.store(base + r[:, None] * D + cols[None, :], x, mask=mask)
     else:
-        x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.maximum(_bf16_round(tl.math.div_rn(amax, tl.zeros_like(amax) + _MAX)),
-                           _MIN_SCALE)
-        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-        y = tl.minimum(tl.maximum(x * inv[:, None], -_MAX), _MAX)
-        if HW_ROUND:
-            codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            codes = _e4m3_bits(y)
+        codes, scale = _quantise_rows(x.to(tl.float32), HW_ROUND)
         tl.store(dst.to(tl.pointer_type(tl.uint8)) + r[:, None] * D + cols[None, :], codes,
                  mask=mask)
         tl.store((dst + scales_off).to(tl.pointer_type(tl.bfloat16)) + r,

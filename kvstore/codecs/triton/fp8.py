@@ -59,6 +59,22 @@ def _e4m3_bits(y):
 
 
 @triton.jit
+def _quantise_rows(x, HW_ROUND: tl.constexpr):
+    """e4m3 codes (uint8) and float32 scales of the float32 rows ``x`` [R, D], one scale per
+    row (amax / 448, rounded to bf16), as ``encode_fp8_reference``; masked-off columns must
+    be 0."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(_bf16_round(tl.math.div_rn(amax, tl.zeros_like(amax) + _MAX)), _MIN_SCALE)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    y = tl.minimum(tl.maximum(x * inv[:, None], -_MAX), _MAX)
+    if HW_ROUND:
+        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = _e4m3_bits(y)
+    return codes, scale
+
+
+@triton.jit
 def _encode_kernel(src_ptr, codes_ptr, scales_ptr, num_rows,
                    D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
                    HW_ROUND: tl.constexpr):
@@ -68,14 +84,7 @@ def _encode_kernel(src_ptr, codes_ptr, scales_ptr, num_rows,
     mask = row_ok[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
     x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(_bf16_round(tl.math.div_rn(amax, tl.zeros_like(amax) + _MAX)), _MIN_SCALE)
-    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-    y = tl.minimum(tl.maximum(x * inv[:, None], -_MAX), _MAX)
-    if HW_ROUND:
-        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        codes = _e4m3_bits(y)
+    codes, scale = _quantise_rows(x, HW_ROUND)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(scales_ptr + rows, scale.to(tl.bfloat16), mask=row_ok)
 
