@@ -17,6 +17,17 @@ from typing import Any
 from kvstore.client import NO_RETRY, Client
 from kvstore.config import DramConfig, KVStoreConfig, ServerConfig, SsdConfig
 from kvstore.errors import KVStoreError
+from kvstore.server.daemon import DaemonThread
+
+__all__ = [
+    "REPO_ROOT",
+    "DaemonProcess",
+    "DaemonThread",
+    "MiB",
+    "short_tmpdir",
+    "small_config",
+    "write_toml",
+]
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
