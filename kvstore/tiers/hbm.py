@@ -165,6 +165,17 @@ class HbmTier(SlotTier):
             return None
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
+    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """Each tenant's pages live in its own pool: room for one comes from its pool only
+        (or a new pool, while the capacity has one to spare), freed from its own blocks."""
+        slot_bytes = self._slot_bytes(nbytes)
+        pool = self._pools.get(tenant)
+        if slot_bytes <= self._pool_bytes() and (
+                pool.fits(slot_bytes) if pool is not None
+                else self._spare_bytes() >= self._pool_bytes()):
+            return None
+        return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
+
     def _spare_bytes(self) -> int:
         return self.capacity_bytes - sum(pool.nbytes for pool in self._pools.values())
 

@@ -133,3 +133,22 @@ async def test_tenants_get_pools_of_their_own():
         tier = store.tiers["gpu"]
         assert tier.pool_tensor("a").data_ptr() != tier.pool_tensor("b").data_ptr()
         assert store.stats().tiers["gpu"].extra["pools"] == 2
+
+
+async def test_a_tenant_filling_its_pool_evicts_only_its_own_blocks():
+    slot = device_layout("raw", SPEC).nbytes
+    config = KVStoreConfig(tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=8 * slot, pool_bytes=4 * slot,
+                                           device=DEVICE, high_watermark=1.0,
+                                           low_watermark=1.0)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB)),
+    ))
+    async with Store(config) as store:
+        a, b = namespace("a"), namespace("b")
+        b_tokens = random_tokens(64, seed=9)
+        await store.put(b, b_tokens, random_kv(SPEC, 64, seed=9))
+        for i in range(4):  # a writes four pools' worth
+            await store.put(a, random_tokens(64, seed=i), random_kv(SPEC, 64, seed=i))
+        assert (await store.lookup(b, b_tokens)).tokens_per_tier == {"gpu": 64}
+        assert store.tiers["gpu"].stats().num_blocks == 8
+
