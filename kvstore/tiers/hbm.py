@@ -307,7 +307,8 @@ class HbmTier(SlotTier):
             try:
                 ready = torch.cuda.Event.from_ipc_handle(self._device, ready_event)
             except (RuntimeError, TypeError, ValueError) as exc:
-                raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {exc}") from None
+                raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: "
+                                      f"{exc}") from None
         entry = self._entries[key] = _Entry(slot, meta, layout, self._learn(layout, meta), ready)
         self._stats.bytes_written += layout.nbytes
         return entry.page_bytes
@@ -369,7 +370,8 @@ class HbmTier(SlotTier):
         with _on(stream):
             for section, view in zip(layout.sections, sections):
                 start = slot.offset + section.offset
-                memory[start:start + section.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
+                source = torch.frombuffer(view, dtype=torch.uint8)
+                memory[start:start + section.nbytes].copy_(source)
             if stream is not None:
                 stream.synchronize()
 

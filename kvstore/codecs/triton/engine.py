@@ -40,8 +40,16 @@ HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (
 
 
 @triton.jit
-def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, token_stride, head_stride,
-          H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
+def _at(addr, DTYPE: tl.constexpr):
+    """The int64 byte address ``addr`` (16-byte aligned) as a pointer to DTYPE elements. The
+    alignment is promised on the pointer: promised on the integer, it is lost in the cast and
+    every load and store goes scalar (seen in the PTX triton 3.6 makes for sm_90)."""
+    return tl.multiple_of(addr.to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, token_stride,
+          head_stride, H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
           ALIGNED: tl.constexpr):
     """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
     addresses; the launch covers ``num_slabs`` slabs from layer ``layer0`` (``layers_ptr`` from
@@ -61,9 +69,9 @@ def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, tok
     head = rows % H
     layer_addr = tl.multiple_of(tl.load(layers_ptr + local // 2), 16)
     if FP16:
-        layer = layer_addr.to(tl.pointer_type(tl.float16))
+        layer = _at(layer_addr, tl.float16)
     else:
-        layer = layer_addr.to(tl.pointer_type(tl.bfloat16))
+        layer = _at(layer_addr, tl.bfloat16)
     page = tl.load(ids_ptr + b).to(tl.int64)
     eng = ((slab % 2) * kv_stride + page * block_stride + token.to(tl.int64) * token_stride
            + head.to(tl.int64) * head_stride)
@@ -80,16 +88,16 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
     """Decode rows of e2m1 pairs (even element in the low nibble) into engine words."""
     half = tl.arange(0, D_PAD // 2)
     mask = ok[:, None] & (half < D // 2)[None, :]
-    packed = tl.load(src.to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // 2) + half[None, :],
+    packed = tl.load(_at(src, tl.uint8) + r[:, None] * (D // 2) + half[None, :],
                      mask=mask, other=0).to(tl.int32)
-    scales = (src + scales_off).to(tl.pointer_type(tl.uint8)) + r[:, None] * (D // BLOCK)
+    scales = _at((src + scales_off), tl.uint8) + r[:, None] * (D // BLOCK)
     if D == D_PAD:  # one load per scale block, broadcast over its pairs in registers
         groups = tl.arange(0, D // BLOCK)
         byte = tl.load(scales + groups[None, :], mask=ok[:, None], other=0).to(tl.int32)
     else:  # a head_dim that is not a power of two: one (cached) load per pair
         byte = tl.load(scales + ((2 * half) // BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
     if IS_NV:
-        ts = tl.load((src + ts_off).to(tl.pointer_type(tl.float32)) + slab)
+        ts = tl.load(_at((src + ts_off), tl.float32) + slab)
         half_scale = _e4m3_value(byte) * ts * 0.5
     else:  # 2^(byte - 128) as float32 bits, subnormal for bytes 0 and 1
         half_scale = tl.where(byte >= 2, (byte - 1) << 23,
@@ -101,7 +109,8 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
     odd = _e2m1_scaled(packed >> 4, half_scale)
     words = _pack_words(even, odd, 2 if FP16 else 1, EXACT)
     at = tl.multiple_of(eng // 2, 4) if ALIGNED else eng // 2  # in words of two elements
-    dst = layer.to(tl.pointer_type(tl.int32), bitcast=True) + (at[:, None] + half[None, :])
+    words_ptr = tl.multiple_of(layer.to(tl.pointer_type(tl.int32), bitcast=True), 16)
+    dst = words_ptr + (at[:, None] + half[None, :])
     tl.store(dst, words.to(tl.int32), mask=mask)
 
 
@@ -124,9 +133,9 @@ def _kivi_to_engine(src, slab, rows, ok, layer, eng, D: tl.constexpr, D_PAD: tl.
     if slab % 2 == 0:  # K
         quantised = token < TQ
         qmask = mask & quantised[:, None]
-        codes = tl.load(src.to(tl.pointer_type(tl.uint8)) + ((layer_i * TQ + token) * H + head)[
+        codes = tl.load(_at(src, tl.uint8) + ((layer_i * TQ + token) * H + head)[
             :, None] * packed + byte[None, :], mask=qmask, other=0).to(tl.int32)
-        meta = (src + K_META).to(tl.pointer_type(tl.float16))
+        meta = _at((src + K_META), tl.float16)
         at = ((layer_i * (TQ // G) + token // G) * 2)[:, None] * (H * D) + channel
         scale = tl.load(meta + at, mask=qmask, other=0.0).to(tl.float32)
         zero = tl.load(meta + at + H * D, mask=qmask, other=0.0).to(tl.float32)
@@ -134,17 +143,17 @@ def _kivi_to_engine(src, slab, rows, ok, layer, eng, D: tl.constexpr, D_PAD: tl.
         if BT > TQ:
             rmask = mask & (token >= TQ)[:, None]
             if FP16:
-                residual = (src + K_RES).to(tl.pointer_type(tl.float16))
+                residual = _at((src + K_RES), tl.float16)
             else:
-                residual = (src + K_RES).to(tl.pointer_type(tl.bfloat16))
+                residual = _at((src + K_RES), tl.bfloat16)
             kept = tl.load(residual + ((layer_i * (BT - TQ) + token - TQ) * H + head)[:, None] * D
                            + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
             x = tl.where(quantised[:, None], x, kept)
     else:  # V
-        codes = tl.load((src + V_CODES).to(tl.pointer_type(tl.uint8)) + (
+        codes = tl.load(_at((src + V_CODES), tl.uint8) + (
             (layer_i * BT + token) * H + head)[:, None] * packed + byte[None, :], mask=mask,
             other=0).to(tl.int32)
-        meta = (src + V_META).to(tl.pointer_type(tl.float16))
+        meta = _at((src + V_META), tl.float16)
         at = ((layer_i * BT + token) * 2)[:, None] * (H * D // G) + channel // G
         scale = tl.load(meta + at, mask=mask, other=0.0).to(tl.float32)
         zero = tl.load(meta + at + H * D // G, mask=mask, other=0.0).to(tl.float32)
@@ -161,8 +170,9 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                       EXACT: tl.constexpr = False, BITS: tl.constexpr = 4, G: tl.constexpr = 1,
                       TQ: tl.constexpr = 0, K_META: tl.constexpr = 0, K_RES: tl.constexpr = 0,
                       V_CODES: tl.constexpr = 0, V_META: tl.constexpr = 0):
-    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
-                                          token_stride, head_stride, H, BT, R, FP16, ALIGNED)
+    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride,
+                                          block_stride, token_stride, head_stride, H, BT, R,
+                                          FP16, ALIGNED)
     if CODEC >= 4:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         _kivi_to_engine(src, slab, rows, ok, layer, eng, D, D_PAD, H, BT, BITS, G, TQ, K_META,
@@ -180,14 +190,14 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
     r = (slab * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
     if CODEC == 0:
         if FP16:
-            base = src.to(tl.pointer_type(tl.float16))
+            base = _at(src, tl.float16)
         else:
-            base = src.to(tl.pointer_type(tl.bfloat16))
+            base = _at(src, tl.bfloat16)
         x = tl.load(base + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
     else:
-        codes = tl.load(src.to(tl.pointer_type(tl.uint8)) + r[:, None] * D + cols[None, :],
+        codes = tl.load(_at(src, tl.uint8) + r[:, None] * D + cols[None, :],
                         mask=mask, other=0)
-        scale = tl.load((src + scales_off).to(tl.pointer_type(tl.bfloat16)) + r, mask=ok,
+        scale = tl.load(_at((src + scales_off), tl.bfloat16) + r, mask=ok,
                         other=0.0).to(tl.float32)
         x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
     tl.store(layer + eng[:, None] + cols[None, :], x.to(layer.dtype.element_ty), mask=mask)
@@ -199,8 +209,9 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                         ALIGNED: tl.constexpr, HW_ROUND: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
-                                          token_stride, head_stride, H, BT, R, FP16, ALIGNED)
+    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride,
+                                          block_stride, token_stride, head_stride, H, BT, R,
+                                          FP16, ALIGNED)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
     dst = tl.multiple_of(tl.load(table_ptr + b), 16)
@@ -208,15 +219,15 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
     x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
     if CODEC == 0:
         if FP16:
-            base = dst.to(tl.pointer_type(tl.float16))
+            base = _at(dst, tl.float16)
         else:
-            base = dst.to(tl.pointer_type(tl.bfloat16))
+            base = _at(dst, tl.bfloat16)
         tl.store(base + r[:, None] * D + cols[None, :], x, mask=mask)
     else:
         codes, scale = _quantise_rows(x.to(tl.float32), HW_ROUND)
-        tl.store(dst.to(tl.pointer_type(tl.uint8)) + r[:, None] * D + cols[None, :], codes,
+        tl.store(_at(dst, tl.uint8) + r[:, None] * D + cols[None, :], codes,
                  mask=mask)
-        tl.store((dst + scales_off).to(tl.pointer_type(tl.bfloat16)) + r,
+        tl.store(_at((dst + scales_off), tl.bfloat16) + r,
                  scale.to(tl.bfloat16), mask=ok)
 
 
