@@ -31,7 +31,9 @@ ROWS = 32  # rows (one token x one kv head) per program
 WARPS = 4
 # (rows, warps) per codec, from a sweep on an H200 (triton 3.6, 2026-12-01, 2 GiB of 2 MiB
 # blocks, bench/gpu_sweep.py): pages in device memory, and pages read from pinned host memory
-# over the link, where more bytes in flight per program pay.
+# over the link, where more bytes in flight per program pay. Swept before the pointers carried
+# their alignment (scalar accesses then): with 16-byte vectors the best tiles may differ; int4
+# and int2 were never swept.
 DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
                 "int4": (32, 4), "int2": (32, 4)}
 HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
