@@ -31,6 +31,7 @@ from kvstore.policy.admission import admission_for
 from kvstore.policy.base import AdmissionPolicy, EvictionOrder, Footprint, RoomNeed
 from kvstore.policy.cost import ModelProfile, PathModel, PrefillModel, advise
 from kvstore.policy.heap import IndexedHeap, merge_ascending
+from kvstore.policy.history import UseHistory
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class FutureOrder(EvictionOrder):
         if key in self._footprints:
             self.add(key, footprint)
 
-    def touch_chain(self, keys: Sequence[BlockKey]) -> None:
+    def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
         for key in keys:
             footprint = self._footprints.get(key)
             if footprint is not None:
@@ -167,6 +168,7 @@ class Simulator:
         self._requests = [(r, block_keys(r, config.block_tokens)) for r in trace.requests]
         self._next_use = self._future_uses() if policy.order == "oracle" else []
         self._rank: dict[BlockKey, float] = {}
+        self.history = UseHistory()  # shared by the value orders of the chain, as in the store
         self.tiers = [self._tier(i, capacity) for i, capacity in
                       enumerate(config.capacities_bytes)]
         self._pinned: set[BlockKey] = set()
@@ -181,7 +183,8 @@ class Simulator:
         if self.policy.order == "oracle":
             order: EvictionOrder = FutureOrder(lambda k: self._rank.get(k, 0.0))
         else:
-            order = build_order(self.policy.order, self._saving(index, path), self.clock)
+            order = build_order(self.policy.order, self._saving(index, path), self.clock,
+                                self.history)
         admission = admission_for(profile.admit_after_accesses, 1 << 16)
         return SimTier(profile, capacity, order, admission, path)
 

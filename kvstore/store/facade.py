@@ -29,7 +29,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, encode_page
-from kvstore.policy import build_order
+from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder, Footprint
 from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
@@ -56,10 +56,11 @@ async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
     return block_keys(ns, tokens)
 
 
-def _eviction_order(links: Sequence[Link], index: int) -> EvictionOrder:
+def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> EvictionOrder:
     """The order ``links[index]``'s settings name. The value order scores a hit by the read time
     it saves against the next tier down; in the last tier by its own read time (recompute is
-    taken to cost at least twice the slowest read: the store has no prefill model per tier)."""
+    taken to cost at least twice the slowest read: the store has no prefill model per tier).
+    Value orders share the chain's ``history``, so a block keeps its uses as it moves down."""
     here = links[index].path
     lower = links[index + 1].path if index + 1 < len(links) else None
 
@@ -67,7 +68,7 @@ def _eviction_order(links: Sequence[Link], index: int) -> EvictionOrder:
         cost = here.time_s(footprint.nbytes, queued=False)
         return cost if lower is None else lower.time_s(footprint.nbytes, queued=False) - cost
 
-    return build_order(links[index].settings.eviction, saved_s)
+    return build_order(links[index].settings.eviction, saved_s, history=history)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,8 @@ class Store:
         self.config = config or KVStoreConfig()
         links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
-        orders = {link.name: _eviction_order(links, link.index) for link in links}
+        history = UseHistory()
+        orders = {link.name: _eviction_order(links, link.index, history) for link in links}
         self._dir = BlockDirectory(list(orders), orders.__getitem__,
                                    observer=self._directory_observer(links))
         share = self.config.quota.share(len(self.config.server.tenant_tokens))

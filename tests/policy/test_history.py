@@ -1,0 +1,82 @@
+"""UseHistory: one access history for the value orders of a chain, tau learned from reuse gaps,
+statistics per namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.policy.base import Footprint
+from kvstore.policy.history import MIN_TAU_S, PRIOR_TAU_S, REFIT_GAPS, UseHistory, use_class
+from kvstore.policy.value import ValueOrder
+
+from .test_orders import Clock, key, never
+
+
+def uniform(footprint: Footprint, depth: int | None) -> float:
+    return 0.02
+
+
+def test_a_block_moved_down_keeps_its_history():
+    """Regression: a tier ranked a demoted block by its arrival, so a chain's tail demoted
+    after its parent outranked the parent there and the chain was cut in the middle (agentic
+    traces: SSD blocks between DRAM ones, the rest recomputed)."""
+    clock = Clock()
+    history = UseHistory()
+    upper, lower = ValueOrder(uniform, clock, history), ValueOrder(uniform, clock, history)
+    parent, child, other = key(1), key(2), key(3)
+    upper.add(child, Footprint(0, 1))
+    lower.add(parent, Footprint(0, 1))
+    for order in (upper, lower):
+        order.touch_chain([parent, child])
+    clock.tick(10)
+    lower.add(other, Footprint(0, 1))
+    lower.touch_chain([other])
+    clock.tick(20)
+    lower.add(child, Footprint(0, 1))  # demoted 30 s after its last use
+    upper.remove(child)
+    assert lower.coldest(3, never) == [child, parent, other]
+
+
+def test_tau_is_learned_from_the_gaps_between_uses():
+    clock = Clock()
+    history = UseHistory()
+    order = ValueOrder(uniform, clock, history)
+    blocks = [key(i) for i in range(8)]
+    for k in blocks:
+        order.add(k, Footprint(0, 1))
+    assert history.tau_s == PRIOR_TAU_S
+    for _ in range(REFIT_GAPS // len(blocks) + 1):
+        clock.tick(3.0)
+        for k in blocks:
+            order.touch_chain([k])
+    assert history.tau_s == pytest.approx(3.0) and history.epoch == 1
+    assert order.value_score(blocks[0]) < order.value_score(blocks[-1])
+    fixed = UseHistory(tau_s=MIN_TAU_S * 4, learn_tau=False)
+    assert fixed.tau_s == MIN_TAU_S * 4
+
+
+def test_reuse_odds_are_learned_per_namespace():
+    clock = Clock()
+    history = UseHistory()
+    order = ValueOrder(uniform, clock, history)
+    root = {b"ns-a": key(0), b"ns-b": key(1)}
+    for k in root.values():
+        order.add(k, Footprint(0, 1))
+    tails = {b"ns-a": key(100), b"ns-b": key(200)}
+    for i in range(60):
+        clock.tick(2)
+        for ns in (b"ns-a", b"ns-b"):
+            if ns == b"ns-a" or i % 2 == 0:  # ns-a: a new tail every time; ns-b: each twice
+                order.remove(tails[ns])
+                tails[ns] = key(1000 * (ns == b"ns-b") + 300 + i)
+                order.add(tails[ns], Footprint(0, 1))
+            order.touch_chain([root[ns], tails[ns]], ns)
+    assert history.stats.ratio(use_class(1, True, 0)) < 0.1  # ns-a's tails: never again
+    assert history.stats.ratio(use_class(1, True, 1)) > 0.35  # ns-b's: half the time
+
+
+@pytest.mark.parametrize("kwargs", [{"coalesce_s": -1}, {"tau_s": 0.5}, {"tau_s": 1e6}])
+def test_bad_parameters_are_refused(kwargs):
+    with pytest.raises(InvalidArgument):
+        UseHistory(**kwargs)
