@@ -35,6 +35,7 @@ from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
 from kvstore.tiers.base import FdRegions, SharedTier, Tier
@@ -97,6 +98,7 @@ class Store:
         self._leases = LeaseManager(self._dir, self._placement,
                                     self.config.server.lease_timeout_s, self.config.quota,
                                     self._count, self._spawn)
+        self._hints = Hints(self._dir, self._placement, self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
         # The cost model's recompute estimate, by (tenant, model id).
@@ -213,6 +215,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         all_keys = await _keys(ns, arr)
+        self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
         entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
         per_tier: dict[str, int] = {}
@@ -342,7 +345,8 @@ class Store:
         rows.sort(key=lambda r: r.age_s)
         return rows[:limit]
 
-    # Leases, reservations and hints live in kvstore.store.leases; these delegate to it.
+    # Leases and reservations live in kvstore.store.leases, hints in kvstore.store.hints; these
+    # delegate to them.
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
                       ) -> Lease:
@@ -351,6 +355,7 @@ class Store:
         first, as for ``get``."""
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
+        self._hints.arrived(ns.tenant, keys)
         await self._adopt_shared(ns, keys)
         return await self._leases.acquire(ns, keys, lease_s)
 
@@ -379,10 +384,21 @@ class Store:
         self._check_open()
         self._leases.abort(reservation_id)
 
-    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
-        """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a request."""
+    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float,
+                   policy: str | HintPolicy = HintPolicy.BEST_EFFORT) -> int:
+        """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a queued
+        request (kvstore.store.hints): returns the blocks scheduled, or with ``wait`` those
+        that landed in time. The hint ends when a lookup or acquire of the prefix by the same
+        tenant arrives, or on ``cancel_hint``."""
         self._check_open()
-        return self._leases.hint(ns, await _keys(ns, token_array(tokens)), deadline_s)
+        return await self._hints.hint(ns, await _keys(ns, token_array(tokens)), deadline_s,
+                                      hint_policy(policy))
+
+    async def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
+        """The hinted request for ``tokens`` was dropped: end the tenant's hints for that
+        prefix (what had not landed counts as cancelled). Returns how many hints ended."""
+        self._check_open()
+        return self._hints.arrived(ns.tenant, await _keys(ns, token_array(tokens)))
 
     def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
         """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.
@@ -430,10 +446,11 @@ class Store:
         self._totals.add(**deltas)
         self._by_tenant.setdefault(tenant, Counters()).add(**deltas)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _encode_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
                        todo: list[int]) -> list[_Encoded]:
