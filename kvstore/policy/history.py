@@ -24,6 +24,7 @@ a parent outranks its children, whenever and in whatever order they arrived ther
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ NUM_DEPTH_BUCKETS = 16  # depth 0, 1, 2-3, 4-7, ..., >= 2**14 blocks
 CLASSES_PER_GROUP = 2 * NUM_DEPTH_BUCKETS
 MAX_GROUPS = 64  # namespaces with statistics of their own; later ones share the last
 UNKNOWN_CLASS = -1  # a block no chain has used yet
+# Blocks no tier holds whose history is remembered: as many as are held, at least this many.
+MIN_GHOSTS = 1024
+GHOST_TAUS = 4.0  # ... and for this many time constants after their last use
 # Reuse statistics are halved after this many uses, so they follow a changing workload.
 STATS_AGE_USES = 4096
 # Beta(1, 1) prior on "a use is followed by another": a class starts at 1/2.
@@ -124,6 +128,7 @@ class UseHistory:
         self.stats = ReuseStats()
         self._learn_tau = learn_tau
         self._uses: dict[BlockKey, BlockUses] = {}
+        self._ghosts: OrderedDict[BlockKey, BlockUses] = OrderedDict()  # oldest first
         self._groups: dict[bytes, int] = {}
         self._gap_sum_s = self._num_gaps = 0.0
         self._num_since_fit = 0
@@ -137,29 +142,50 @@ class UseHistory:
     # ------------------------------------------------------------------------- holders
 
     def hold(self, key: BlockKey, now: float) -> BlockUses:
-        """A tier took the block: its history (a new block's first use is now)."""
+        """A tier took the block: its history (a new block's first use is now; a block that
+        comes back while its ghost is remembered gets its old history back)."""
         uses = self._uses.get(key)
         if uses is None:
-            uses = self._uses[key] = BlockUses(now, now, now + self.tau_s * math.log(
-                self.stats.ratio(UNKNOWN_CLASS)))
+            uses = self._ghosts.pop(key, None)
+            if uses is None:
+                uses = BlockUses(now, now, now + self.tau_s * math.log(
+                    self.stats.ratio(UNKNOWN_CLASS)))
+            self._uses[key] = uses
         uses.num_holders += 1
         return uses
 
-    def release(self, key: BlockKey) -> None:
-        """A tier gave the block up; the last one to do so settles its last use as lost."""
+    def release(self, key: BlockKey, now: float) -> None:
+        """A tier gave the block up. When the last one does, its history becomes a ghost: a use
+        of it that follows still counts as a reuse of its last one, so the odds are learned
+        from what uses go on to, not from what the tiers kept (an order that learns only from
+        held blocks gives up a class sooner the less of it survives, and learns lower odds)."""
         uses = self._uses.get(key)
         if uses is None:
             return
         uses.num_holders -= 1
         if uses.num_holders <= 0:
             del self._uses[key]
-            self.stats.settle(uses.klass, was_reused=False)
+            self._ghosts[key] = uses
+        self._forget_ghosts(now)
+
+    def _forget_ghosts(self, now: float) -> None:
+        """Settle as lost the ghosts unused for ``GHOST_TAUS`` time constants (a use after
+        that is a new life; under the exponential fit e^-4 = 2% of reuses come later) or past
+        the count kept, oldest first."""
+        ghosts, horizon_s = self._ghosts, GHOST_TAUS * self.tau_s
+        while ghosts:
+            key, oldest = next(iter(ghosts.items()))
+            if len(ghosts) <= max(MIN_GHOSTS, len(self._uses)) and \
+                    now - oldest.last_use_s <= horizon_s:
+                break
+            del ghosts[key]
+            self.stats.settle(oldest.klass, was_reused=False)
 
     # ------------------------------------------------------------------------- uses
 
     def use(self, uses: BlockUses, now: float) -> None:
         """One use of a block outside a chain (a put of a block already held)."""
-        self._count(uses, now, uses.klass if uses.klass != UNKNOWN_CLASS else 0)
+        self._count(uses, now, uses.klass)
         uses.reuse_s = max(uses.reuse_s, self._reuse_s(uses))
 
     def use_chain(self, keys: Sequence[BlockKey], now: float, group: bytes | None = None

@@ -109,7 +109,7 @@ class ValueOrder(EvictionOrder):
     def remove(self, key: BlockKey) -> None:
         held = self._held.pop(key, None)
         if held is not None:
-            self.history.release(key)
+            self.history.release(key, self._clock())
             self._drop_from_class(key, held.footprint.size_class)
 
     def charge(self, key: BlockKey) -> int:
@@ -151,7 +151,9 @@ class ValueOrder(EvictionOrder):
             return
         self._epoch = self.history.epoch
         for key, held in self._held.items():
-            self._heaps[held.footprint.size_class].update(key, self._score(held))
+            heap = self._heaps.get(held.footprint.size_class)
+            if heap is not None and key in heap:  # (add files its new key after this)
+                heap.update(key, self._score(held))
 
     def _file(self, key: BlockKey, held: _Held, score: float) -> None:
         heap = self._heaps.setdefault(held.footprint.size_class, IndexedHeap())

@@ -7,7 +7,14 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.policy.base import Footprint
-from kvstore.policy.history import MIN_TAU_S, PRIOR_TAU_S, REFIT_GAPS, UseHistory, use_class
+from kvstore.policy.history import (
+    GHOST_TAUS,
+    MIN_TAU_S,
+    PRIOR_TAU_S,
+    REFIT_GAPS,
+    UseHistory,
+    use_class,
+)
 from kvstore.policy.value import ValueOrder
 
 from .test_orders import Clock, key, never
@@ -74,6 +81,48 @@ def test_reuse_odds_are_learned_per_namespace():
             order.touch_chain([root[ns], tails[ns]], ns)
     assert history.stats.ratio(use_class(1, True, 0)) < 0.1  # ns-a's tails: never again
     assert history.stats.ratio(use_class(1, True, 1)) > 0.35  # ns-b's: half the time
+
+
+def test_a_block_that_comes_back_counts_as_reused_and_keeps_its_uses():
+    """Regression: odds learned only from held blocks fed on themselves (a class given up early
+    is seen reused less, so it is given up earlier): a use after the block left still counts,
+    until its ghost is GHOST_TAUS time constants old."""
+    clock = Clock()
+    history = UseHistory()
+    order = ValueOrder(uniform, clock, history)
+    root = key(0)
+    order.add(root, Footprint(0, 1))
+    for i in range(1, 41):  # tails that leave as soon as used, each used five times
+        tail = key(i)
+        for _ in range(5):
+            clock.tick(2)
+            order.add(tail, Footprint(0, 1))
+            order.touch_chain([root, tail])
+            order.remove(tail)
+    assert history.stats.ratio(use_class(1, True)) > 0.7  # four uses in five were reused
+
+
+def test_a_block_that_comes_back_keeps_its_uses_until_its_ghost_is_forgotten():
+    clock = Clock()
+    history = UseHistory(tau_s=60.0, learn_tau=False)
+    order = ValueOrder(uniform, clock, history)
+    hot, fresh = key(1), key(2)
+    order.add(hot, Footprint(0, 1))
+    for _ in range(4):
+        clock.tick(3)
+        order.touch_chain([hot])
+    order.remove(hot)
+    clock.tick(3)
+    order.add(hot, Footprint(0, 1))  # back: its five uses come with it
+    order.add(fresh, Footprint(0, 1))
+    order.touch_chain([hot])
+    order.touch_chain([fresh])
+    assert order.value_score(fresh) < order.value_score(hot)
+    clock.tick(GHOST_TAUS * history.tau_s + 1)
+    order.remove(hot)
+    order.remove(fresh)  # releasing settles the ghosts past the horizon as lost
+    order.add(hot, Footprint(0, 1))
+    assert history.get(hot).use_s == clock.now_s  # a new life
 
 
 @pytest.mark.parametrize("kwargs", [{"coalesce_s": -1}, {"tau_s": 0.5}, {"tau_s": 1e6}])
