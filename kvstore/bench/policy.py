@@ -184,7 +184,7 @@ class Simulator:
             order: EvictionOrder = FutureOrder(lambda k: self._rank.get(k, 0.0))
         else:
             order = build_order(self.policy.order, self._saving(index, path), self.clock,
-                                self.history)
+                                self.history, index)
         admission = admission_for(profile.admit_after_accesses, 1 << 16)
         return SimTier(profile, capacity, order, admission, path)
 

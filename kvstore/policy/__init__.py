@@ -17,7 +17,7 @@ ORDER_NAMES = ("lru", "arc", "value")
 
 def build_order(name: str, saved_s: SavedSeconds | None = None,
                 clock: Callable[[], float] = time.monotonic,
-                history: UseHistory | None = None) -> EvictionOrder:
+                history: UseHistory | None = None, rank: int | None = None) -> EvictionOrder:
     """The eviction order called ``name`` (one of ``ORDER_NAMES``).
 
     Args:
@@ -26,6 +26,8 @@ def build_order(name: str, saved_s: SavedSeconds | None = None,
         clock: seconds, monotonic, for the orders that weigh time.
         history: the access history the value orders of one chain share (one per chain, so a
             block keeps its history as it moves down); None: the order keeps its own.
+        rank: the tier's position in the chain (0 = fastest), for the value order: a copy a
+            faster tier also holds is a backup there.
     """
     if name == "lru":
         return LruOrder()
@@ -34,7 +36,7 @@ def build_order(name: str, saved_s: SavedSeconds | None = None,
     if name == "value":
         if saved_s is None:
             raise InvalidArgument("the value order needs saved_s: what a hit in the tier saves")
-        return ValueOrder(saved_s, clock=clock, history=history)
+        return ValueOrder(saved_s, clock=clock, history=history, rank=rank)
     raise InvalidArgument(f"eviction order must be one of {ORDER_NAMES}, got {name!r}")
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
@@ -105,6 +105,7 @@ class BlockUses:
     reach: int | None = None  # deepest chain position its uses led to (None: never in a chain)
     klass: int = UNKNOWN_CLASS  # where its last use placed it
     num_holders: int = 0  # tiers holding it
+    ranks: int = 0  # bit r set: the tier at chain position r holds it (orders given a rank)
 
 
 class UseHistory:
@@ -129,6 +130,7 @@ class UseHistory:
         self._learn_tau = learn_tau
         self._uses: dict[BlockKey, BlockUses] = {}
         self._ghosts: OrderedDict[BlockKey, BlockUses] = OrderedDict()  # oldest first
+        self._refresh: dict[int, Callable[[BlockKey], None]] = {}  # by chain position
         self._groups: dict[bytes, int] = {}
         self._gap_sum_s = self._num_gaps = 0.0
         self._num_since_fit = 0
@@ -141,7 +143,20 @@ class UseHistory:
 
     # ------------------------------------------------------------------------- holders
 
-    def hold(self, key: BlockKey, now: float) -> BlockUses:
+    def register(self, rank: int, refresh: Callable[[BlockKey], None]) -> None:
+        """The order of the tier at chain position ``rank`` (0 = fastest) is told through
+        ``refresh(key)`` when a faster tier gains or loses a copy of a block it holds."""
+        if rank < 0 or rank in self._refresh:
+            raise InvalidArgument(f"chain position {rank} is negative or taken")
+        self._refresh[rank] = refresh
+
+    def is_backup(self, uses: BlockUses, rank: int | None) -> bool:
+        """Whether a faster tier than ``rank`` also holds the block: a hit would be served
+        there, and when that copy goes it is dropped, not moved down (this one serves), so
+        this copy saves nothing until then."""
+        return rank is not None and bool(uses.ranks & ((1 << rank) - 1))
+
+    def hold(self, key: BlockKey, now: float, rank: int | None = None) -> BlockUses:
         """A tier took the block: its history (a new block's first use is now; a block that
         comes back while its ghost is remembered gets its old history back)."""
         uses = self._uses.get(key)
@@ -152,9 +167,12 @@ class UseHistory:
                     self.stats.ratio(UNKNOWN_CLASS)))
             self._uses[key] = uses
         uses.num_holders += 1
+        if rank is not None:
+            uses.ranks |= 1 << rank
+            self._tell_slower(key, uses, rank)
         return uses
 
-    def release(self, key: BlockKey, now: float) -> None:
+    def release(self, key: BlockKey, now: float, rank: int | None = None) -> None:
         """A tier gave the block up. When the last one does, its history becomes a ghost: a use
         of it that follows still counts as a reuse of its last one, so the odds are learned
         from what uses go on to, not from what the tiers kept (an order that learns only from
@@ -163,10 +181,22 @@ class UseHistory:
         if uses is None:
             return
         uses.num_holders -= 1
+        if rank is not None:
+            uses.ranks &= ~(1 << rank)
+            self._tell_slower(key, uses, rank)
         if uses.num_holders <= 0:
             del self._uses[key]
             self._ghosts[key] = uses
         self._forget_ghosts(now)
+
+    def _tell_slower(self, key: BlockKey, uses: BlockUses, rank: int) -> None:
+        slower = uses.ranks >> (rank + 1)
+        r = rank + 1
+        while slower:
+            if slower & 1 and r in self._refresh:
+                self._refresh[r](key)
+            slower >>= 1
+            r += 1
 
     def _forget_ghosts(self, now: float) -> None:
         """Settle as lost the ghosts unused for ``GHOST_TAUS`` time constants (a use after

@@ -55,11 +55,13 @@ class ValueOrder(EvictionOrder):
         history: the chain's shared history; None gives this order one of its own.
         half_life_s: with no ``history``: a fixed half-life instead of a learned one.
         coalesce_s: with no ``history``: uses of one block closer than this count as one.
+        rank: the tier's position in its chain (0 = fastest), so that a copy a faster tier
+            also holds is ranked as the backup it is; None: not known.
     """
 
     def __init__(self, saved_s: SavedSeconds, clock: Callable[[], float] = time.monotonic,
                  history: UseHistory | None = None, half_life_s: float | None = None,
-                 coalesce_s: float = COALESCE_S) -> None:
+                 coalesce_s: float = COALESCE_S, rank: int | None = None) -> None:
         if half_life_s is not None and half_life_s <= 0:
             raise InvalidArgument(f"half_life_s must be > 0, got {half_life_s}")
         if history is None:
@@ -71,6 +73,9 @@ class ValueOrder(EvictionOrder):
         self._epoch = history.epoch
         self._held: dict[BlockKey, _Held] = {}
         self._heaps: dict[int, IndexedHeap[BlockKey]] = {}  # by size class
+        self._rank = rank
+        if rank is not None:
+            history.register(rank, self._refresh)
 
     @property
     def stats(self) -> ReuseStats:
@@ -82,7 +87,7 @@ class ValueOrder(EvictionOrder):
         now = self._clock()
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = _Held(footprint, self.history.hold(key, now))
+            held = self._held[key] = _Held(footprint, self.history.hold(key, now, self._rank))
         else:
             self._move_class(key, held, footprint)
             self.history.use(held.uses, now)
@@ -102,14 +107,16 @@ class ValueOrder(EvictionOrder):
             held = self._held.get(key)
             if held is None:
                 continue
-            # Just above its children: a tie would leave the order to filing numbers.
-            floor = max(math.nextafter(floor, math.inf), self._score(held))
-            self._heaps[held.footprint.size_class].update(key, floor)
+            score = self._score(held)
+            if not self.history.is_backup(held.uses, self._rank):
+                # Just above its children: a tie would leave the order to filing numbers.
+                score = floor = max(math.nextafter(floor, math.inf), score)
+            self._heaps[held.footprint.size_class].update(key, score)
 
     def remove(self, key: BlockKey) -> None:
         held = self._held.pop(key, None)
         if held is not None:
-            self.history.release(key, self._clock())
+            self.history.release(key, self._clock(), self._rank)
             self._drop_from_class(key, held.footprint.size_class)
 
     def charge(self, key: BlockKey) -> int:
@@ -139,10 +146,19 @@ class ValueOrder(EvictionOrder):
         return None if held is None else self._heaps[held.footprint.size_class].score(key)
 
     def _score(self, held: _Held) -> float:
-        saved = max(self._saved_s(held.footprint, held.uses.reach), FLOOR_SAVED_S)
+        saved = FLOOR_SAVED_S if self.history.is_backup(held.uses, self._rank) else max(
+            self._saved_s(held.footprint, held.uses.reach), FLOOR_SAVED_S)
         density = saved / max(held.footprint.nbytes, 1)
         # In seconds: the moment its uses amount to, shifted by its odds and its density.
         return held.uses.reuse_s + self.history.tau_s * math.log(density)
+
+    def _refresh(self, key: BlockKey) -> None:
+        """A faster tier gained or lost a copy of ``key``: it became or stopped being a
+        backup here."""
+        held = self._held.get(key)
+        heap = None if held is None else self._heaps.get(held.footprint.size_class)
+        if heap is not None and key in heap:
+            heap.update(key, self._score(held))
 
     def _rescore_if_stale(self) -> None:
         """The learned time constant moved: every held score is re-made with it (rare: see

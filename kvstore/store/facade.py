@@ -69,7 +69,7 @@ def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> E
         cost = here.time_s(footprint.nbytes, queued=False)
         return cost if lower is None else lower.time_s(footprint.nbytes, queued=False) - cost
 
-    return build_order(links[index].settings.eviction, saved_s, history=history)
+    return build_order(links[index].settings.eviction, saved_s, history=history, rank=index)
 
 
 @dataclass(slots=True)

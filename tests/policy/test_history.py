@@ -125,6 +125,29 @@ def test_a_block_that_comes_back_keeps_its_uses_until_its_ghost_is_forgotten():
     assert history.get(hot).use_s == clock.now_s  # a new life
 
 
+def test_a_copy_a_faster_tier_also_holds_goes_first_until_that_copy_goes():
+    """A hit is served by the fastest copy, and a copy that leaves while a slower one exists
+    is dropped rather than moved down: the slower copy is a backup that saves nothing. Ranked
+    by its own uses it kept the hottest blocks in two tiers (bench policy, doc-qa/roomy: 414
+    against 396 ms mean TTFT; chat/tight 58.1 against 56.1)."""
+    clock = Clock()
+    history = UseHistory()
+    fast = ValueOrder(uniform, clock, history, rank=0)
+    slow = ValueOrder(uniform, clock, history, rank=1)
+    old, hot = key(1), key(2)
+    slow.add(old, Footprint(0, 1))
+    clock.tick(30)
+    slow.add(hot, Footprint(0, 1))
+    fast.add(hot, Footprint(0, 1))  # promoted: a copy stays below
+    slow.touch_chain([hot])
+    fast.touch_chain([hot])
+    assert slow.coldest(1, never) == [hot]
+    fast.remove(hot)
+    assert slow.coldest(1, never) == [old]  # the only copy again: ranked by its uses
+    with pytest.raises(InvalidArgument):
+        ValueOrder(uniform, clock, history, rank=1)  # one order per chain position
+
+
 @pytest.mark.parametrize("kwargs", [{"coalesce_s": -1}, {"tau_s": 0.5}, {"tau_s": 1e6}])
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(InvalidArgument):
