@@ -364,6 +364,8 @@ class Simulator:
             "hit_rate": self.matched_tokens / total,
             "fetched_rate": self.fetched_tokens / total,
         }
+        if self.policy.order == "value":  # what the value orders' shared history learned
+            row["tau_s"] = self.history.tau_s
         for tier in self.tiers:
             name = tier.profile.name
             row[f"hit_rate_{name}"] = tier.hit_tokens / total

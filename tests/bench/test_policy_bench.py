@@ -32,6 +32,7 @@ def test_bench_policy_writes_every_trace_and_policy(tmp_path: Path) -> None:
             assert {"ttft_mean_ms", "ttft_p99_ms", "hit_rate", "hit_rate_hbm",
                     "read_gib_dram"} <= set(summary)
             assert 0 <= summary["hit_rate"] <= 1 and summary["ttft_mean_ms"] > 0
+        assert by_policy["kvstore"]["tau_s"] > 0 and "tau_s" not in by_policy["lru"]
         oracle, recompute = by_policy["oracle"], by_policy["always-recompute"]
         assert oracle["ttft_mean_ms"] <= recompute["ttft_mean_ms"] * (1 + 1e-9), name
         assert recompute["fetched_rate"] == 0
