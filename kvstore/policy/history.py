@@ -9,7 +9,8 @@ chains in the middle). What it learns:
 - per block, an exponentially decayed count of its uses in log form (LRFU): ``tau ln(sum of
   e^(t_use / tau))`` seconds, the moment its uses amount to;
 - per use class (namespace, log2 prefix-depth bucket, tail of its chain or not): of the uses
-  that settled, how many were followed by another use while some tier held the block;
+  that settled, how many were followed by another use while some tier held the block or its
+  ghost was remembered (``GHOST_TAUS`` time constants after it left the last tier);
 - the time constant ``tau`` itself: the mean gap between a block's uses, the maximum-likelihood
   fit of exponential reuse gaps, so ``-age / tau`` is the log-chance a block is still to be
   used. It starts from a prior and is refitted every ``REFIT_GAPS`` observed gaps.
@@ -19,6 +20,10 @@ score (its moment plus ``tau`` times the log-odds of its class) and its reach (t
 position it led to) are raised to at least its child's, from the tail up, and never drop. A
 child is only used together with its parents, so in every tier that ranks by these two numbers
 a parent outranks its children, whenever and in whatever order they arrived there.
+
+Orders given their chain position (``rank``) also learn which tiers hold each block: a copy
+that a faster tier also holds is a backup (``is_backup``), and its order is told when that
+changes.
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ def use_class(depth: int, is_tail: bool, group: int = 0) -> int:
 
 
 class ReuseStats:
-    """Per use class: decayed counts of uses that were followed by another use while the block
-    was held, and of uses that were its last before it left. Only settled uses count: a block
+    """Per use class: decayed counts of uses that were followed by another use, and of uses
+    that were its last (settled when its ghost is forgotten). Only settled uses count: a block
     just used has had no time to be used again, and counting it would rank new blocks low."""
 
     def __init__(self) -> None:

@@ -17,6 +17,9 @@ against the next tier down or recompute) / (bytes it takes), the cost model's sc
 - A parent never ranks below its children in any tier: the history raises a parent's reuse
   score and reach to its child's at every use of the chain, and a touched chain is also filed
   from its tail up with a running maximum (pages of a chain may differ in size).
+- A copy that a faster tier also holds saves nothing while that copy is there (a hit is served
+  above, and when the faster copy goes it is dropped, not moved down): it ranks with blocks
+  whose hit saves nothing, by its uses, and back by its value once it is the fastest copy.
 """
 
 from __future__ import annotations

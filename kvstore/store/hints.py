@@ -78,9 +78,6 @@ class Hints:
             await asyncio.wait(set(self._tasks))
             await asyncio.sleep(0)  # let the done callbacks count them
 
-    def num_pending(self, tenant: str) -> int:
-        return len(self._by_tenant.get(tenant, ()))
-
     async def hint(self, ns: Namespace, keys: list[BlockKey], deadline_s: float,
                    policy: HintPolicy = HintPolicy.BEST_EFFORT) -> int:
         """Schedule the prefix's blocks that can arrive before the deadline over their path
