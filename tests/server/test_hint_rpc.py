@@ -3,6 +3,9 @@ ending a hint, and the outcome counters in the daemon's stats."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
+
 import pytest
 
 from kvstore.client import AsyncClient
@@ -10,6 +13,8 @@ from kvstore.errors import InvalidArgument
 from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens
+from .helpers import small_config
+from .test_metrics import free_port, samples
 
 NUM_BLOCKS = 6
 
@@ -59,6 +64,25 @@ async def test_cancel_and_arrival_end_hints_and_every_block_is_counted(restarted
     c = (await client.stats()).counters
     assert c.hint_landed + c.hint_late + c.hint_cancelled == c.hint_blocks
     assert c.hint_cancelled >= ended  # a cancelled hint had at least one block left
+
+
+async def test_hint_outcomes_are_metrics(root, ns, spec):
+    config = small_config(root, metrics_port=free_port())
+    tokens = await on_ssd_only(config, ns, spec)
+    daemon = await serve(config)
+    try:
+        async with AsyncClient(daemon.unix_address) as client:
+            assert await client.hint(ns, tokens, deadline_s=60, policy="wait") == NUM_BLOCKS
+            assert await client.hint(ns, tokens, deadline_s=60) == 0  # all in DRAM now
+        url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    finally:
+        await daemon.stop(1.0)
+    got = samples(text.decode())
+    assert got[("kvstore_hint_blocks_total", ())] == NUM_BLOCKS
+    assert got[("kvstore_hint_landed_total", ())] == NUM_BLOCKS
+    assert got[("kvstore_hint_cancelled_total", ())] == 0
+    assert got[("kvstore_hint_late_total", ())] == got[("kvstore_hint_skipped_total", ())] == 0
 
 
 async def test_an_unknown_policy_is_an_invalid_argument(restarted, ns):
