@@ -42,7 +42,7 @@ PRIOR_TAU_S = 15.0 / math.log(2.0)
 # tau stays within these bounds (seconds): a burst of one request's re-reads, or a trace of
 # rare revisits, must not make the order pure LRU or pure LFU.
 MIN_TAU_S, MAX_TAU_S = 2.0, 3600.0
-REFIT_GAPS = 256  # observed gaps between two fits of tau
+REFIT_GAPS = 256  # observed gaps between two fits of tau (or as many as blocks held)
 # tau moves only when the fit differs by more than this factor: every move re-scores the held
 # blocks of each tier (O(n)), so it must be rare.
 REFIT_FACTOR = 1.25
@@ -273,7 +273,9 @@ class UseHistory:
         self._gap_sum_s = self._gap_sum_s * decay + gap_s
         self._num_gaps = self._num_gaps * decay + 1.0
         self._num_since_fit += 1
-        if self._num_since_fit < REFIT_GAPS:
+        # At least as many gaps as blocks held between fits: a move re-scores every held block,
+        # so its cost stays O(log n) per use, amortized.
+        if self._num_since_fit < max(REFIT_GAPS, len(self._uses)):
             return
         self._num_since_fit = 0
         fitted = min(MAX_TAU_S, max(MIN_TAU_S, self._gap_sum_s / self._num_gaps))
