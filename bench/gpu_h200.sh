@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
-# The GPU run behind BENCHMARKS.md: kernel tests against their torch references on a real GPU,
-# then the codec and tier benchmarks. Expects a machine with torch + triton + CUDA; wheels the
-# image lacks (zstandard, xxhash, lmdb, pytest-asyncio) may sit in .whl/. Results go to $OUT
-# (default bench/results).
+# The GPU run behind BENCHMARKS.md, on a machine with torch + triton + CUDA:
+#   bench/gpu_h200.sh [tests] [codecs] [tiers] [gpu]      (no argument: all four, in this order)
+# tests: the GPU cases of the kernel, tier and engine-path tests against their references, and
+#        pytest -m gpu (CUDA IPC across processes); codecs: `kvstore bench codecs --no-real
+#        --gpu`; tiers: `kvstore bench tiers --total-bytes 1GiB`; gpu: `kvstore bench gpu`.
+# Wheels the image lacks (zstandard, lmdb, blake3, pytest-asyncio, redis, hiredis; pytest and
+# its two dependencies, installed only where the image's pytest is older than 8.2) may sit in
+# .whl/. Results go to $OUT (default bench/results). Exit status: any step's failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    mapfile -t wheels < <(ls .whl/*.whl | grep -v -E '/(pytest|pluggy|iniconfig)-')
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
+    if ! python3 -c 'import pytest, sys; sys.exit(tuple(map(int, pytest.__version__.split(".")[:2])) < (8, 2))' \
+            && compgen -G ".whl/pytest-*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+            .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl
+    fi
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests codecs tiers gpu)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/codecs tests/tiers tests/test_store.py \
-    2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/bench.log"
-import sys
-from kvstore.bench.codecs import run_codec_bench
-from kvstore.bench.report import write_report
-from kvstore.bench.tiers import run_tier_bench
-out = sys.argv[1]
-write_report(run_codec_bench(real=False, gpu=True), f"{out}/codecs-h200.json",
-             command="kvstore bench codecs --no-real --gpu")
-write_report(run_tier_bench(total_bytes=1 << 30, ssd_path="/tmp/kvstore-bench-ssd"),
-             f"{out}/tiers-h200.json", command="kvstore bench tiers --total-bytes 1GiB")
-PY
+status=0
+for step in "${steps[@]}"; do
+    case $step in
+        tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/codecs tests/tiers \
+                   tests/client/test_gpu_path.py tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" \
+                   | tail -25 ;;
+        codecs) python3 -m kvstore bench codecs --no-real --gpu --json "$OUT/codecs-h200.json" \
+                    2>&1 | tee "$OUT/bench-codecs.log" ;;
+        tiers) python3 -m kvstore bench tiers --total-bytes 1GiB --ssd-path /tmp/kvstore-bench-ssd \
+                   --json "$OUT/tiers-h200.json" 2>&1 | tee "$OUT/bench-tiers.log" ;;
+        gpu) python3 -m kvstore bench gpu --json "$OUT/gpu-h200.json" 2>&1 \
+                 | tee "$OUT/bench-gpu.log" ;;
+        *) echo "unknown step $step (tests, codecs, tiers, gpu)" >&2; exit 2 ;;
+    esac
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+exit $status

@@ -68,6 +68,7 @@ class Lease:
     deadline: float  # time.time() after which the store reclaims the pins
     matched_tokens: int
     blocks: tuple[BlockLocation, ...]
+    codec: str = ""  # the codec chain of the leased pages (one slot tier, one codec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,33 @@ class TierSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class HbmConfig(TierSettings):
+    """The GPU tier: one device pool per tenant, exported over CUDA IPC (``[[tiers]]`` only)."""
+
+    capacity_bytes: int = 8 << 30  # device memory all pools together may take
+    device: str = "cuda:0"  # "cpu" runs the tier on host memory (tests of the store's logic)
+    pool_bytes: int = 0  # each tenant's pool; 0: the whole capacity (one tenant per GPU)
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    # An H200 reads a device page into the engine's layout at about 3.9 TB/s (2026-12-01).
+    read_bytes_per_s: float = 3.5e12
+    read_fixed_s: float = 2e-5  # one kernel launch
+
+    def __post_init__(self) -> None:
+        self._check_common("hbm")
+        if self.pool_bytes < 0 or self.pool_bytes > self.capacity_bytes:
+            raise ConfigError(f"hbm.pool_bytes must be in [0, capacity_bytes], got "
+                              f"{self.pool_bytes}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"hbm.device must be 'cuda', 'cuda:N' or 'cpu', got "
+                              f"{self.device!r}")
+        base = self.codec.split("+")[0]
+        if "+" in self.codec or base not in ("raw", "fp8_e4m3"):
+            raise ConfigError(f"hbm.codec must be raw or fp8_e4m3 (codecs with engine kernels), "
+                              f"got {self.codec!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class DramConfig(TierSettings):
     """The shared-memory DRAM tier."""
 
@@ -314,8 +341,8 @@ class ServerConfig:
                               f"got {self.log_level!r}")
 
 
-TIER_KINDS: dict[str, type[TierSettings]] = {"dram": DramConfig, "ssd": SsdConfig,
-                                             "remote": RemoteConfig}
+TIER_KINDS: dict[str, type[TierSettings]] = {"hbm": HbmConfig, "dram": DramConfig,
+                                             "ssd": SsdConfig, "remote": RemoteConfig}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,17 +17,22 @@ if it still matches its tag, so a forged page, checksum recomputed, is never ser
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import secrets
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import blake3
 import xxhash
 
-from kvstore.errors import CorruptPage
+from kvstore.errors import CapacityError, CorruptPage
 from kvstore.keys import NO_PARENT, BlockKey
+
+if TYPE_CHECKING:
+    from kvstore.codecs.base import Payload
 
 PAGE_MAGIC = b"KVPG"
 PAGE_VERSION = 1
@@ -116,24 +121,8 @@ class Seal:
 
 def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> bytes:
     """Serialise ``payload`` with its header and checksum."""
-    meta_bytes = json.dumps(
-        {"tenant": meta.tenant, "model": meta.model_id, "codec": meta.codec},
-        separators=(",", ":"),
-    ).encode()
-    header = bytearray(
-        _HEADER.pack(
-            PAGE_MAGIC,
-            PAGE_VERSION,
-            meta.codec_id,
-            meta.block_index,
-            meta.namespace,
-            meta.key,
-            meta.parent or NO_PARENT,
-            len(meta_bytes),
-            len(payload),
-            0,
-        )
-    )
+    meta_bytes = _meta_bytes(meta)
+    header = bytearray(_header(meta, len(meta_bytes), len(payload)))
     h = xxhash.xxh3_64()
     h.update(header)
     h.update(meta_bytes)
@@ -142,13 +131,55 @@ def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> byte
     return b"".join((header, meta_bytes, payload))
 
 
+def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload) -> int:
+    """Write the page of an encoded ``payload`` straight into the front of ``out`` (a slot, a
+    reused write buffer); return the page's length.
+
+    The same bytes as ``encode_page(meta, payload.to_bytes())``, in one pass: the header and
+    meta go in front, the codec writes its blob behind them, and the page checksum is fed the
+    blob piece by piece as it is written, then patched into the header. CapacityError, with
+    nothing written, if ``out`` is too small.
+    """
+    meta_bytes = _meta_bytes(meta)
+    start = HEADER_BYTES + len(meta_bytes)
+    total = start + payload.nbytes
+    view = memoryview(out).cast("B")
+    if view.nbytes < total:
+        raise CapacityError(f"page of {total} bytes for key {bytes(meta.key).hex()} does not "
+                            f"fit its {view.nbytes}-byte buffer")
+    header = _header(meta, len(meta_bytes), payload.nbytes)
+    h = xxhash.xxh3_64()
+    h.update(header)
+    h.update(meta_bytes)
+    view[:HEADER_BYTES] = header
+    view[HEADER_BYTES:start] = meta_bytes
+    payload.write_into(view[start:total], (h,))
+    _CHECKSUM.pack_into(view, _CHECKSUM_OFFSET, h.intdigest())
+    return total
+
+
+def _meta_bytes(meta: PageMeta) -> bytes:
+    return _meta_json(meta.tenant, meta.model_id, meta.codec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_json(tenant: str, model_id: str, codec: str) -> bytes:
+    # The same few (tenant, model, codec) triples on every page: json.dumps cost about 30 us a
+    # page, a tenth of writing a 2 MiB raw page.
+    return json.dumps({"tenant": tenant, "model": model_id, "codec": codec},
+                      separators=(",", ":")).encode()
+
+
+def _header(meta: PageMeta, meta_len: int, payload_len: int) -> bytes:
+    """The fixed header with a zero checksum (the checksum is computed over it so)."""
+    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, meta.codec_id, meta.block_index,
+                        meta.namespace, meta.key, meta.parent or NO_PARENT, meta_len,
+                        payload_len, 0)
+
+
 def page_bytes(payload_len: int, meta: PageMeta) -> int:
     """Size of the encoded page (header + meta + payload) for sizing slots."""
-    meta_len = len(
-        json.dumps({"tenant": meta.tenant, "model": meta.model_id, "codec": meta.codec},
-                   separators=(",", ":")).encode()
-    )
-    return HEADER_BYTES + meta_len + payload_len
+    return HEADER_BYTES + len(_meta_bytes(meta)) + payload_len
 
 
 def page_length(buf: bytes | bytearray | memoryview) -> int:

@@ -131,3 +131,143 @@ class KVSpec:
         if unknown:
             raise InvalidArgument(f"unknown KVSpec fields: {sorted(unknown)}")
         return cls(**data)
+
+
+# Engine paged-cache layouts: the role of each dim of one layer's tensor. "kv" has size 2 (K
+# then V), "block" is the engine's page, "token" a slot of a page, "kvdim" is K and V side by
+# side in the last dim (2 * head_dim, K first). Shapes are logical: strides are read from the
+# tensors, so an engine that permutes memory under the same shape is handled.
+ENGINE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "flash": ("kv", "block", "token", "head", "dim"),  # FlashAttention, vLLM: [2, nb, bs, H, D]
+    "flash_hnd": ("kv", "block", "head", "token", "dim"),  # [2, nb, H, bs, D]
+    "flashinfer": ("block", "kv", "token", "head", "dim"),  # FlashInfer: [nb, 2, bs, H, D]
+    "flashinfer_hnd": ("block", "kv", "head", "token", "dim"),  # [nb, 2, H, bs, D]
+    "fused_hnd": ("block", "head", "token", "kvdim"),  # [nb, H, bs, 2D]
+    "fused_nhd": ("block", "token", "head", "kvdim"),  # [nb, bs, H, 2D]
+}
+ENGINE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Where token t, head h of K or V of layer l in engine page p lives in an engine's cache.
+
+    Element ``(l, kv, p, t, h, d)`` is at ``layer_ptrs[l] + (kv * kv_stride + p * block_stride
+    + t * token_stride + h * head_stride + d) * element_size`` bytes; ``d`` is contiguous.
+    Built by ``EngineLayout.of`` from the tensors an engine registers, which must outlive it.
+    """
+
+    name: str
+    num_layers: int
+    num_blocks: int
+    block_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    layer_ptrs: tuple[int, ...]
+    kv_stride: int
+    block_stride: int
+    token_stride: int
+    head_stride: int
+    tensors: tuple[torch.Tensor, ...]  # kept alive while the layout is in use
+
+    @classmethod
+    def of(cls, kv_caches: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
+           | dict[str, torch.Tensor], spec: KVSpec, layout: str | None = None) -> EngineLayout:
+        """Read the layout of an engine's paged cache: a list (or name -> tensor dict, in
+        layer order) of per-layer tensors, or one tensor with the layer dim first.
+
+        ``layout`` names an entry of ``ENGINE_LAYOUTS``; None infers it from the shapes and the
+        spec, and asks for it by name when two layouts fit (e.g. block_tokens == num_kv_heads).
+        """
+        if isinstance(kv_caches, dict):
+            kv_caches = list(kv_caches.values())
+        if isinstance(kv_caches, torch.Tensor):
+            fused = kv_caches
+            layers = [fused[i] for i in range(fused.shape[0])] if fused.dim() >= 1 else []
+        elif isinstance(kv_caches, (list, tuple)):
+            layers = list(kv_caches)
+        else:
+            raise InvalidArgument(f"kv_caches must be a tensor, a list of per-layer tensors or a "
+                                  f"dict of them, got {type(kv_caches).__name__}")
+        if len(layers) != spec.num_layers:
+            raise InvalidArgument(f"kv_caches hold {len(layers)} layers, the spec says "
+                                  f"{spec.num_layers}")
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgument(f"kv_caches[{i}] is a {type(t).__name__}, not a tensor")
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype \
+                    or t.device != first.device:
+                raise InvalidArgument(f"kv_caches[{i}] has shape {tuple(t.shape)}, strides "
+                                      f"{t.stride()}, {t.dtype} on {t.device}; layer 0 has "
+                                      f"{tuple(first.shape)}, {first.stride()}, {first.dtype} "
+                                      f"on {first.device}: every layer must match")
+        if first.dtype not in ENGINE_DTYPES:
+            raise InvalidArgument(f"engine cache dtype {first.dtype} is not supported; expected "
+                                  f"one of {list(ENGINE_DTYPES)}")
+        if first.dtype != spec.torch_dtype:
+            raise InvalidArgument(f"engine cache is {first.dtype}, the spec says {spec.dtype}")
+        if layout is None:
+            fits = [n for n, roles in ENGINE_LAYOUTS.items() if _fits(roles, first.shape, spec)]
+            if not fits:
+                raise InvalidArgument(
+                    f"engine cache layer shape {tuple(first.shape)} matches no known layout for "
+                    f"block_tokens={spec.block_tokens}, num_kv_heads={spec.num_kv_heads}, "
+                    f"head_dim={spec.head_dim}; known: {sorted(ENGINE_LAYOUTS)}")
+            if len(fits) > 1:
+                raise InvalidArgument(f"engine cache shape {tuple(first.shape)} fits layouts "
+                                      f"{fits}: pass layout= to say which")
+            layout = fits[0]
+        roles = ENGINE_LAYOUTS.get(layout) if isinstance(layout, str) else None
+        if roles is None:
+            raise InvalidArgument(f"unknown engine layout {shown(layout)}; known: "
+                                  f"{sorted(ENGINE_LAYOUTS)}")
+        if not _fits(roles, first.shape, spec):
+            raise InvalidArgument(f"engine cache shape {tuple(first.shape)} is not layout "
+                                  f"{layout} {roles} for this spec")
+        strides = dict(zip(roles, first.stride()))
+        sizes = dict(zip(roles, first.shape))
+        last = "kvdim" if "kvdim" in roles else "dim"
+        if strides[last] != 1:
+            raise InvalidArgument(f"engine cache's {last} dim must be contiguous (stride 1), "
+                                  f"has stride {strides[last]}")
+        kv_stride = spec.head_dim if last == "kvdim" else strides["kv"]
+        return cls(
+            name=layout, num_layers=spec.num_layers, num_blocks=sizes["block"],
+            block_tokens=spec.block_tokens, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, dtype=first.dtype, device=first.device,
+            layer_ptrs=tuple(t.data_ptr() for t in layers), kv_stride=kv_stride,
+            block_stride=strides["block"], token_stride=strides["token"],
+            head_stride=strides["head"], tensors=tuple(layers),
+        )
+
+    def check_block_ids(self, block_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """``block_ids`` as a 1-D int64 CPU tensor, every id a page of the cache."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        if ids.dim() != 1:
+            raise InvalidArgument(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_blocks:
+                raise InvalidArgument(f"block_ids span [{low}, {high}], the engine cache has "
+                                      f"{self.num_blocks} pages")
+        return ids.cpu()
+
+    def block_view(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one engine page of one layer as ``[block_tokens, heads, head_dim]`` views
+        (for references and tests)."""
+        t = self.tensors[layer]
+        base = t.as_strided((2, self.block_tokens, self.num_kv_heads, self.head_dim),
+                            (self.kv_stride, self.token_stride, self.head_stride, 1),
+                            t.storage_offset() + block * self.block_stride)
+        return base[0], base[1]
+
+
+def _fits(roles: tuple[str, ...], shape: torch.Size, spec: KVSpec) -> bool:
+    if len(roles) != len(shape):
+        return False
+    want = {"kv": 2, "token": spec.block_tokens, "head": spec.num_kv_heads,
+            "dim": spec.head_dim, "kvdim": 2 * spec.head_dim}
+    return all(role == "block" or want[role] == size for role, size in zip(roles, shape))

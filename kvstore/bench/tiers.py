@@ -32,7 +32,7 @@ from kvstore.bench.report import BenchReport, Column
 from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys
-from kvstore.page import PageMeta, encode_page
+from kvstore.page import PageMeta, encode_page, page_bytes, write_page
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder
 from kvstore.tiers.base import Tier
@@ -79,6 +79,7 @@ class _Workload:
     kv: torch.Tensor  # [layers, 2, num_blocks * block_tokens, heads, dim]
     metas: list[PageMeta] = field(default_factory=list)
     codec: codecs.Codec = field(default_factory=lambda: codecs.get("raw"))
+    put_buffer: bytearray = field(default_factory=bytearray)
 
     @property
     def num_bytes(self) -> int:
@@ -89,8 +90,19 @@ class _Workload:
         return self.kv[:, :, i * bt:(i + 1) * bt]
 
     def page(self, i: int) -> bytes:
-        """Block ``i`` encoded as the store encodes it: codec blob inside a checksummed page."""
+        """Block ``i`` as a page of its own: codec blob inside a checksummed page."""
         return encode_page(self.metas[i], self.codec.encode(self.block(i)))
+
+    def put_page(self, i: int) -> memoryview:
+        """Block ``i`` encoded as ``Store.put`` encodes it: written straight into a reused
+        buffer (valid until the next call: for one put in flight at a time)."""
+        payload = self.codec.prepare(self.block(i))
+        nbytes = page_bytes(payload.nbytes, self.metas[i])
+        if len(self.put_buffer) < nbytes:
+            self.put_buffer = bytearray(nbytes)
+        view = memoryview(self.put_buffer)[:nbytes]
+        write_page(view, self.metas[i], payload)
+        return view
 
 
 def make_workload(num_blocks: int) -> _Workload:
@@ -133,7 +145,7 @@ def memcpy_pass(work: _Workload, ring_bytes: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-WriteFn = Callable[[BlockKey, bytes, PageMeta], Awaitable[bool]]
+WriteFn = Callable[[BlockKey, bytes | memoryview, PageMeta], Awaitable[bool]]
 
 
 async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitable[None]]
@@ -158,8 +170,8 @@ async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitabl
     return time.perf_counter() - start
 
 
-async def _put_pass(work: _Workload, page_of: Callable[[int], bytes], write: WriteFn,
-                    tier_name: str, queue_depth: int) -> float:
+async def _put_pass(work: _Workload, page_of: Callable[[int], bytes | memoryview],
+                    write: WriteFn, tier_name: str, queue_depth: int) -> float:
     async def put(i: int) -> None:
         meta = work.metas[i]
         if not await write(meta.key, page_of(i), meta):
@@ -218,7 +230,7 @@ async def bench_dram(work: _Workload, ring: torch.Tensor, repeat: int
     try:
         for _ in range(repeat):
             samples["memcpy"].append(memcpy_pass(work, ring_bytes))
-            samples["put"].append(await _put_pass(work, work.page, tier.write, tier.name, 1))
+            samples["put"].append(await _put_pass(work, work.put_page, tier.write, tier.name, 1))
             samples["get"].append(await _get_pass(work, tier, ring))
             _check_ring(work, ring, tier.name)
             samples["get_prefix"].append(await _get_pass(work, tier, ring, PREFIX_BLOCKS))

@@ -117,6 +117,23 @@ def bench_codecs(
     _publish(run(**options), json_path)
 
 
+@bench_app.command("gpu")
+@boundary
+def bench_gpu(
+    total_bytes: Annotated[str, typer.Option(
+        help="Raw K/V bytes each pass moves (2 MiB blocks), e.g. 2GiB.")] = "2GiB",
+    quick: Annotated[bool, typer.Option(help="64 blocks: a smoke run.")] = False,
+    ssd_path: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Directory for the O_DIRECT read probe [default: the temp dir]")] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """The GPU path's kernels against device copy and the PCIe link (kvstore.bench.gpu)."""
+    run = load_runner("kvstore.bench.gpu", "run_gpu_bench", "kvstore bench gpu")
+    _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), quick=quick,
+                 ssd_dir=None if ssd_path is None else str(ssd_path)), json_path)
+
+
 @bench_app.command("policy")
 @boundary
 def bench_policy(
@@ -161,3 +178,23 @@ def bench_remote(
     _publish(run(url=url, total_bytes=_size_option(total_bytes, "--total-bytes"),
                  repeat=repeat, probe_repeat=probe_repeat,
                  prefill_tokens_per_s=prefill_tokens_per_s), json_path)
+
+
+@bench_app.command("lmcache")
+@boundary
+def bench_lmcache(
+    total_bytes: Annotated[str, typer.Option(help="Bytes each put/get pass of a path moves.")
+                           ] = "256MiB",
+    repeat: Annotated[int, typer.Option(min=1, help="Rounds per path; the table shows "
+                                                    "medians.")] = 3,
+    quick: Annotated[bool, typer.Option(help="Tiny two-layer payloads (seconds).")] = False,
+    lmcache_python: Annotated[Path | None, typer.Option(
+        dir_okay=False, show_default=False, envvar="KVSTORE_LMCACHE_PYTHON",
+        help="The LMCache venv's python [default: .venv-lmcache/bin/python]")] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Put/get GB/s of kvstore (Store, daemon socket, shared memory) beside LMCache 0.5.6 (CPU
+    backend, lm:// server) on the same payloads, in one run (kvstore.bench.lmcache)."""
+    run = load_runner("kvstore.bench.lmcache", "run_lmcache_bench", "kvstore bench lmcache")
+    _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), repeat=repeat,
+                 quick=quick, python=lmcache_python), json_path)

@@ -15,6 +15,7 @@ from kvstore.api import (
     HealthInfo,
     Lease,
     LookupResult,
+    Medium,
     ModelProfile,
     Reservation,
     StoreStats,
@@ -28,6 +29,7 @@ from kvstore.errors import KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 
 if TYPE_CHECKING:
     from typing import Self
@@ -50,6 +52,9 @@ class AsyncClient:
                                                   options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
+        self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
+        self._hold = None
+        self._hold_task: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------------------ plumbing
@@ -64,15 +69,34 @@ class AsyncClient:
 
     async def _unary(self, call: Unary[T]) -> T:
         rpc = getattr(self._stub, call.method)
+        metadata = self._settings.metadata
+        if call.method in SESSION_METHODS:
+            metadata = metadata + await self._session_metadata()
         return call.parse(await self._call(
-            lambda: rpc(call.request, timeout=self._settings.timeout_s,
-                        metadata=self._settings.metadata)))
+            lambda: rpc(call.request, timeout=self._settings.timeout_s, metadata=metadata)))
+
+    async def _session_metadata(self) -> tuple[tuple[str, str], ...]:
+        """See ``Client._session_metadata``."""
+        if self._session is None:
+            self._session = ()
+            session_id = new_session_id()
+            call = self._stub.Hold(pb.HoldRequest(session=session_id),
+                                   metadata=self._settings.metadata)
+            try:
+                await asyncio.wait_for(call.read(), OPEN_TIMEOUT_S)
+            except (grpc.RpcError, TimeoutError):
+                call.cancel()
+                return self._session
+            self._hold = call
+            self._hold_task = asyncio.get_running_loop().create_task(_drain_hold(call))
+            self._session = ((SESSION_HEADER, session_id),)
+        return self._session
 
     async def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back); see Client._zero_copy_mode."""
         if self._zero_copy.must_probe(requested):
             arena = (await self.health()).arena_path
-            self._zero_copy.arena_ok = await asyncio.to_thread(self._zero_copy.maps.usable, arena)
+            self._zero_copy.probed(await asyncio.to_thread(self._zero_copy.maps.usable, arena))
         return self._zero_copy.mode(requested)
 
     async def _give_back(self, reservation_id: str, write: asyncio.Future[None]) -> None:
@@ -189,19 +213,19 @@ class AsyncClient:
     async def health(self) -> HealthInfo:
         return await self._unary(requests.health())
 
-    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Lease:
-        return await self._unary(requests.acquire(ns, tokens, lease_s))
+    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Lease:
+        return await self._unary(requests.acquire(ns, tokens, lease_s, medium))
 
     async def release(self, lease_id: str) -> None:
         await self._unary(requests.release(lease_id))
 
-    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Reservation:
-        return await self._unary(requests.reserve(ns, tokens, lease_s))
+    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Reservation:
+        return await self._unary(requests.reserve(ns, tokens, lease_s, medium))
 
-    async def commit(self, reservation_id: str) -> int:
-        return await self._unary(requests.commit(reservation_id))
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        return await self._unary(requests.commit(reservation_id, ready_event))
 
     async def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back unpublished; LeaseNotFound for an unknown id."""
@@ -210,8 +234,13 @@ class AsyncClient:
     # ------------------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
+        """Close the channel; leases and reservations still held are given back."""
         if self._cleanups:  # aborts of interrupted puts still on their way
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+            await asyncio.gather(self._hold_task, return_exceptions=True)
         self._zero_copy.maps.close()
         await self._channel.close()
 
@@ -220,3 +249,10 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+async def _drain_hold(call) -> None:
+    """Read a Hold stream's heartbeats until it ends."""
+    with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+        async for _ in call:
+            pass

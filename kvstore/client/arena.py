@@ -1,30 +1,50 @@
 """Zero-copy pages: a client on the daemon's host reads and writes them in its tenant's arena.
 
-Reads: Acquire, map, check, decode, Release. Writes: Reserve, encode, write into the slots,
+Reads: Acquire, map, check, decode, Release. Writes: Reserve, encode straight into the slots,
 Commit; Abort if the write fails or is interrupted. Neither streams tensor bytes through the
 socket. A client maps only its own tenant's arena: it gets the arena's descriptor from the
 daemon's descriptor socket (``kvstore.rpc.fdpass``, named by Health) after the daemon checked
-its token, once per region, and keeps it. ``zero_copy=None`` (the default) picks this
-automatically for ``unix://`` addresses when the daemon hands this client a descriptor (checked
-once per client), and otherwise streams; ``True`` insists on it (errors if impossible), ``False``
-always streams.
+its token, once per region, and keeps it. ``zero_copy=None`` (the default) picks this for
+``unix://`` addresses whenever the daemon hands this client a descriptor, and streams while it
+does not, asking again at most every ``PROBE_RETRY_S`` (a daemon still starting, a descriptor
+socket that did not answer, an arena that could not be mapped); ``True`` insists on it (errors
+if impossible), ``False`` always streams.
+
+Copies between tensors and the arena run in numpy (one thread, the GIL released), not torch:
+a torch copy runs on the caller's OpenMP team, whose threads a busy engine host oversubscribes
+(shared-memory gets and puts measured 2-4x slower with 2 torch threads than with 1 on the
+2-core box), and a process-wide ``torch.set_num_threads`` cannot be scoped to one copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import socket
 import threading
+import time
+import warnings
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound
+from kvstore.codecs.base import BLOB_MAGIC, as_array, check_out, section_tensor, unpack_blob
+from kvstore.codecs.raw import RawCodec
+from kvstore.errors import (
+    CapacityError,
+    CodecError,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    NotFound,
+)
 from kvstore.keys import Namespace
-from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.page import PageMeta, decode_page, page_bytes, write_page
 from kvstore.rpc.fdpass import (
     EXCHANGE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
@@ -32,33 +52,65 @@ from kvstore.rpc.fdpass import (
     parse_reply,
 )
 
+# An auto-mode client that found no arena asks again (Health plus a descriptor-socket probe,
+# about a millisecond) at most this often: under 0.1% of a busy client's time, and a daemon
+# that has just started is used within a second.
+PROBE_RETRY_S = 1.0
+_clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
+HUGE_PAGE_BYTES = 2 << 20
+HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+
 
 class ZeroCopy:
     """One client's zero-copy setting, what it found out about the daemon's arenas, and its
     mappings.
 
     A call's ``zero_copy`` argument overrides the client's ``setting``; with neither set (auto
-    mode) the client probes the descriptor socket once (:meth:`must_probe`) and falls back to
-    streaming when it gets no answer.
+    mode) the client probes the descriptor socket (:meth:`must_probe`), uses shared memory
+    while that works, and streams while it does not, probing again at most every
+    ``PROBE_RETRY_S``: a client never keeps the socket path because of one failed attempt.
     """
 
     def __init__(self, setting: bool | None, is_unix: bool, token: str | None = None) -> None:
         self.maps = ArenaMaps(token)
         self._setting = setting
+        self._is_unix = is_unix
         # auto mode: does the daemon hand this client arenas? Unknown until probed; never over
         # TCP.
         self.arena_ok: bool | None = None if is_unix else False
+        self._retry_at = 0.0  # auto mode: when a client without an arena may probe again
+        self.num_probes = 0  # descriptor-socket probes made (auto mode and insisting calls)
 
     def _choice(self, requested: bool | None) -> bool | None:
         return self._setting if requested is None else requested
 
     def must_probe(self, requested: bool | None) -> bool:
-        """Whether this call needs Health asked first: auto mode not yet probed, or zero-copy
-        insisted on before the descriptor socket is known."""
+        """Whether this call needs Health asked first: auto mode without a usable arena once
+        the retry interval has passed, or zero-copy insisted on before the descriptor socket
+        is known."""
         choice = self._choice(requested)
         if choice is None:
-            return self.arena_ok is None
+            return self._is_unix and not self.arena_ok and _clock() >= self._retry_at
         return choice and self.maps.channel is None
+
+    def probed(self, is_usable: bool) -> None:
+        """Record a probe's answer: without an arena, auto mode streams until the next probe."""
+        self.num_probes += 1
+        self._set_usable(is_usable)
 
     def mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back) for one call."""
@@ -69,18 +121,24 @@ class ZeroCopy:
 
     def put_failed(self, exc: OSError, strict: bool) -> None:
         """A zero-copy put could not use the arena: raise if the call insisted on it, else
-        stream from now on."""
+        stream until the next probe."""
         if strict:
             raise InvalidArgument(f"zero-copy put needs the DRAM arena: {exc}") from exc
-        self.arena_ok = False
+        self._set_usable(False)
 
     def get_failed(self, exc: OSError | LeaseNotFound, strict: bool) -> None:
         """A zero-copy get failed: raise if the call insisted on it, else stream this get, and
-        the later ones too when the arena cannot be mapped (an OSError, not LeaseNotFound)."""
+        the later ones until the next probe when the arena cannot be mapped (an OSError, not
+        LeaseNotFound)."""
         if strict:
             raise InvalidArgument(f"zero-copy get failed: {exc}") from exc
         if isinstance(exc, OSError):
-            self.arena_ok = False
+            self._set_usable(False)
+
+    def _set_usable(self, is_usable: bool) -> None:
+        self.arena_ok = is_usable
+        if not is_usable:
+            self._retry_at = _clock() + PROBE_RETRY_S
 
 
 def fetch_region_fd(channel: str, region: str, token: str | None,
@@ -190,18 +248,94 @@ def _check_host(medium: Medium) -> None:
         raise InvalidArgument(f"a {medium.value} slot cannot be mapped through the host arena")
 
 
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a get's result, backed by transparent huge pages where
+    the kernel gives them on request (``madvise`` mode).
+
+    A large allocation is fresh memory each time (glibc maps and unmaps it), and faulting it in
+    4 KiB at a time cost more than the copy into it: 57-72 ms against 18 ms with huge pages for
+    32 MiB on the 2-core box (2026-12-01), where a copy into warm memory took 12 ms.
+    """
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes >= HUGE_ADVICE_MIN_BYTES and _MADVISE is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (out.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if end > start:
+            _MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
+    return out
+
+
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | None:
-    """The K/V of a lease's pinned pages, each verified against its key."""
+    """The K/V of a lease's pinned pages, each verified once (its page checksum, against its
+    key) and then decoded without checking the blob checksum inside it again."""
     if not lease.blocks:
         return None
     bt = ns.spec.block_tokens
-    out = torch.empty(ns.spec.shape(len(lease.blocks) * bt), dtype=ns.spec.torch_dtype)
+    out = fresh_tensor(ns.spec.shape(len(lease.blocks) * bt), ns.spec.torch_dtype)
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
         page = decode_page(maps.view(loc.region, loc.offset, loc.length),
                            expected_key=loc.key)
-        codecs.decode(page.payload, out=out[:, :, i * bt : (i + 1) * bt])
+        _decode_into(page.payload, out[:, :, i * bt : (i + 1) * bt])
     return out
+
+
+def _decode_into(payload: memoryview, out: torch.Tensor) -> None:
+    """Decode a verified page's payload into ``out``. A raw blob is copied by numpy (one
+    thread, whatever the caller's torch thread settings); other codecs decode as usual."""
+    if bytes(payload[:4]) != BLOB_MAGIC or len(payload) < 6 or payload[5] != RawCodec.codec_id:
+        codecs.decode(payload, out=out, verify=False)
+        return
+    parts = unpack_blob(payload, verify=False)
+    src = section_tensor(parts.sections[0], parts.dtype, parts.shape)
+    check_out(out, parts.dtype, parts.shape)
+    np.copyto(as_array(out), as_array(src))
+
+
+BlockVisitor = Callable[[int, torch.Tensor], None]  # (block index, its K/V [L, 2, bt, H, D])
+
+
+def _raw_block(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+               ) -> torch.Tensor | None:
+    """A read-only view of a verified raw page's K/V in place, or None for other codecs."""
+    parts = unpack_blob(payload, verify=False)  # the page checksum covered the blob
+    if parts.codec_id != RawCodec.codec_id:
+        return None
+    if parts.dtype != dtype or parts.shape != shape:
+        raise CodecError(f"page holds {parts.dtype} {parts.shape}, the namespace expects "
+                         f"{dtype} {shape}")
+    with warnings.catch_warnings():
+        # The lease's pages are mapped read-only; the visitor only reads the view.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return section_tensor(parts.sections[0], parts.dtype, parts.shape)
+
+
+def visit_lease(maps: ArenaMaps, ns: Namespace, lease: Lease, visit: BlockVisitor,
+                first_block: int = 0) -> int:
+    """Hand each of a lease's pages from block ``first_block`` on to ``visit``, in order, each
+    verified (checksum, key) first.
+
+    The K/V handed over is ``[L, 2, block_tokens, H, D]`` and valid only during the call: for a
+    raw page a read-only view of the page in the arena (a visitor copying it out moves each
+    byte once), for other codecs a scratch tensor the page was decoded into.
+
+    Returns:
+        The number of blocks the lease holds (visited or not).
+    """
+    spec = ns.spec
+    shape, dtype = spec.shape(spec.block_tokens), spec.torch_dtype
+    scratch: torch.Tensor | None = None
+    for i in range(first_block, len(lease.blocks)):
+        loc = lease.blocks[i]
+        _check_host(loc.medium)
+        page = decode_page(maps.view(loc.region, loc.offset, loc.length), expected_key=loc.key)
+        kv = _raw_block(page.payload, shape, dtype)
+        if kv is None:
+            scratch = scratch if scratch is not None else torch.empty(shape, dtype=dtype)
+            kv = codecs.decode(page.payload, out=scratch, verify=False)
+        visit(i, kv)
+    return len(lease.blocks)
 
 
 def must_abort(exc: BaseException, committing: bool) -> bool:
@@ -213,21 +347,29 @@ def must_abort(exc: BaseException, committing: bool) -> bool:
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
-                      reservation: Reservation) -> None:
-    """Encode each reserved block of ``kv`` with the reservation's codec as a page and write it
-    into its slot."""
+                      reservation: Reservation, first_block: int = 0) -> None:
+    """Encode each reserved block of ``kv`` with the reservation's codec straight into its
+    slot: the page header and meta in front, the blob behind them, in one pass that copies
+    (or quantises) and hashes (``kvstore.page.write_page``). ``kv`` starts at block
+    ``first_block``: NotFound if the reservation holds a block before it (a prefix block the
+    caller counted on being stored)."""
     codec = codecs.get(reservation.codec)
     bt = ns.spec.block_tokens
     kv = kv.detach().cpu()
+    missing = [g.block_index for g in reservation.blocks if g.block_index < first_block]
+    if missing:
+        raise NotFound(f"block {missing[0]} of the prefix is not stored; the blocks before "
+                       f"block {first_block} must be stored before more are added to them")
     for grant in reservation.blocks:
         _check_host(grant.medium)
-        block = kv[:, :, grant.block_index * bt : (grant.block_index + 1) * bt].contiguous()
+        start = (grant.block_index - first_block) * bt
+        block = kv[:, :, start : start + bt]
         meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
                         block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
                         codec=codec.name, codec_id=codec.codec_id)
-        page = encode_page(meta, codec.encode(block))
-        if len(page) > grant.capacity_bytes:
-            raise CapacityError(f"page of {len(page)} bytes exceeds its "
+        payload = codec.prepare(block)
+        length = page_bytes(payload.nbytes, meta)
+        if length > grant.capacity_bytes:
+            raise CapacityError(f"page of {length} bytes exceeds its "
                                 f"{grant.capacity_bytes}-byte slot")
-        maps.view(grant.region, grant.offset, len(page), writable=True)[:] = page
-
+        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload)

@@ -18,6 +18,7 @@ from kvstore.api import (
     HealthInfo,
     Lease,
     LookupResult,
+    Medium,
     ModelProfile,
     Reservation,
     StoreStats,
@@ -114,9 +115,10 @@ def health() -> Unary[HealthInfo]:
     return Unary("Health", pb.HealthRequest(), health_from_proto)
 
 
-def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None) -> Unary[Lease]:
+def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
+            medium: Medium = Medium.HOST) -> Unary[Lease]:
     request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
-                                lease_s=lease_s or 0.0)
+                                lease_s=lease_s or 0.0, medium=Medium(medium).value)
     return Unary("Acquire", request, lease_from_proto)
 
 
@@ -124,14 +126,15 @@ def release(lease_id: str) -> Unary[None]:
     return Unary("Release", pb.ReleaseRequest(lease_id=lease_id), _nothing)
 
 
-def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None) -> Unary[Reservation]:
+def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None,
+            medium: Medium = Medium.HOST) -> Unary[Reservation]:
     request = pb.ReserveRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
-                                lease_s=lease_s or 0.0)
+                                lease_s=lease_s or 0.0, medium=Medium(medium).value)
     return Unary("Reserve", request, reservation_from_proto)
 
 
-def commit(reservation_id: str) -> Unary[int]:
-    request = pb.CommitRequest(reservation_id=reservation_id)
+def commit(reservation_id: str, ready_event: bytes = b"") -> Unary[int]:
+    request = pb.CommitRequest(reservation_id=reservation_id, ready_event=ready_event)
     return Unary("Commit", request, attrgetter("tokens_published"))
 
 

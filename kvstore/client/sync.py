@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -15,19 +16,28 @@ from kvstore.api import (
     HealthInfo,
     Lease,
     LookupResult,
+    Medium,
     ModelProfile,
     Reservation,
     StoreStats,
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
+from kvstore.client.arena import (
+    BlockVisitor,
+    ZeroCopy,
+    must_abort,
+    read_lease,
+    visit_lease,
+    write_reservation,
+)
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import KVStoreError, LeaseNotFound
+from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 
 if TYPE_CHECKING:
     from typing import Self
@@ -46,7 +56,8 @@ class Client:
         timeout_s: deadline of each call.
         max_message_bytes: largest gRPC message either way; tensors stream in chunks below it.
         zero_copy: move tensor bytes through the shared DRAM arena: None picks it for Unix
-            sockets (falling back to streaming when the arena cannot be opened), True always
+            sockets whenever the daemon hands this client its arena (streaming meanwhile, and
+            asking again at most every ``kvstore.client.arena.PROBE_RETRY_S``), True always
             (errors if impossible), False never. Each call can override it.
     """
 
@@ -58,6 +69,8 @@ class Client:
                                               options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
+        self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
+        self._hold: grpc.Call | None = None
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -71,14 +84,34 @@ class Client:
 
     def _unary(self, call: Unary[T]) -> T:
         rpc = getattr(self._stub, call.method)
+        metadata = self._settings.metadata
+        if call.method in SESSION_METHODS:
+            metadata = metadata + self._session_metadata()
         return call.parse(self._call(
-            lambda: rpc(call.request, timeout=self._settings.timeout_s,
-                        metadata=self._settings.metadata)))
+            lambda: rpc(call.request, timeout=self._settings.timeout_s, metadata=metadata)))
+
+    def _session_metadata(self) -> tuple[tuple[str, str], ...]:
+        """This client's session (opened at its first Acquire or Reserve): what it holds is
+        given back the moment the process goes away. A daemon without sessions: none."""
+        if self._session is None:
+            self._session = ()
+            session_id = new_session_id()
+            call = self._stub.Hold(pb.HoldRequest(session=session_id),
+                                   metadata=self._settings.metadata)
+            opened = threading.Event()
+            threading.Thread(target=_drain_hold, args=(call, opened), daemon=True,
+                             name="kvstore-session").start()
+            if opened.wait(OPEN_TIMEOUT_S) and call.running():
+                self._hold = call
+                self._session = ((SESSION_HEADER, session_id),)
+            else:
+                call.cancel()
+        return self._session
 
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
         if self._zero_copy.must_probe(requested):
-            self._zero_copy.arena_ok = self._zero_copy.maps.usable(self.health().arena_path)
+            self._zero_copy.probed(self._zero_copy.maps.usable(self.health().arena_path))
         return self._zero_copy.mode(requested)
 
     def _give_back(self, reservation_id: str) -> None:
@@ -90,34 +123,57 @@ class Client:
     # ------------------------------------------------------------------------------ data path
 
     def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *,
-            zero_copy: bool | None = None) -> int:
+            zero_copy: bool | None = None, first_block: int = 0) -> int:
         """Store ``kv`` (canonical layout, one row per token) for ``tokens``.
+
+        Args:
+            first_block: ``kv`` holds the tokens from this block on: an engine adding blocks
+                to a prefix it stored earlier hands over only the new ones. The blocks before
+                it must be stored (NotFound if one is not). Through shared memory nothing else
+                moves; streaming reads the stored blocks back first, as the Put RPC carries
+                the whole prefix.
 
         Returns:
             Tokens newly written (full blocks only).
         """
+        _check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
-                return self._put_shared(ns, tokens, kv)
+                return self._put_shared(ns, tokens, kv, first_block)
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
+        if first_block:
+            kv = self._with_stored_head(ns, tokens, kv, first_block)
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         return stream.parse(self._call(lambda: self._stub.Put(
             iter(stream), timeout=self._settings.timeout_s, metadata=self._settings.metadata)))
 
-    def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
-        requests.check_put(ns, tokens, kv)
+    def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
+                    first_block: int = 0) -> int:
+        requests.check_put(ns, tokens[first_block * ns.spec.block_tokens:], kv)
         reservation = self.reserve(ns, tokens)
         committing = False
         try:
-            write_reservation(self._zero_copy.maps, ns, kv, reservation)
+            write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block)
             committing = True
             return self.commit(reservation.reservation_id)
         except BaseException as exc:
             if must_abort(exc, committing):
                 self._give_back(reservation.reservation_id)
             raise
+
+    def _with_stored_head(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
+                          first_block: int) -> torch.Tensor:
+        """``kv`` behind the stored K/V of the blocks before ``first_block``."""
+        head = first_block * ns.spec.block_tokens
+        requests.check_put(ns, tokens[head:], kv)
+        stored = self.get(ns, tokens[:head], zero_copy=False)
+        if stored is None or stored.shape[2] < head:
+            have = 0 if stored is None else stored.shape[2] // ns.spec.block_tokens
+            raise NotFound(f"block {have} of the prefix is not stored; the blocks before "
+                           f"block {first_block} must be stored before more are added to them")
+        return torch.cat((stored, kv), dim=2)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
             ) -> torch.Tensor | None:
@@ -148,6 +204,41 @@ class Client:
             # reused, so the caller falls back instead of trusting what was read.
             self.release(lease.lease_id)
         return kv
+
+    def read_blocks(self, ns: Namespace, tokens: Tokens, visit: BlockVisitor, *,
+                    first_block: int = 0, zero_copy: bool | None = None) -> int:
+        """Hand the K/V of the longest stored prefix of ``tokens`` to ``visit(block_index,
+        kv)``, block by block from ``first_block`` on, in order.
+
+        ``kv`` is ``[L, 2, block_tokens, H, D]`` and valid only during the call: copy out of
+        it. Through shared memory a raw page is handed over in place in the arena, so a caller
+        copying blocks into its own buffers (an engine's paged cache) moves each byte once;
+        other codecs are decoded into a scratch block first. A page found damaged raises
+        CorruptPage after the blocks before it were visited.
+
+        Returns:
+            The number of blocks of the stored prefix, visited or not.
+        """
+        _check_first_block(first_block)
+        use, strict = self._zero_copy_mode(zero_copy)
+        if use:
+            try:
+                lease = self.acquire(ns, tokens)
+                try:
+                    return visit_lease(self._zero_copy.maps, ns, lease, visit, first_block)
+                finally:
+                    self.release(lease.lease_id)
+            except (OSError, LeaseNotFound) as exc:
+                self._zero_copy.get_failed(exc, strict)
+        request = requests.get_request(ns, tokens)
+        kv = self._call(lambda: self._get_stream(request))
+        if kv is None:
+            return 0
+        bt = ns.spec.block_tokens
+        num_blocks = kv.shape[2] // bt
+        for i in range(first_block, num_blocks):
+            visit(i, kv[:, :, i * bt : (i + 1) * bt])
+        return num_blocks
 
     # --------------------------------------------------------------------------- control path
 
@@ -186,25 +277,29 @@ class Client:
     def health(self) -> HealthInfo:
         return self._unary(requests.health())
 
-    def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None) -> Lease:
-        """Pin the matched prefix in the DRAM arena until :meth:`release` or the deadline."""
-        return self._unary(requests.acquire(ns, tokens, lease_s))
+    def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                medium: Medium = Medium.HOST) -> Lease:
+        """Pin the matched prefix in the DRAM arena (``medium`` "device": the GPU pool) until
+        :meth:`release` or the deadline."""
+        return self._unary(requests.acquire(ns, tokens, lease_s, medium))
 
     def release(self, lease_id: str) -> None:
         self._unary(requests.release(lease_id))
 
-    def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                ) -> Reservation:
-        """DRAM slots for the blocks of ``tokens`` not stored yet; publish with :meth:`commit`."""
-        return self._unary(requests.reserve(ns, tokens, lease_s))
+    def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                medium: Medium = Medium.HOST) -> Reservation:
+        """DRAM slots (``medium`` "device": GPU pool slots) for the blocks of ``tokens`` not
+        stored yet; publish with :meth:`commit`."""
+        return self._unary(requests.reserve(ns, tokens, lease_s, medium))
 
-    def commit(self, reservation_id: str) -> int:
-        """Verify and publish the pages written into a reservation's slots.
+    def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        """Verify and publish the pages written into a reservation's slots; ``ready_event``
+        is the IPC handle of a CUDA event recorded after device slots were written.
 
         Returns:
             Tokens published.
         """
-        return self._unary(requests.commit(reservation_id))
+        return self._unary(requests.commit(reservation_id, ready_event))
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back unpublished, so its blocks can be written again at
@@ -215,6 +310,10 @@ class Client:
     # ------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        """Close the channel; leases and reservations still held are given back."""
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         self._zero_copy.maps.close()
         self._channel.close()
 
@@ -223,3 +322,16 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _drain_hold(call, opened: threading.Event) -> None:
+    """Read a Hold stream's heartbeats until it ends; ``opened`` once the first arrived."""
+    with contextlib.suppress(grpc.RpcError):
+        for _ in call:
+            opened.set()
+    opened.set()
+
+
+def _check_first_block(first_block: int) -> None:
+    if not isinstance(first_block, int) or first_block < 0:
+        raise InvalidArgument(f"first_block must be a block index >= 0, got {first_block!r}")

@@ -9,7 +9,7 @@ import torch
 
 from kvstore.codecs.base import BLOB_MAGIC, Codec
 from kvstore.codecs.raw import RawCodec
-from kvstore.codecs.zstd import ZSTD_MAGIC, ZstdStage, decompress
+from kvstore.codecs.zstd import ZSTD_MAGIC, ZstdStage, bound_for, decompress
 from kvstore.errors import CodecError
 
 # name -> "module:Class"; imported lazily so a missing optional dependency only hurts its codec.
@@ -68,7 +68,7 @@ def decode(blob: bytes | bytearray | memoryview, out: torch.Tensor | None = None
     view = memoryview(blob).cast("B")
     magic = bytes(view[:4])
     if magic == ZSTD_MAGIC:
-        return decode(decompress(view), out, verify)
+        return decode(decompress(view, bound_for(out)), out, verify)
     if magic != BLOB_MAGIC:
         raise CodecError(f"not a kvstore blob (magic {magic!r})")
     if len(view) < 6:

@@ -26,10 +26,10 @@ from types import ModuleType
 import torch
 
 from kvstore.codecs.base import (
+    BlobPlan,
     QuantizedCodec,
     check_kv_input,
     framing_bytes,
-    pack_blob,
     section_tensor,
     unpack_blob,
 )
@@ -254,9 +254,9 @@ class _Fp4Codec(QuantizedCodec):
             raise CodecError(f"{self.name}: input holds {count} non-finite values (NaN or Inf)")
         return parts
 
-    def encode(self, kv: torch.Tensor) -> bytes:
+    def prepare(self, kv: torch.Tensor) -> BlobPlan:
         parts = self.quantize(kv)
-        return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), self.params, parts.sections())
+        return BlobPlan(self.codec_id, kv.dtype, tuple(kv.shape), self.params, parts.sections())
 
     def parse(self, blob: bytes | bytearray | memoryview, verify: bool = True
               ) -> tuple[Fp4Parts, torch.dtype, tuple[int, ...]]:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codecs.base import (
+    BlobPlan,
     QuantizedCodec,
     check_kv_input,
     framing_bytes,
-    pack_blob,
     section_tensor,
     unpack_blob,
 )
@@ -100,7 +100,7 @@ class Fp8E4M3Codec(QuantizedCodec):
     name = "fp8_e4m3"
     codec_id = 2
 
-    def encode(self, kv: torch.Tensor) -> bytes:
+    def prepare(self, kv: torch.Tensor) -> BlobPlan:
         kv = check_kv_input(kv, self.name)
         if kv.shape[-1] == 0:
             raise CodecError(f"{self.name}: head_dim must be positive, got shape {tuple(kv.shape)}")
@@ -112,7 +112,7 @@ class Fp8E4M3Codec(QuantizedCodec):
         else:
             parts = encode_fp8_reference(kv)
         sections = [parts.codes, parts.scales]
-        return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), PARAMS, sections)
+        return BlobPlan(self.codec_id, kv.dtype, tuple(kv.shape), PARAMS, sections)
 
     def _reference_decode(self, parts: Fp8Parts, dtype: torch.dtype) -> torch.Tensor:
         return decode_fp8_reference(parts, dtype)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codecs.base import (
+    BlobPlan,
     QuantizedCodec,
     check_kv_input,
     framing_bytes,
-    pack_blob,
     section_tensor,
     unpack_blob,
 )
@@ -199,7 +199,7 @@ class KiviCodec(QuantizedCodec):
             group //= 2
         return group
 
-    def encode(self, kv: torch.Tensor) -> bytes:
+    def prepare(self, kv: torch.Tensor) -> BlobPlan:
         kv = check_finite(check_kv_input(kv, self.name), self.name).contiguous()
         group = self.group_for(kv.shape[2])
         section_shapes(tuple(kv.shape), self.bits, group)
@@ -213,7 +213,7 @@ class KiviCodec(QuantizedCodec):
         else:
             parts = encode_kivi_reference(kv, self.bits, group)
         params = _PARAMS.pack(FORMAT_VERSION, self.bits, group)
-        return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), params, parts.tensors())
+        return BlobPlan(self.codec_id, kv.dtype, tuple(kv.shape), params, parts.tensors())
 
     def _reference_decode(self, parts: KiviParts, dtype: torch.dtype) -> torch.Tensor:
         return decode_kivi_reference(parts, dtype)

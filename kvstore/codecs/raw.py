@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from kvstore.codecs.base import (
+    BlobPlan,
     Codec,
     check_kv_input,
     check_out,
     framing_bytes,
-    pack_blob,
     section_tensor,
     unpack_blob,
 )
@@ -21,9 +21,10 @@ class RawCodec(Codec):
     codec_id = 1
     lossless = True
 
-    def encode(self, kv: torch.Tensor) -> bytes:
+    def prepare(self, kv: torch.Tensor) -> BlobPlan:
+        # The section is ``kv`` itself, strides and all: written, it is copied exactly once.
         kv = check_kv_input(kv, self.name)
-        return pack_blob(self.codec_id, kv.dtype, tuple(kv.shape), b"", [kv])
+        return BlobPlan(self.codec_id, kv.dtype, tuple(kv.shape), b"", [kv])
 
     def decode(self, blob, out=None, verify=True):
         parts = unpack_blob(blob, verify)

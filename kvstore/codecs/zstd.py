@@ -7,12 +7,19 @@ import struct
 import torch
 import zstandard
 
-from kvstore.codecs.base import Codec
+from kvstore.codecs.base import Codec, FinishedPayload
 from kvstore.errors import CodecError
 
 ZSTD_MAGIC = b"KVZS"
 _HEADER = struct.Struct("<4sQ")  # magic, decompressed length
 MULTITHREAD_MIN_BYTES = 4 << 20  # below this, zstd's worker threads cost more than they save
+# The most a blob may decompress to when nothing tighter is known: a 256-token block of a
+# 126-layer model with 8 kv heads of 128 dims in bf16 is 132 MiB raw; 1 GiB leaves 8x headroom.
+MAX_DECOMPRESSED_BYTES = 1 << 30
+# No inner codec's blob is larger than twice the raw K/V it decodes to, plus its framing (fp8 with
+# a float32 scale per token-head of 4+ dims is at most 2 bytes a bf16 element; raw is 1x).
+_OUT_BOUND_FACTOR = 2
+_OUT_BOUND_SLACK_BYTES = 64 << 10
 
 
 class ZstdStage(Codec):
@@ -30,11 +37,13 @@ class ZstdStage(Codec):
         self.codec_id = inner.codec_id
         self.lossless = inner.lossless
 
-    def encode(self, kv: torch.Tensor) -> bytes:
-        return compress(self.inner.encode(kv), self.level, self.threads)
+    def prepare(self, kv: torch.Tensor) -> FinishedPayload:
+        # The compressed size is only known once compressed: the stage's output is finished
+        # bytes, copied once into place.
+        return FinishedPayload(compress(self.inner.encode(kv), self.level, self.threads))
 
     def decode(self, blob, out=None, verify=True):
-        return self.inner.decode(decompress(blob), out, verify)
+        return self.inner.decode(decompress(blob, bound_for(out)), out, verify)
 
     def bytes_per_element(self, spec) -> float:
         # zstd's ratio depends on the data; report the inner bound (an upper estimate).
@@ -48,15 +57,39 @@ def compress(data: bytes | memoryview, level: int = 3, threads: int = -1) -> byt
     return _HEADER.pack(ZSTD_MAGIC, len(data)) + cctx.compress(data)
 
 
-def decompress(blob: bytes | bytearray | memoryview) -> bytes:
+def bound_for(out: torch.Tensor | None) -> int:
+    """The most bytes a blob decoded into ``out`` may decompress to (its shape bounds the inner
+    blob); ``MAX_DECOMPRESSED_BYTES`` without ``out``."""
+    if out is None:
+        return MAX_DECOMPRESSED_BYTES
+    return min(MAX_DECOMPRESSED_BYTES,
+               _OUT_BOUND_FACTOR * out.numel() * out.element_size() + _OUT_BOUND_SLACK_BYTES)
+
+
+def decompress(blob: bytes | bytearray | memoryview,
+               max_bytes: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """The bytes a kvstore zstd blob holds; CodecError if it is damaged or declares more than
+    ``max_bytes`` (checked before anything is allocated: the header and zstd's own frame header
+    must agree and stay within the bound)."""
     view = memoryview(blob).cast("B")
     if len(view) < _HEADER.size:
         raise CodecError(f"zstd blob truncated: {len(view)} bytes")
     magic, length = _HEADER.unpack_from(view)
     if magic != ZSTD_MAGIC:
         raise CodecError(f"not a kvstore zstd blob (magic {bytes(magic)!r})")
+    if length > max_bytes:
+        raise CodecError(f"zstd blob declares {length} decompressed bytes, more than the "
+                         f"{max_bytes} this decode allows")
+    frame = view[_HEADER.size:]
     try:
-        data = zstandard.ZstdDecompressor().decompress(view[_HEADER.size:], max_output_size=length)
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd blob damaged: {exc}") from None
+    if declared not in (-1, length):  # -1: the frame does not say; max_output_size bounds it
+        raise CodecError(f"zstd frame declares {declared} decompressed bytes, the blob header "
+                         f"{length}")
+    try:
+        data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=length)
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd blob damaged: {exc}") from None
     if len(data) != length:

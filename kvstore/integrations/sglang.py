@@ -5,19 +5,25 @@ Enable it with SGLang's dynamic backend option::
     --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
         "module_path": "kvstore.integrations.sglang", "class_name": "KVStoreHiCache",
-        "interface_v1": 1, "address": "unix:///run/kvstore/kvstore.sock", "revision": "abc123"}'
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "address": "unix:///run/kvstore/kvstore.sock", "revision": "abc123"}'
 
-Supported: SGLang 0.5.23's ``HiCacheStorage`` interface (``sglang.srt.mem_cache.hicache_storage``)
-with an MHA host pool in the ``page_first`` or ``page_first_direct`` layout, whose
-``get_page_buffer_meta`` gives two pointers per page, K then V, each to ``page_size x
-num_layers x num_kv_heads x head_dim`` contiguous elements.
+Supported: SGLang 0.5.23's ``HiCacheStorage`` v1 interface (``sglang.srt.mem_cache.hicache_storage``:
+``batch_exists``, ``batch_get_v1``, ``batch_set_v1``) with an MHA host pool in the
+``page_first`` or ``page_first_direct`` layout, whose ``get_page_buffer_meta`` gives two
+pointers per page, K then V, each to ``page_size x num_layers x num_kv_heads x head_dim``
+contiguous elements. The pre-v1 calls (``get``, ``set``, ``exists`` and their batches without
+host indices) are refused: they carry no prefix keys.
 
-SGLang's page keys are already hashes of the whole prefix up to that page, so each key is
-stored as a one-block entry of its own: its token ids are the key's hash expanded to
-``page_size`` ids, and kvstore's chained block key over them names the same prefix. Pages move
-through the client's zero-copy path (the shared DRAM arena on the daemon's host): a set copies
-the host pages into the canonical layout and the client writes them into reserved slots; a get
-verifies and decodes the page and copies it into the host pages.
+SGLang's page keys are hashes of the whole prefix up to their page, and with
+``hicache_storage_pass_prefix_keys`` each batch call also carries the keys of the pages before
+it from the sequence start (``HiCacheStorageExtraInfo.prefix_keys``). kvstore stores a sequence's
+pages as one chain of blocks, block ``i`` under the token ids of page key ``i`` (the key's hash
+expanded to ``page_size`` ids), so a batch is one prefix: ``batch_exists`` is one Lookup,
+``batch_get_v1`` one lease whose pages from the batch's first are copied straight from the
+shared DRAM arena into the host pages, ``batch_set_v1`` one reservation for the batch's pages
+behind the stored prefix (a page whose prefix kvstore does not hold is not stored: no prefix
+lookup could reach it). Pages move through the client's zero-copy path on the daemon's host.
 """
 
 from __future__ import annotations
@@ -91,85 +97,133 @@ class KVStoreHiCache(HiCacheStorage):
     def _tokens(self, key: str) -> np.ndarray:
         return page_tokens(key, self._ns().spec.block_tokens)
 
+    def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
+        """The token ids of the chain ``prefix_keys + keys`` and the number of pages before
+        ``keys``."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if prefix is None:
+            raise InvalidArgument(
+                "kvstore stores SGLang pages as chains from the sequence start and needs the "
+                "page keys before each batch: set \"hicache_storage_pass_prefix_keys\": true "
+                "in --hicache-storage-backend-extra-config")
+        chain = [*prefix, *keys]
+        if not chain:
+            return np.empty(0, dtype="<u4"), 0
+        return np.concatenate([self._tokens(key) for key in chain]), len(prefix)
+
     # ------------------------------------------------------------------------- probes
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, are stored."""
-        bt = self._ns().spec.block_tokens
-        for i, key in enumerate(keys):
-            try:
-                if self._client.lookup(self._ns(), self._tokens(key)).matched_tokens < bt:
-                    return i
-            except KVStoreError as exc:
-                logger.warning("kvstore lookup failed: %s", exc)
-                return i
-        return len(keys)
+        """How many of ``keys``, from the first, are stored: one Lookup of the chain."""
+        tokens, first = self._chain(keys, extra_info)
+        try:
+            matched = self._client.lookup(self._ns(), tokens).matched_tokens
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed: %s", exc)
+            return 0
+        return min(len(keys), max(0, matched // self._ns().spec.block_tokens - first))
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        raise _pre_v1("exists")
 
     # ---------------------------------------------------------------------- transfers
 
-    def _pages(self, host_indices: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pages(self, host_indices: torch.Tensor) -> tuple[list[int], int]:
+        """The pointers of each host page (K, V, K, V, ...) and the bytes behind each."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        spec = self._ns().spec
+        page_bytes = (spec.block_tokens * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                      * spec.torch_dtype.itemsize)
+        if any(size != page_bytes for size in sizes):
+            raise InvalidArgument(f"host pool pages hold {sorted(set(sizes))} bytes, the "
+                                  f"namespace expects {page_bytes}")
+        return list(ptrs), page_bytes
+
+    def _host_views(self, ptrs: list[int], page_bytes: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) views of each host page, ``[page_size, num_layers, heads, head_dim]``."""
         spec = self._ns().spec
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         shape = (spec.block_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        views = [_host_view(p, n, spec.torch_dtype, shape) for p, n in zip(ptrs, sizes,
-                                                                           strict=True)]
+        views = [_host_view(p, page_bytes, spec.torch_dtype, shape) for p in ptrs]
         return list(zip(views[0::2], views[1::2], strict=True))
+
+    def _canonical(self, ptrs: list[int], page_bytes: int) -> torch.Tensor:
+        """The pages as one canonical ``[L, 2, pages * page_size, H, D]`` tensor: a strided
+        view of the host pool when the pages lie one after another with V a fixed distance
+        behind K (no copy), else a copy of each page."""
+        spec = self._ns().spec
+        item = spec.torch_dtype.itemsize
+        k0, v0, num_pages = ptrs[0], ptrs[1], len(ptrs) // 2
+        in_order = v0 > k0 and (v0 - k0) % item == 0 and all(
+            ptrs[2 * i] == k0 + i * page_bytes and ptrs[2 * i + 1] == v0 + i * page_bytes
+            for i in range(num_pages))
+        if not in_order:
+            return torch.cat([torch.stack((k.transpose(0, 1), v.transpose(0, 1)), dim=1)
+                              for k, v in self._host_views(ptrs, page_bytes)], dim=2)
+        span = (ptrs[-1] - k0) + page_bytes  # from the first K to the end of the last V
+        flat = _host_view(k0, span, spec.torch_dtype, (span // item,))
+        row = spec.num_layers * spec.num_kv_heads * spec.head_dim  # one token, all layers
+        hd = spec.num_kv_heads * spec.head_dim
+        return flat.as_strided(
+            (spec.num_layers, 2, num_pages * spec.block_tokens, spec.num_kv_heads,
+             spec.head_dim), (hd, (v0 - k0) // item, row, spec.head_dim, 1))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
-        """Load each key's page into its host page; a miss or a failed load is False."""
-        results = []
-        for key, (k, v) in zip(keys, self._pages(host_indices), strict=True):
-            try:
-                kv = self._client.get(self._ns(), self._tokens(key))
-            except KVStoreError as exc:
-                logger.warning("kvstore get failed: %s", exc)
-                kv = None
-            if kv is not None:
-                # canonical [L, 2, T, H, D] -> host [T, L, H, D] for K and for V
-                k.copy_(kv[:, 0].transpose(0, 1))
-                v.copy_(kv[:, 1].transpose(0, 1))
-            results.append(kv is not None)
-        return results
+        """Load each key's page into its host page; a miss or a failed load is False (and so
+        is every page after it)."""
+        tokens, first = self._chain(keys, extra_info)
+        pages = self._host_views(*self._pages(host_indices))
+        loaded = 0
+
+        def copy_in(block_index: int, kv: torch.Tensor) -> None:
+            nonlocal loaded
+            # canonical [L, 2, T, H, D] -> host [T, L, H, D] for K and for V, straight from
+            # the arena page
+            k, v = pages[block_index - first]
+            k.copy_(kv[:, 0].transpose(0, 1))
+            v.copy_(kv[:, 1].transpose(0, 1))
+            loaded += 1
+
+        try:
+            self._client.read_blocks(self._ns(), tokens, copy_in, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore get failed after %d of %d pages: %s", loaded, len(keys),
+                           exc)
+        return [i < loaded for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
-        """Store each host page under its key; True when it is stored (new or already)."""
-        results = []
-        for key, (k, v) in zip(keys, self._pages(host_indices), strict=True):
-            kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)), dim=1)  # [L, 2, T, H, D]
-            try:
-                self._client.put(self._ns(), self._tokens(key), kv)
-                results.append(True)
-            except KVStoreError as exc:
-                logger.warning("kvstore put failed: %s", exc)
-                results.append(False)
-        return results
+        """Store the host pages under their keys behind the stored prefix; True when stored
+        (new or already)."""
+        tokens, first = self._chain(keys, extra_info)
+        if not keys:
+            return []
+        kv = self._canonical(*self._pages(host_indices))
+        try:
+            self._client.put(self._ns(), tokens, kv, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore put failed: %s", exc)
+            return [False] * len(keys)
+        return [True] * len(keys)
 
     # ------------------------------------------------- the pre-v1 interface, by key
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None
             ) -> torch.Tensor | None:
-        """The page of ``key`` in kvstore's canonical ``[L, 2, T, H, D]`` layout, or None."""
-        return self._client.get(self._ns(), self._tokens(key))
+        raise _pre_v1("get")
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        return [self.get(key) for key in keys]
+        raise _pre_v1("batch_get")
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
-        """Store ``value`` (canonical layout, one page) under ``key``."""
-        self._client.put(self._ns(), self._tokens(key), value)
-        return True
+        raise _pre_v1("set")
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        return all(self.set(key, value) for key, value in zip(keys, values, strict=True))
+        raise _pre_v1("batch_set")
 
     def clear(self) -> None:
         """Drop every page of this model and tenant."""
@@ -177,3 +231,9 @@ class KVStoreHiCache(HiCacheStorage):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _pre_v1(method: str) -> InvalidArgument:
+    return InvalidArgument(f"HiCacheStorage.{method} carries no prefix keys; kvstore serves "
+                           "SGLang's v1 interface: set \"interface_v1\": 1 and "
+                           "\"hicache_storage_pass_prefix_keys\": true")

@@ -25,8 +25,12 @@ Who calls what: the scheduler side (engine core process) answers matched tokens 
 Lookup, and plans loads and saves per step in ``build_connector_meta``; the worker side (each
 worker process) loads in ``start_load_kv`` before the forward pass and saves the blocks the
 step completed in ``wait_for_save``, both synchronously, so no block stays referenced after a
-step and ``request_finished`` never holds blocks. Keys are kvstore's own chained block keys of
-the token ids (independent of vLLM's hash seed). A failed or corrupt load is reported through
+step and ``request_finished`` never holds blocks. Each byte moves once between vLLM's cache
+and the shared DRAM arena where it can: a load copies every stored page, in place in the
+arena, straight into the blocks of each layer (``Client.read_blocks``); a save gathers only
+the blocks the step completed (one copy, runs of consecutive block ids at a time) and adds them
+behind the prefix already stored (``Client.put(first_block=...)``). Keys are kvstore's own
+chained block keys of the token ids (independent of vLLM's hash seed). A failed or corrupt load is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks; nothing corrupt is served
 (pages are verified against their key and checksum before they are copied in). vLLM
 recomputes them only with ``kv_load_failure_policy="recompute"``; its default, ``"fail"``,
@@ -48,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import Client
-from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
+from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -127,6 +131,56 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
     load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
+
+
+def block_views(layers: list[torch.Tensor], spec: KVSpec) -> list[torch.Tensor]:
+    """Each layer's cache as ``[num_blocks, H, 2, N, D]``: index 0 of dim 2 is K, 1 is V."""
+    return [t.view(t.shape[0], spec.num_kv_heads, 2, spec.block_tokens, spec.head_dim)
+            for t in layers]
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first block id, length)`` of each run of consecutive ids in ``block_ids``:
+    a run is copied as one slice instead of one block at a time."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block_id in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, block_id, 1))
+    return runs
+
+
+def gather_blocks(views: list[torch.Tensor], spec: KVSpec, block_ids: list[int]
+                  ) -> torch.Tensor:
+    """The blocks ``block_ids`` of every layer in the canonical ``[L, 2, T, H, D]`` layout, each
+    byte copied once from the cache."""
+    bs, n = spec.block_tokens, len(block_ids)
+    out = torch.empty(spec.shape(n * bs), dtype=views[0].dtype)
+    runs = block_runs(block_ids)
+    for layer_out, view in zip(out, views, strict=True):
+        # [2, n * N, H, D] seen as the cache's [n, H, 2, N, D]
+        dst = layer_out.view(2, n, bs, spec.num_kv_heads, spec.head_dim).permute(1, 3, 0, 2, 4)
+        for pos, first_id, length in runs:
+            dst[pos : pos + length].copy_(view[first_id : first_id + length])
+    return out
+
+
+def load_blocks(client: Client, ns: Namespace, views: list[torch.Tensor], token_ids: list[int],
+                block_ids: list[int], first_block: int, zero_copy: bool | None = None) -> int:
+    """Copy the stored blocks of ``token_ids`` from ``first_block`` on into the cache blocks
+    ``block_ids``, each page straight from the arena into every layer; returns how many of the
+    blocks (counted from the first) the store holds."""
+
+    def copy_in(i: int, kv: torch.Tensor) -> None:
+        if i >= len(block_ids):
+            return
+        for layer, view in zip(kv, views, strict=True):
+            view[block_ids[i]].copy_(layer.permute(2, 0, 1, 3))  # [2, N, H, D] -> [H, 2, N, D]
+
+    num_stored = client.read_blocks(ns, token_ids, copy_in, first_block=first_block,
+                                    zero_copy=zero_copy)
+    return min(num_stored, len(block_ids))
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -265,10 +319,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers = [tensor for _, tensor in ordered]
 
     def _block_views(self) -> list[torch.Tensor]:
-        """Each layer as ``[num_blocks, H, 2, N, D]``: index 0 of dim 2 is K, 1 is V."""
-        spec = self._namespace(None).spec
-        return [t.view(t.shape[0], spec.num_kv_heads, 2, self._block_size, spec.head_dim)
-                for t in self._layers]
+        return block_views(self._layers, self._namespace(None).spec)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -279,28 +330,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _load(self, load: BlockTransfer) -> int:
         """Copy the stored blocks of ``load`` into the cache; returns how many of its blocks
         (counted from the first) are now valid there."""
-        ns = self._namespace(load.cache_salt)
+        ns, views = self._namespace(load.cache_salt), self._block_views()
+        args = (ns, views, load.token_ids, load.block_ids, load.first_block)
         try:
-            kv = self._client.get(ns, load.token_ids)
+            return load_blocks(self._client, *args)
         except CorruptPage:
             # Verified in place and found damaged: the daemon's own read drops the damaged
-            # page and returns the intact prefix before it.
-            kv = self._client.get(ns, load.token_ids, zero_copy=False)
+            # page and hands back the intact prefix before it.
+            try:
+                return load_blocks(self._client, *args, zero_copy=False)
+            except KVStoreError as exc:
+                logger.warning("kvstore load of %s failed: %s", load.req_id, exc)
         except KVStoreError as exc:
             logger.warning("kvstore load of %s failed: %s", load.req_id, exc)
-            return 0
-        if kv is None:
-            return 0
-        bs = self._block_size
-        num_blocks = min(kv.shape[2] // bs, len(load.block_ids))
-        if num_blocks <= load.first_block:
-            return num_blocks
-        ids = torch.tensor(load.block_ids[load.first_block:num_blocks])
-        for layer, view in zip(kv, self._block_views(), strict=True):
-            # [2, T, H, D] -> [blocks, H, 2, N, D], the backend's block interior.
-            part = layer[:, load.first_block * bs : num_blocks * bs]
-            view[ids] = part.unflatten(1, (-1, bs)).permute(1, 3, 0, 2, 4).to(view.dtype)
-        return num_blocks
+        return 0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
@@ -315,17 +358,22 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         for save in self._get_connector_metadata().saves:  # type: ignore[attr-defined]
             try:
-                self._client.put(self._namespace(save.cache_salt), save.token_ids,
-                                 self._gather(save.block_ids))
+                self._save(save)
             except KVStoreError as exc:  # a lost save is a later miss, not an engine error
                 logger.warning("kvstore save of %s failed: %s", save.req_id, exc)
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Blocks of every layer in the canonical ``[L, 2, T, H, D]`` layout."""
-        ids = torch.tensor(block_ids)
-        # [blocks, H, 2, N, D] -> [2, blocks * N, H, D] per layer
-        return torch.stack([view[ids].permute(2, 0, 3, 1, 4).flatten(1, 2)
-                            for view in self._block_views()])
+    def _save(self, save: BlockTransfer) -> None:
+        """Store the blocks this step completed behind the ones stored before; all of them
+        again when kvstore no longer holds those."""
+        ns, views = self._namespace(save.cache_salt), self._block_views()
+        if save.first_block:
+            new = gather_blocks(views, ns.spec, save.block_ids[save.first_block:])
+            try:
+                self._client.put(ns, save.token_ids, new, first_block=save.first_block)
+                return
+            except NotFound:
+                pass  # an earlier block was evicted meanwhile
+        self._client.put(ns, save.token_ids, gather_blocks(views, ns.spec, save.block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

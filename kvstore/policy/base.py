@@ -28,10 +28,15 @@ class Footprint:
 @dataclass(frozen=True, slots=True)
 class RoomNeed:
     """What a tier must give up before a page fits: ``nbytes`` of charged space, taken only
-    from blocks of ``size_class`` (None: any block's space helps)."""
+    from blocks of ``size_class`` (None: any block's space helps) and, with ``tenant``, only
+    from that tenant's blocks. ``keys``, when given, names exactly the blocks to give up (all
+    of them, or none: a tier that frees memory only by whole pieces, such as an arena's chunk
+    another tenant needs, says which blocks fill the piece)."""
 
     nbytes: int
     size_class: int | None = None
+    tenant: str | None = None
+    keys: frozenset[BlockKey] | None = None
 
 
 class EvictionOrder(ABC):

@@ -170,7 +170,8 @@ def lease_to_proto(lease: Lease) -> pb.AcquireResponse:
     blocks = [pb.BlockLocation(key=b.key, medium=b.medium.value, region=b.region,
                                offset=b.offset, length=b.length) for b in lease.blocks]
     return pb.AcquireResponse(lease_id=lease.lease_id, deadline=lease.deadline,
-                              matched_tokens=lease.matched_tokens, blocks=blocks)
+                              matched_tokens=lease.matched_tokens, blocks=blocks,
+                              codec=lease.codec)
 
 
 def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
@@ -178,7 +179,7 @@ def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
                                  region=b.region, offset=b.offset, length=b.length)
                    for b in msg.blocks)
     return Lease(lease_id=msg.lease_id, deadline=msg.deadline,
-                 matched_tokens=msg.matched_tokens, blocks=blocks)
+                 matched_tokens=msg.matched_tokens, blocks=blocks, codec=msg.codec)
 
 
 def reservation_to_proto(reservation: Reservation) -> pb.ReserveResponse:

@@ -292,14 +292,16 @@ class ListBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    medium: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("key", "block_index", "parent", "region", "offset", "capacity_bytes", "medium")
@@ -332,10 +334,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "ready_event")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
-    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("tokens_published",)
@@ -354,14 +358,16 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    medium: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "region", "offset", "length", "medium")
@@ -378,16 +384,18 @@ class BlockLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks")
+    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     deadline: float
     matched_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+    codec: str
+    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -460,3 +468,15 @@ class ReportPrefillRequest(_message.Message):
 class ReportPrefillResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class HoldEvent(_message.Message):
+    __slots__ = ("server_time",)
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    server_time: float
+    def __init__(self, server_time: _Optional[float] = ...) -> None: ...

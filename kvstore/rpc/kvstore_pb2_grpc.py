@@ -109,6 +109,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.ReportPrefillRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ReportPrefillResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_stream(
+                '/kvstore.v1.KVStore/Hold',
+                request_serializer=kvstore__pb2.HoldRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.HoldEvent.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -215,6 +220,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """A client process's session: open for as long as the process holds leases or reservations
+        granted under it (the kvstore-session metadata of Acquire and Reserve). When the stream
+        ends (the process exited, crashed or closed its client) the daemon releases them at once,
+        instead of at their deadlines. The server sends a heartbeat every few seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -292,6 +307,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReportPrefill,
                     request_deserializer=kvstore__pb2.ReportPrefillRequest.FromString,
                     response_serializer=kvstore__pb2.ReportPrefillResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_stream_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=kvstore__pb2.HoldRequest.FromString,
+                    response_serializer=kvstore__pb2.HoldEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -699,6 +719,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ReportPrefill',
             kvstore__pb2.ReportPrefillRequest.SerializeToString,
             kvstore__pb2.ReportPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Hold',
+            kvstore__pb2.HoldRequest.SerializeToString,
+            kvstore__pb2.HoldEvent.FromString,
             options,
             channel_credentials,
             insecure,

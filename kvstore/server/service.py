@@ -7,6 +7,7 @@ metrics.py); this module only parses each request, applies the tenant rules of t
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -29,6 +30,7 @@ from kvstore.rpc.convert import (
     key_from_bytes,
     lease_to_proto,
     lookup_to_proto,
+    medium_from_proto,
     namespace_from_proto,
     profile_from_proto,
     reservation_to_proto,
@@ -47,9 +49,11 @@ from kvstore.rpc.tensors import (
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.limits import StreamClock
+from kvstore.server.sessions import HEARTBEAT_S, Sessions
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
+MAX_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_LIST_LIMIT = 100_000
 DEFAULT_LIST_LIMIT = 1000
 MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
@@ -109,6 +113,7 @@ class KVStoreService(pbg.KVStoreServicer):
         self._max_put_bytes = max(config.server.max_message_bytes,
                                   config.tier_chain()[0].settings.capacity_bytes)
         self._grants = GrantBook()
+        self._sessions = Sessions(store)
         self._started = time.monotonic()
         self._max_tokens = config.server.max_request_tokens
         self._idle_s = config.server.stream_idle_timeout_s
@@ -214,18 +219,26 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "write")
         _require_unix(context, "Reserve", "Put")
         lease_s = self._lease_s(request.lease_s)
-        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s)
+        session = self._sessions.of_call(context.invocation_metadata(), current_caller())
+        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s,
+                                                medium_from_proto(request.medium))
         self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
+        self._sessions.note(session, reservation.reservation_id, is_lease=False)
         return reservation_to_proto(reservation)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         self._grants.check(request.reservation_id, current_caller(), "reservation")
-        published = await self._store.commit(request.reservation_id)
+        if len(request.ready_event) > MAX_EVENT_HANDLE_BYTES:
+            raise InvalidArgument(f"ready_event holds {len(request.ready_event)} bytes; a CUDA "
+                                  f"IPC event handle has {MAX_EVENT_HANDLE_BYTES}")
+        self._sessions.forget(request.reservation_id)
+        published = await self._store.commit(request.reservation_id, request.ready_event)
         self._grants.discard(request.reservation_id)
         return pb.CommitResponse(tokens_published=published)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         self._grants.check(request.reservation_id, current_caller(), "reservation")
+        self._sessions.forget(request.reservation_id)
         await self._store.abort(request.reservation_id)
         self._grants.discard(request.reservation_id)
         return pb.AbortResponse()
@@ -234,15 +247,33 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "read")
         _require_unix(context, "Acquire", "Get")
         lease_s = self._lease_s(request.lease_s)
-        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s)
+        session = self._sessions.of_call(context.invocation_metadata(), current_caller())
+        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
+                                          medium_from_proto(request.medium))
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
+        self._sessions.note(session, lease.lease_id, is_lease=True)
         return lease_to_proto(lease)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         self._grants.check(request.lease_id, current_caller(), "lease")
+        self._sessions.forget(request.lease_id)
         await self._store.release(request.lease_id)
         self._grants.discard(request.lease_id)
         return pb.ReleaseResponse()
+
+    async def Hold(self, request: pb.HoldRequest, context) -> AsyncIterator[pb.HoldEvent]:
+        """A client's session (``kvstore.server.sessions``): open until the client goes away
+        or the daemon drains, a heartbeat every few seconds."""
+        session = self._sessions.open(request.session, current_caller())
+        try:
+            while not self._is_draining():
+                yield pb.HoldEvent(server_time=time.time())
+                for _ in range(int(HEARTBEAT_S / 0.25)):
+                    if self._is_draining():
+                        return
+                    await asyncio.sleep(0.25)
+        finally:
+            await asyncio.shield(self._sessions.close(session))
 
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
         ns = self._namespace(request.namespace, "prefetch")

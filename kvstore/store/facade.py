@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from kvstore.api import (
 from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
-from kvstore.page import Page, PageMeta, encode_page
+from kvstore.page import Page, PageMeta, page_bytes, write_page
 from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder, Footprint
 from kvstore.policy.cost import PrefillModel, advise
@@ -38,7 +39,7 @@ from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
-from kvstore.tiers.base import FdRegions, SharedTier, Tier
+from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, SharedTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -75,7 +76,46 @@ def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> E
 @dataclass(slots=True)
 class _Encoded:
     meta: PageMeta
-    data: bytes
+    data: memoryview  # the page, in a buffer of the put's ``WriteBuffers``
+
+
+class WriteBuffers:
+    """Buffers that in-process puts write their pages into, kept for the next put.
+
+    A fresh buffer costs a page fault per 4 KiB on its first write (on the 2-core box a 32 MiB
+    put spent 62 ms encoding into fresh buffers against 4 ms for one copy into warm memory),
+    so a put takes one, the tiers copy its pages out, and it comes back. A put that fails or
+    is cancelled does not give its buffer back: a tier may still hold a view of it. Thread-safe
+    (taken on encoding threads, given back on the loop).
+    """
+
+    MAX_KEPT = 4  # buffers kept: about as many as puts encode at once on a busy daemon
+    MAX_KEPT_BYTES = 256 << 20  # 8 puts of 16 2-MiB blocks
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray:
+        """A buffer of at least ``nbytes`` (the smallest kept one that fits, else a new one)."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            if fits:
+                chosen = min(fits, key=len)
+                self._free.remove(chosen)
+                return chosen
+        return bytearray(nbytes)
+
+    def give(self, buf: bytearray) -> None:
+        """Keep ``buf`` for a later put, dropping the smallest kept ones past the bounds."""
+        if len(buf) > self.MAX_KEPT_BYTES:
+            return
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=len, reverse=True)
+            while (len(self._free) > self.MAX_KEPT
+                   or sum(map(len, self._free)) > self.MAX_KEPT_BYTES):
+                self._free.pop()
 
 
 class Store:
@@ -101,6 +141,7 @@ class Store:
         self._hints = Hints(self._dir, self._placement, self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
+        self._buffers = WriteBuffers()
         # The cost model's recompute estimate, by (tenant, model id).
         self._prefill: dict[tuple[str, str], PrefillModel] = {}
         self._totals = Counters()
@@ -142,6 +183,12 @@ class Store:
             for meta in link.tier.entries():
                 self._dir.place(meta, link.name, link.tier.page_size(meta.key),
                                 link.tier.footprint(meta.key))
+        if any(isinstance(t, DevicePages) for t in self.tiers.values()):
+            # Demotion off the GPU copies into host tiers: pin what lends host slots (in the
+            # background, chunk by chunk as arenas grow; about 0.5 s per GiB).
+            for tier in self.tiers.values():
+                if isinstance(tier, HostPinning):
+                    self._spawn(tier.pin_cuda())
         self._demote_wakeup = asyncio.Event()
         self._spawn(self._demoter())
         self._spawn(self._leases.reaper())
@@ -187,7 +234,8 @@ class Store:
         written = 0
         try:
             if todo:
-                encoded = await asyncio.to_thread(self._encode_blocks, ns, keys, kv, todo)
+                encoded, buffer = await asyncio.to_thread(self._encode_blocks, ns, keys, kv,
+                                                          todo)
                 for block in encoded:
                     try:
                         entry = await self._placement.store_new(block.meta, block.data)
@@ -198,6 +246,8 @@ class Store:
                     self._dir.pin([entry])
                     held.append(entry)
                     written += 1
+                del encoded, block  # the views into the buffer, before it can be reused
+                self._buffers.give(buffer)  # every write has returned: no tier holds a view
         finally:
             self._release_writes(claimed)
             self._dir.unpin(held)
@@ -348,8 +398,8 @@ class Store:
     # Leases and reservations live in kvstore.store.leases, hints in kvstore.store.hints; these
     # delegate to them.
 
-    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Lease:
+    async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Lease:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
         ``release`` or the lease's deadline; blocks only the shared tier holds are brought in
         first, as for ``get``."""
@@ -357,22 +407,26 @@ class Store:
         keys = await _keys(ns, token_array(tokens))
         self._hints.arrived(ns.tenant, keys)
         await self._adopt_shared(ns, keys)
-        return await self._leases.acquire(ns, keys, lease_s)
+        return await self._leases.acquire(ns, keys, lease_s, Medium(medium))
 
     async def release(self, lease_id: str) -> None:
         self._check_open()
         self._leases.release(lease_id)
 
-    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None
-                      ) -> Reservation:
-        """Slots for the blocks of ``tokens`` not stored yet; publish them with ``commit``."""
+    async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
+                      medium: Medium = Medium.HOST) -> Reservation:
+        """Slots of ``medium`` for the blocks of ``tokens`` not stored yet; publish them with
+        ``commit``."""
         self._check_open()
-        return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s)
+        return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s,
+                                          Medium(medium))
 
-    async def commit(self, reservation_id: str) -> int:
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
+        """Publish what a writer put into a reservation's slots; ``ready_event`` is the IPC
+        handle of a CUDA event it recorded after writing device slots."""
         self._check_open()
         keys = self._leases.reserved_keys(reservation_id)
-        written = await self._leases.commit(reservation_id)
+        written = await self._leases.commit(reservation_id, ready_event)
         self._wake_demoter()
         if written and self._placement.write_through_links():
             entries = [e for e in map(self._dir.get, keys) if e is not None]
@@ -453,21 +507,30 @@ class Store:
         return task
 
     def _encode_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
-                       todo: list[int]) -> list[_Encoded]:
-        """Encode the blocks at ``todo`` into pages with the fastest tier's codec (runs in a
-        worker thread)."""
+                       todo: list[int]) -> tuple[list[_Encoded], bytearray]:
+        """Encode the blocks at ``todo`` with the fastest tier's codec into pages, written
+        straight into one reused buffer (``kvstore.page.write_page``: one pass that copies or
+        quantises and hashes, no joins); return the pages and the buffer (runs in a worker
+        thread)."""
         bt = ns.spec.block_tokens
         codec = self._placement.links[0].codec
         kv = kv.detach().cpu()
-        out = []
+        metas, payloads = [], []
         for i in todo:
-            meta = PageMeta(key=keys[i], namespace=ns.fingerprint,
-                            parent=keys[i - 1] if i else None, block_index=i,
-                            tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
-                            codec_id=codec.codec_id)
-            payload = codec.encode(kv[:, :, i * bt:(i + 1) * bt])
-            out.append(_Encoded(meta, encode_page(meta, payload)))
-        return out
+            metas.append(PageMeta(key=keys[i], namespace=ns.fingerprint,
+                                  parent=keys[i - 1] if i else None, block_index=i,
+                                  tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
+                                  codec_id=codec.codec_id))
+            payloads.append(codec.prepare(kv[:, :, i * bt:(i + 1) * bt]))
+        sizes = [page_bytes(p.nbytes, m) for m, p in zip(metas, payloads, strict=True)]
+        buffer = self._buffers.take(sum(sizes))
+        view = memoryview(buffer)
+        out, pos = [], 0
+        for meta, payload, size in zip(metas, payloads, sizes, strict=True):
+            write_page(view[pos:pos + size], meta, payload)
+            out.append(_Encoded(meta, view[pos:pos + size]))
+            pos += size
+        return out, buffer
 
     async def _read_pages(self, entries: list[BlockEntry],
                           on_page: Callable[[int, Page], None]) -> list[Link]:

@@ -14,11 +14,13 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Reservation, SlotGrant
-from kvstore.codecs.base import Codec
+from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
+from kvstore.codecs.base import Codec, is_all_finite, section_tensor, unpack_blob
+from kvstore.codecs.raw import RawCodec
 from kvstore.config import QuotaConfig
 from kvstore.errors import (
     CapacityError,
+    CodecError,
     CorruptPage,
     InvalidArgument,
     LeaseNotFound,
@@ -29,7 +31,7 @@ from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, pa
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
-from kvstore.tiers.base import Slot, SlotTier
+from kvstore.tiers.base import DevicePages, Slot, SlotTier
 
 log = logging.getLogger("kvstore.leases")
 
@@ -174,27 +176,30 @@ class LeaseManager:
             raise InvalidArgument(f"lease_s must be in (0, {MAX_LEASE_S}], got {lease_s}")
         return time.time() + lease_s
 
-    def _slot_link(self) -> Link:
-        link = self._placement.slot_link()
+    def _slot_link(self, medium: Medium) -> Link:
+        link = self._placement.slot_link(medium)
         if link is None:
-            raise InvalidArgument("no tier of this store lends slots for zero-copy reads and "
-                                  "writes; use put and get")
+            raise InvalidArgument(f"no tier of this store lends {medium.value} slots for "
+                                  "zero-copy reads and writes; use put and get")
         return link
 
     # ------------------------------------------------------------------------------ leases
 
-    async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None) -> Lease:
-        """Pin the stored prefix of ``keys`` in the fastest slot tier (promoting into it)."""
+    async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
+                      medium: Medium = Medium.HOST) -> Lease:
+        """Pin the stored prefix of ``keys`` in the fastest slot tier of ``medium`` (promoting
+        into it)."""
         deadline = self._deadline(lease_s)
         self._leases.check_room(ns.tenant)
-        link = self._slot_link()
+        link = self._slot_link(medium)
         tier: SlotTier = link.tier  # type: ignore[assignment]
         entries = self._dir.match_prefix(keys)
         self._dir.pin(entries)
         held: list[BlockEntry] = []
         try:
             for entry in entries:
-                if not await self._placement.promote(entry, link):
+                if link.name not in entry.sizes and not await self._placement.promote(entry,
+                                                                                      link):
                     break
                 held.append(entry)
         finally:
@@ -206,15 +211,16 @@ class LeaseManager:
             blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
-        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks))
+        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks),
+                     link.codec.name)
 
     def release(self, lease_id: str) -> None:
         self._dir.unpin(self._leases.pop(lease_id).entries)
 
     # ------------------------------------------------------------------------------ reservations
 
-    async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None
-                      ) -> Reservation:
+    async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
+                      medium: Medium = Medium.HOST) -> Reservation:
         """Slots in the fastest slot tier for the blocks of ``keys`` not stored yet.
 
         A reservation claims nothing: a second writer of the same prefix (a put, or another
@@ -223,9 +229,12 @@ class LeaseManager:
         """
         deadline = self._deadline(lease_s)
         self._reservations.check_room(ns.tenant)
-        link = self._slot_link()
+        link = self._slot_link(medium)
         tier: SlotTier = link.tier  # type: ignore[assignment]
-        slot_bytes = page_bound(link.codec, ns.spec)
+        if isinstance(tier, DevicePages):
+            slot_bytes = tier.device_slot_bytes(link.codec.name, ns.spec)
+        else:
+            slot_bytes = page_bound(link.codec, ns.spec)
         if slot_bytes > tier.max_page_bytes:
             raise CapacityError(f"a {slot_bytes}-byte slot for one block can never fit tier "
                                 f"{link.name} (largest page {tier.max_page_bytes} bytes)")
@@ -261,7 +270,7 @@ class LeaseManager:
         hold = self._reservations.get(reservation_id)
         return [] if hold is None else [reserved.key for reserved in hold.slots]
 
-    async def commit(self, reservation_id: str) -> int:
+    async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Verify every page written into the reservation's slots and publish them; return the
         tokens newly published.
 
@@ -270,11 +279,14 @@ class LeaseManager:
         seal. A page that fails aborts the whole commit and frees every slot: nothing
         half-written, or that would not decode on a later read, demotion or transcode, is ever
         published. A block stored meanwhile by another writer keeps that copy and frees this
-        slot.
+        slot. Device slots (``DevicePages``) are published under the meta the store builds,
+        once ``ready_event`` (the writer's IPC event handle) fired.
         """
         hold = self._reservations.pop(reservation_id)
         try:
-            checked = [await self._verify_slot(hold.ns, reserved) for reserved in hold.slots]
+            # Side by side: each check copies, hashes and scans its own slot on a thread.
+            checked = await asyncio.gather(*(self._verify_slot(hold.ns, reserved)
+                                             for reserved in hold.slots))
         except BaseException:  # a cancelled commit frees its slots too: the hold is gone
             self._abort_slots(hold.tenant, hold.slots)
             raise
@@ -285,7 +297,11 @@ class LeaseManager:
                 if reserved.key in self._dir or tier.contains(reserved.key):
                     tier.abort(reserved.slot)
                 else:
-                    length = await tier.publish(reserved.slot, reserved.key, meta, page)
+                    if isinstance(tier, DevicePages):
+                        length = await tier.publish_sections(reserved.slot, reserved.key, meta,
+                                                             hold.ns.spec, ready_event)
+                    else:
+                        length = await tier.publish(reserved.slot, reserved.key, meta, page)
                     self._dir.place(meta, reserved.link.name, length,
                                     tier.footprint(reserved.key))
                     published.append(reserved.key)
@@ -303,8 +319,13 @@ class LeaseManager:
         hold = self._reservations.pop(reservation_id)
         self._abort_slots(hold.tenant, hold.slots)
 
-    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot) -> tuple[PageMeta, bytes]:
+    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot
+                           ) -> tuple[PageMeta, bytes | None]:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+        if isinstance(tier, DevicePages):
+            codec = reserved.link.codec
+            return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
+                            ns.tenant, ns.model_id, codec.name, codec.codec_id), None
         view = tier.slot_view(reserved.slot)
         # A full decode may take milliseconds (lossy codecs): off the loop.
         return await asyncio.to_thread(check_written, ns, reserved, view)
@@ -358,12 +379,25 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
         raise InvalidArgument(f"page for key {key.hex()} is encoded with "
                               f"{shown(meta.codec)}; the reservation asked for {codec.name!r}")
     spec = ns.spec
-    out = torch.empty(spec.shape(spec.block_tokens), dtype=spec.torch_dtype)
+    shape = spec.shape(spec.block_tokens)
     try:
-        codec.decode(page.payload, out=out)
+        # The page checksum just held over the payload: its blob checksum is not hashed again.
+        out = _decoded(codec, page.payload, shape, spec.torch_dtype)
     except _DECODE_FAILURES as exc:  # a garbage payload is refused, whatever it breaks
         raise CorruptPage(f"page for key {key.hex()} does not decode as {codec.name} K/V of "
-                          f"shape {tuple(out.shape)} {spec.dtype}: {exc}") from None
-    if not bool(torch.isfinite(out).all()):
+                          f"shape {tuple(shape)} {spec.dtype}: {exc}") from None
+    if not is_all_finite(out):
         raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
     return meta, data
+
+
+def _decoded(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+             ) -> torch.Tensor:
+    """The K/V a verified payload holds: raw K/V checked where it lies (decoding it would only
+    copy it), anything else decoded into a new tensor."""
+    if not isinstance(codec, RawCodec):
+        return codec.decode(payload, out=torch.empty(shape, dtype=dtype), verify=False)
+    parts = unpack_blob(payload, verify=False)
+    if parts.codec_id != codec.codec_id or parts.dtype != dtype or parts.shape != shape:
+        raise CodecError(f"blob holds codec id {parts.codec_id}, {parts.shape} {parts.dtype}")
+    return section_tensor(parts.sections[0], dtype, shape)

@@ -5,8 +5,9 @@ a tier: a link is a position, a tier object and that tier's codec, admission pol
 watermarks. The rules:
 
 - A new block goes to the fastest tier that can make room for it (``store_new``).
-- Making room in a tier is atomic: the tier says what it needs (``Tier.room_for``), the tier's
-  eviction order names victims that free exactly that, or nothing changes. Pinned blocks are
+- Making room in a tier is atomic: the tier says what it needs for the tenant whose page is
+  coming (``Tier.room_for_tenant``: bytes of a class, whose blocks, or exactly which blocks),
+  the tier's eviction order names victims that free exactly that, or nothing changes. Pinned blocks are
   never victims; a put pins the blocks it holds so it never evicts its own.
 - A victim is demoted to the next tier down that admits it (``AdmissionPolicy``) and can make
   room for it; a block that no lower tier takes is dropped.
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore import codecs
+from kvstore.api import Medium
 from kvstore.codecs.base import Codec
 from kvstore.config import TierConfig, TierSettings
 from kvstore.errors import CapacityError, KVStoreError, shown
@@ -96,9 +98,11 @@ class Placement:
     def fastest_holder(self, entry: BlockEntry) -> Link:
         return next(link for link in self.links if link.name in entry.sizes)
 
-    def slot_link(self) -> Link | None:
-        """The fastest tier that lends slots (zero-copy writes and pinned reads), if any."""
-        return next((link for link in self.links if isinstance(link.tier, SlotTier)), None)
+    def slot_link(self, medium: Medium = Medium.HOST) -> Link | None:
+        """The fastest tier that lends slots of ``medium`` (zero-copy writes and pinned reads),
+        if any."""
+        return next((link for link in self.links if isinstance(link.tier, SlotTier)
+                     and link.tier.medium is medium), None)
 
     def shared_link(self) -> Link | None:
         """The tier several hosts share, if the chain has one."""
@@ -175,19 +179,33 @@ class Placement:
             if over > 0 and not await self._evict(link, RoomNeed(over), own):
                 return False
             is_protected = self._fair_game_for(tenant, link.name, quota)
-        need = link.tier.room_for(nbytes)
+        need = link.tier.room_for_tenant(nbytes, tenant)
         if need is not None and not await self._evict(link, need, is_protected):
             return False
-        return link.tier.can_write(nbytes)
+        return link.tier.room_for_tenant(nbytes, tenant) is None
 
     async def _evict(self, link: Link, need: RoomNeed, is_protected: Callable[[BlockKey], bool]
                      ) -> bool:
-        victims = self._dir.victims(link.name, need, is_protected)
+        """Give up what ``need`` names (its tenant's blocks only, or exactly its keys), all of
+        it or nothing."""
+        if need.tenant is not None:
+            is_protected = self._owned_by(need.tenant, is_protected)
+        if need.keys is not None:
+            victims = None if any(map(is_protected, need.keys)) else list(need.keys)
+        else:
+            victims = self._dir.victims(link.name, need, is_protected)
         if victims is None:
             return False
         for key in victims:
             await self.give_up(link, key)
         return True
+
+    def _owned_by(self, tenant: str, is_protected: Callable[[BlockKey], bool]
+                  ) -> Callable[[BlockKey], bool]:
+        def protected(key: BlockKey) -> bool:
+            return self._dir.owner(key) != tenant or is_protected(key)
+
+        return protected
 
     def _not_owned_by(self, tenant: str) -> Callable[[BlockKey], bool]:
         def is_protected(key: BlockKey) -> bool:
@@ -246,6 +264,8 @@ class Placement:
     async def promote(self, entry: BlockEntry, target: Link) -> bool:
         """Copy a block into ``target`` from the fastest tier holding it; True if it is in
         ``target`` afterwards."""
+        if target.name in entry.sizes:  # already there: nothing moved, nothing to count
+            return True
         ok = await self.copy(entry, target)
         if ok:
             self._count(entry.meta.tenant, promotions=1)

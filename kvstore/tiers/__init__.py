@@ -12,6 +12,10 @@ if TYPE_CHECKING:
 
 def build_tier(link: TierConfig) -> Tier:
     """The tier of ``link.kind`` with ``link.settings``, named ``link.name``."""
+    if link.kind == "hbm":
+        from kvstore.tiers.hbm import HbmTier
+
+        return HbmTier(link.settings, name=link.name)
     if link.kind == "dram":
         from kvstore.tiers.dram import DramTier
 

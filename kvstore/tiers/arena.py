@@ -117,10 +117,12 @@ class SlabAllocator:
     whole chunks (``chunk_bytes``, trimmed to a multiple of the slot; a page larger than
     ``chunk_bytes`` gets a chunk of its own size). A chunk whose slots are all free goes back to
     the pool of free regions, where adjacent regions merge, so any class can reuse the space.
-    ``grown_bytes`` (the arena's memory) never exceeds ``capacity_bytes``, and with a shared
-    ``budget`` the arenas drawing on it never grow past its capacity together; ``shrink_tail``
-    gives a free tail back to the budget. Not thread-safe: the tier calls it from its event
-    loop only.
+    ``grown_bytes`` (the arena's extent) never exceeds ``capacity_bytes``; ``backed_bytes`` is
+    the memory inside it, which with a shared ``budget`` the arenas drawing on it never take
+    past its capacity together. ``release_free`` gives free regions anywhere in the arena back
+    to the budget (the tail shrinks the extent; a region inside it becomes a hole, which later
+    growth backs again first), so memory moves between arenas chunk by chunk. Not
+    thread-safe: the tier calls it from its event loop only.
     """
 
     def __init__(self, capacity_bytes: int, chunk_bytes: int,
@@ -138,6 +140,7 @@ class SlabAllocator:
         self._classes: dict[int, _SizeClass] = {}
         self._regions: dict[int, int] = {}  # free, prefaulted regions: offset -> size
         self._region_ends: dict[int, int] = {}  # end -> offset, to merge neighbours in O(1)
+        self._holes: dict[int, int] = {}  # released ranges inside the extent: offset -> size
 
     @staticmethod
     def slot_bytes_for(nbytes: int) -> int:
@@ -153,22 +156,36 @@ class SlabAllocator:
         return sum(self._regions.values())
 
     @property
-    def tail_free_bytes(self) -> int:
-        """Free bytes at the arena's end that ``shrink_tail`` could give back (none once the
-        arena is pinned: a registered range is never cut)."""
-        return self._tail_region() if self.merge_growth else 0
+    def backed_bytes(self) -> int:
+        """Memory inside the extent (the extent less its holes): what the budget is charged."""
+        return self.grown_bytes - sum(self._holes.values())
 
-    def shrink_tail(self) -> tuple[int, int] | None:
-        """Give the free region at the arena's end back to the budget; return its
-        ``(offset, size)`` (release that memory), or None if there is none to give."""
-        size = self.tail_free_bytes
-        if not size:
-            return None
-        offset = self.grown_bytes - size
-        self._remove_region(offset)
-        self.grown_bytes = offset
-        self._budget.grown_bytes -= size
-        return offset, size
+    @property
+    def releasable_bytes(self) -> int:
+        """Free bytes ``release_free`` could give back (none once the arena is pinned: a
+        registered range is never cut)."""
+        return self.free_region_bytes if self.merge_growth else 0
+
+    def release_free(self, nbytes: int) -> list[tuple[int, int]]:
+        """Give free regions back to the budget, largest first, until at least ``nbytes`` went
+        back (or none is left); return each ``(offset, size)`` given (release that memory)."""
+        released: list[tuple[int, int]] = []
+        total = 0
+        while self.merge_growth and total < nbytes and self._regions:
+            size, offset = max((size, offset) for offset, size in self._regions.items())
+            self._remove_region(offset)
+            self._budget.grown_bytes -= size
+            released.append((offset, size))
+            total += size
+            if offset + size == self.grown_bytes:
+                self.grown_bytes = offset
+                before = self._holes_ending_at(offset)
+                if before is not None:  # a hole now ends the extent: drop it with the tail
+                    del self._holes[before]
+                    self.grown_bytes = before
+            else:
+                self._add_hole(offset, size)
+        return released
 
     def allocate(self, nbytes: int) -> Slot | None:
         """A slot for a page of ``nbytes`` from the grown arena, or None (grow or evict first)."""
@@ -199,13 +216,34 @@ class SlabAllocator:
         else:
             cls.partial[chunk.offset] = chunk
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a page of ``nbytes`` fits in the grown arena now (no growth)."""
+        slot_bytes = self.slot_bytes_for(nbytes)
+        cls = self._classes.get(slot_bytes)
+        return bool(cls and cls.partial) or self._largest_region() >= slot_bytes
+
     def plan_growth(self, nbytes: int) -> int | None:
         """Bytes the arena must grow for a page of ``nbytes`` to fit: 0 if it fits now, None if
         it cannot fit within capacity without deleting pages."""
+        plan = self.growth_plan(nbytes)
+        return None if plan is None else plan[1]
+
+    def growth_plan(self, nbytes: int) -> tuple[int, int] | None:
+        """Where and how much to grow for a page of ``nbytes``: ``(offset, nbytes)`` (``nbytes``
+        0 if it fits now), or None if it cannot fit without deleting pages. A hole is backed
+        again before the extent grows."""
         slot_bytes = self.slot_bytes_for(nbytes)
-        cls = self._classes.get(slot_bytes)
-        if (cls and cls.partial) or self._largest_region() >= slot_bytes:
-            return 0
+        if self.fits(nbytes):
+            return self.grown_bytes, 0
+        hole = min(((size, off) for off, size in self._holes.items() if size >= slot_bytes),
+                   default=None)
+        if hole is not None and self._budget.room_bytes >= slot_bytes:
+            size, offset = hole
+            return offset, min(self._chunk_size(slot_bytes), size, self._budget.room_bytes)
+        grow = self._tail_growth(slot_bytes)
+        return None if grow is None else (self.grown_bytes, grow)
+
+    def _tail_growth(self, slot_bytes: int) -> int | None:
         tail = self._tail_region() if self.merge_growth else 0
         room = self._room()
         if tail + room < slot_bytes:
@@ -215,21 +253,40 @@ class SlabAllocator:
 
     def spare_growth(self) -> int:
         """Bytes to grow ahead so one whole free chunk is ready (0 if one is, or no room)."""
+        return self.spare_plan()[1]
+
+    def spare_plan(self) -> tuple[int, int]:
+        """``(offset, nbytes)`` to grow ahead so one whole free chunk is ready (``nbytes`` 0 if
+        one is, or there is no room)."""
         if self._largest_region() >= self.chunk_bytes:
-            return 0
+            return self.grown_bytes, 0
+        hole = max(((size, off) for off, size in self._holes.items()), default=None)
+        if hole is not None:
+            size, offset = hole
+            return offset, min(self.chunk_bytes, size, self._budget.room_bytes)
         room = self._room()
         tail = self._tail_region() if self.merge_growth else 0
-        return min(self.chunk_bytes - tail, room)
+        return self.grown_bytes, max(0, min(self.chunk_bytes - tail, room))
 
     def add_grown(self, offset: int, nbytes: int) -> None:
-        """Record that the arena grew by ``nbytes`` at ``offset`` (its old end)."""
-        if offset != self.grown_bytes or nbytes > self._room():
+        """Record that the arena grew by ``nbytes`` at ``offset`` (its old end, or inside a
+        hole ``release_free`` left)."""
+        hole = self._hole_at(offset, nbytes)
+        if hole is not None and nbytes <= self._budget.room_bytes:
+            start, size = hole
+            del self._holes[start]
+            if offset > start:
+                self._holes[start] = offset - start
+            if offset + nbytes < start + size:
+                self._holes[offset + nbytes] = start + size - offset - nbytes
+        elif offset == self.grown_bytes and nbytes <= self._room():
+            self.grown_bytes += nbytes
+        else:
             raise CapacityError(
-                f"arena growth at {offset}+{nbytes} does not extend {self.grown_bytes} within "
-                f"capacity {self.capacity_bytes} (shared budget: {self._budget.room_bytes} "
-                "bytes left)"
+                f"arena growth at {offset}+{nbytes} neither extends {self.grown_bytes} nor "
+                f"fills a released range within capacity {self.capacity_bytes} (shared budget: "
+                f"{self._budget.room_bytes} bytes left)"
             )
-        self.grown_bytes += nbytes
         self._budget.grown_bytes += nbytes
         if not self.merge_growth:
             self._barriers.add(offset)
@@ -253,6 +310,40 @@ class SlabAllocator:
         if end == self.grown_bytes and self.merge_growth:
             merged += self._room()
         return merged >= slot_bytes
+
+    def backed_ranges(self) -> list[tuple[int, int]]:
+        """``(offset, nbytes)`` of each run of memory inside the extent, between its holes."""
+        ranges, start = [], 0
+        for offset, size in sorted(self._holes.items()):
+            if offset > start:
+                ranges.append((start, offset - start))
+            start = offset + size
+        if self.grown_bytes > start:
+            ranges.append((start, self.grown_bytes - start))
+        return ranges
+
+    def chunk_of(self, slot: Slot) -> int:
+        """The offset of the chunk ``slot`` is in (chunks free whole, back into the arena)."""
+        return slot.chunk.offset
+
+    def _hole_at(self, offset: int, nbytes: int) -> tuple[int, int] | None:
+        for start, size in self._holes.items():
+            if start <= offset and offset + nbytes <= start + size:
+                return start, size
+        return None
+
+    def _holes_ending_at(self, end: int) -> int | None:
+        return next((start for start, size in self._holes.items() if start + size == end), None)
+
+    def _add_hole(self, offset: int, size: int) -> None:
+        after = self._holes.pop(offset + size, None)
+        if after is not None:
+            size += after
+        before = self._holes_ending_at(offset)
+        if before is not None:
+            size += self._holes.pop(before)
+            offset = before
+        self._holes[offset] = size
 
     def _room(self) -> int:
         """Bytes this arena may still grow by: its own bound and the shared budget's."""
@@ -366,14 +457,16 @@ class ShmArena:
         self._base = probe.ctypes.data
         del probe  # drops the buffer export so the mapping can still be closed
 
-    def grow(self, nbytes: int) -> int:
-        """Allocate and prefault the ``nbytes`` after the grown part; return their offset.
+    def grow(self, nbytes: int, offset: int | None = None) -> int:
+        """Allocate and prefault ``nbytes`` at ``offset`` (default: after the grown part, which
+        then extends; else inside it, where ``release`` freed memory); return the offset.
 
         Blocking (about 0.4 GB/s, the kernel zeroes every page): call it in a thread.
         Raises CapacityError when the kernel has no memory to back them.
         """
-        offset = self.size_bytes
-        if nbytes <= 0 or offset + nbytes > self.capacity_bytes or nbytes % PAGE_ALIGN:
+        offset = self.size_bytes if offset is None else offset
+        if (nbytes <= 0 or offset + nbytes > self.capacity_bytes or nbytes % PAGE_ALIGN
+                or offset % PAGE_ALIGN or offset > self.size_bytes):
             raise CapacityError(f"cannot grow arena {self.name} by {nbytes} bytes at {offset}")
         try:
             # Reserve the pages now: touching a page shmem cannot back would raise SIGBUS.
@@ -384,8 +477,18 @@ class ShmArena:
                 f"shared memory for arena {self.name} is exhausted: {os.strerror(exc.errno)}"
             ) from None
         self._prefault(offset, nbytes)
-        self.size_bytes = offset + nbytes
+        self.size_bytes = max(self.size_bytes, offset + nbytes)
         return offset
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Free the memory of ``nbytes`` at ``offset`` (nothing there may be in use); the end
+        of the grown part moves back if they reach it. Blocking: call it in a thread."""
+        if offset < 0 or offset % PAGE_ALIGN or nbytes % PAGE_ALIGN or offset + nbytes > \
+                self.size_bytes:
+            raise CapacityError(f"cannot release {nbytes} bytes at {offset} of arena {self.name}")
+        self._release(offset, nbytes)
+        if offset + nbytes == self.size_bytes:
+            self.size_bytes = offset
 
     def shrink(self, offset: int) -> None:
         """Free the memory from ``offset`` to the grown end (nothing there may be in use).

@@ -24,9 +24,21 @@ from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.spec import KVSpec
 
-__all__ = ["ClusterEntry", "FdRegions", "Footprint", "RoomNeed", "SharedTier", "Slot",
-           "SlotTier", "Tier", "TierStats"]
+__all__ = [
+    "ClusterEntry",
+    "DevicePages",
+    "FdRegions",
+    "Footprint",
+    "HostPinning",
+    "RoomNeed",
+    "SharedTier",
+    "Slot",
+    "SlotTier",
+    "Tier",
+    "TierStats",
+]
 
 
 class Tier(ABC):
@@ -53,6 +65,10 @@ class Tier(ABC):
       free, in ``footprint`` terms: deleting unpinned blocks whose footprints are of
       ``need.size_class`` (any class if None) and add up to ``need.nbytes`` lets the page fit.
       ``max_page_bytes`` is the largest page the tier could ever hold.
+      ``room_for_tenant(n, tenant)`` answers the same for a page of ``tenant`` in a tier whose
+      memory is split by tenant: its need may name the tenant whose blocks must go (and the
+      exact blocks, ``RoomNeed.keys``), which is not always the one whose page is coming; a
+      tier shared by all tenants alike answers ``room_for(n)``.
     """
 
     name: str = "tier"
@@ -80,6 +96,10 @@ class Tier(ABC):
     @abstractmethod
     def room_for(self, nbytes: int) -> RoomNeed | None:
         """None if a page of ``nbytes`` fits now; else what must be freed first."""
+
+    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """None if ``tenant``'s page of ``nbytes`` fits now; else what must be freed first."""
+        return self.room_for(nbytes)
 
     def can_write(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without evicting anything."""
@@ -250,6 +270,32 @@ class SharedTier(Tier):
     @abstractmethod
     def health(self) -> str:
         """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""
+
+
+@runtime_checkable
+class DevicePages(Protocol):
+    """A slot tier whose slots hold device pages (``kvstore.codecs.device``): a writer puts a
+    block's codec sections there with the engine kernels, not a framed page, and the tier frames
+    them as a host page when the block leaves it. The store cannot check such a slot on the host
+    without copying it off the device: it publishes it under the meta it builds itself; the
+    pool is the writer's tenant's alone, so a bad page reaches nobody else."""
+
+    def device_slot_bytes(self, codec: str, spec: KVSpec) -> int:
+        """Bytes of the slot one block of ``spec`` under ``codec`` takes."""
+
+    async def publish_sections(self, slot: Slot, key: BlockKey, meta: PageMeta, spec: KVSpec,
+                               ready_event: bytes = b"") -> int:
+        """Make the device page in ``slot`` readable as ``key`` once the writer's event
+        (``ready_event``, an IPC handle; empty: already written) fired; its host page bytes."""
+
+
+@runtime_checkable
+class HostPinning(Protocol):
+    """A tier of host memory that can register itself as pinned CUDA memory (cudaHostRegister),
+    now and as it grows, so copies off a GPU tier DMA into it."""
+
+    async def pin_cuda(self) -> bool:
+        """Register (in the background, chunk by chunk); False without CUDA."""
 
 
 @runtime_checkable

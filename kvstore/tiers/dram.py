@@ -16,10 +16,13 @@ served.
 Making room is the store's job: the tier never evicts on its own. Slots come in size classes
 (``SlabAllocator``): when the arenas are full, deleting a page frees room for a page of the same
 class in its tenant's arena, one slot for one slot, so ``room_for(n)`` asks for one slot of the
-class of ``n`` and ``footprint(key)`` reports each page's class. ``room_for`` does not know whose
-page is coming: with several tenants a freed slot helps its own tenant, and memory moves between
-tenants only as whole free chunks at an arena's end (the store's watermark demotion frees those
-over time).
+class of ``n`` and ``footprint(key)`` reports each page's class. Memory moves between tenants
+as whole chunks: a free chunk anywhere in an arena goes back to the shared budget when another
+arena needs to grow. ``room_for_tenant(n, tenant)`` says whose blocks make room for a page of
+``tenant``: its own (one slot of the class) while its arena is at least as large as every other
+one, else every block of the emptiest chunk of the largest other arena (``RoomNeed.keys``), so
+one tenant filling the tier cannot starve another, and arenas tend to equal sizes among the
+tenants that store.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class _Arena:
     memory: ShmArena
     alloc: SlabAllocator
     pinned: list[int] = field(default_factory=list)  # registered host addresses
+    keys_by_chunk: dict[int, set[BlockKey]] = field(default_factory=dict)  # chunk offset -> keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +231,27 @@ class DramTier(SlotTier):
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
+    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """None if ``tenant``'s page of ``nbytes`` fits now (in its arena, or by taking free
+        chunks back from other arenas); else whose blocks to delete: one slot of the page's
+        class from ``tenant``'s own blocks while its arena is at least as large as every other
+        one, else every block of the emptiest chunk of the largest other arena (larger by more
+        than one slot, so two tenants do not take a chunk back and forth)."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        own_need = RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
+        if not self._is_open or slot_bytes > self.capacity_bytes:
+            return own_need
+        arena = self._arenas.get(tenant)
+        if self._fits_for(arena, nbytes):
+            return None
+        own_bytes = arena.alloc.backed_bytes if arena is not None else 0
+        donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_chunk),
+                    key=lambda a: a.alloc.backed_bytes, default=None)
+        if donor is not None and donor.alloc.backed_bytes > own_bytes + slot_bytes:
+            return self._chunk_need(donor)
+        # Its own blocks of other classes are not emptied for it: the page goes down the chain.
+        return own_need
+
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
         if entry is None:
@@ -354,7 +379,7 @@ class DramTier(SlotTier):
         if key in self._entries:  # stored meanwhile by a plain write: keep that copy
             slot.arena.alloc.release(slot.slot)
             return self._entries[key].length
-        self._entries[key] = _Entry(slot, view.nbytes, meta, seal)
+        self._add_entry(key, _Entry(slot, view.nbytes, meta, seal))
         self._stats.bytes_written += view.nbytes
         return view.nbytes
 
@@ -390,9 +415,8 @@ class DramTier(SlotTier):
         async with self._grow_lock:
             if not self._pin_cuda:
                 for arena in self._arenas.values():
-                    if arena.memory.size_bytes:
-                        await asyncio.to_thread(self._register, arena, 0,
-                                                arena.memory.size_bytes)
+                    for offset, nbytes in arena.alloc.backed_ranges():  # holes hold no memory
+                        await asyncio.to_thread(self._register, arena, offset, nbytes)
                     arena.alloc.merge_growth = False  # later growth: registrations of their own
             self._pin_cuda = True
         return True
@@ -424,14 +448,36 @@ class DramTier(SlotTier):
 
     def _fits(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when
-        the budget (with the free tails it could take back) holds a slot, else when some
+        the budget (with the free chunks it could take back) holds a slot, else when some
         arena has a free slot or region of its class (its own tenant's page fits)."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         if slot_bytes > self.capacity_bytes:
             return False
         arenas = self._arenas.values()
-        spare = self._budget.room_bytes + sum(a.alloc.tail_free_bytes for a in arenas)
-        return spare >= slot_bytes or any(a.alloc.plan_growth(nbytes) == 0 for a in arenas)
+        spare = self._budget.room_bytes + sum(a.alloc.releasable_bytes for a in arenas)
+        return spare >= slot_bytes or any(a.alloc.fits(nbytes) for a in arenas)
+
+    def _fits_for(self, arena: _Arena | None, nbytes: int) -> bool:
+        """Whether a page of ``nbytes`` fits in ``arena`` (None: one not made yet) without
+        deleting pages: in its free space, by growing within the budget, or by growing into
+        free chunks other arenas give back."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        if arena is not None and arena.alloc.growth_plan(nbytes) is not None:
+            return True
+        others = sum(a.alloc.releasable_bytes for a in self._arenas.values() if a is not arena)
+        return self._budget.room_bytes + others >= slot_bytes
+
+    def _chunk_need(self, arena: _Arena) -> RoomNeed:
+        """Every block of ``arena``'s emptiest chunk: deleting them frees the whole chunk,
+        which then goes back to the budget for any arena to grow into."""
+        keys = min(arena.keys_by_chunk.values(), key=len)
+        nbytes = sum(self._entries[key].slot.slot_bytes for key in keys)
+        return RoomNeed(nbytes=nbytes, tenant=arena.tenant, keys=frozenset(keys))
+
+    def _add_entry(self, key: BlockKey, entry: _Entry) -> None:
+        self._entries[key] = entry
+        arena = entry.slot.arena
+        arena.keys_by_chunk.setdefault(arena.alloc.chunk_of(entry.slot.slot), set()).add(key)
 
     async def _store(self, key: BlockKey, view: memoryview, meta: PageMeta) -> bool:
         arena = self._arena(meta.tenant)
@@ -444,7 +490,7 @@ class DramTier(SlotTier):
         if key in self._entries:  # a reservation published it meanwhile: keep that copy
             arena.alloc.release(slot)
             return True
-        self._entries[key] = _Entry(lent, view.nbytes, meta, seal)
+        self._add_entry(key, _Entry(lent, view.nbytes, meta, seal))
         self._stats.bytes_written += view.nbytes
         self._grow_ahead(arena)
         return True
@@ -456,32 +502,31 @@ class DramTier(SlotTier):
                 slot = arena.alloc.allocate(nbytes)
                 if slot is not None:
                     return slot
-                need = arena.alloc.plan_growth(nbytes)
-                if need is None:
+                plan = arena.alloc.growth_plan(nbytes)
+                if plan is None:
                     if not await self._take_back(arena, nbytes):
                         return None
                     continue
-                if not need or not await self._grow_locked(arena, need):
+                offset, need = plan
+                if not need or not await self._grow_locked(arena, need, offset):
                     return None
         return None
 
     async def _take_back(self, arena: _Arena, nbytes: int) -> bool:
-        """Shrink other arenas' free tails until ``arena`` can grow for a page of ``nbytes``;
-        False (nothing shrunk) when all of them together would not be enough."""
-        short = (SlabAllocator.slot_bytes_for(nbytes) - arena.alloc.tail_free_bytes
-                 - self._budget.room_bytes)
+        """Give other arenas' free chunks back to the budget until ``arena`` can grow for a
+        page of ``nbytes``; False (nothing given back) when all of them would not be enough."""
+        short = SlabAllocator.slot_bytes_for(nbytes) - self._budget.room_bytes
         others = sorted((a for a in self._arenas.values() if a is not arena),
-                        key=lambda a: -a.alloc.tail_free_bytes)
-        if sum(a.alloc.tail_free_bytes for a in others) < short:
+                        key=lambda a: -a.alloc.releasable_bytes)
+        if short <= 0 or sum(a.alloc.releasable_bytes for a in others) < short:
             return False
         for other in others:
             if short <= 0:
                 break
-            released = other.alloc.shrink_tail()
-            if released is not None:
-                offset, size = released
-                await asyncio.to_thread(other.memory.shrink, offset)
-                log.info("dram: took %d free bytes back from arena %s", size, other.region)
+            for offset, size in other.alloc.release_free(short):
+                await asyncio.to_thread(other.memory.release, offset, size)
+                log.info("dram: took %d free bytes at %d back from arena %s", size, offset,
+                         other.region)
                 short -= size
         return True
 
@@ -515,22 +560,24 @@ class DramTier(SlotTier):
 
     async def _spare(self, arena: _Arena) -> None:
         async with self._grow_lock:
-            need = arena.alloc.spare_growth()
+            offset, need = arena.alloc.spare_plan()
             if need and self._is_open:
-                await self._grow_locked(arena, need)
+                await self._grow_locked(arena, need, offset)
 
-    async def _grow_locked(self, arena: _Arena, nbytes: int) -> bool:
-        """Grow ``arena`` by ``nbytes`` in a thread; False if shared memory ran out."""
+    async def _grow_locked(self, arena: _Arena, nbytes: int, offset: int | None = None) -> bool:
+        """Grow ``arena`` by ``nbytes`` at ``offset`` (default: its end) in a thread; False if
+        shared memory ran out."""
+        offset = arena.alloc.grown_bytes if offset is None else offset
         try:
-            offset = await asyncio.to_thread(self._grow_blocking, arena, nbytes)
+            offset = await asyncio.to_thread(self._grow_blocking, arena, nbytes, offset)
         except CapacityError as exc:
             log.warning("dram: cannot grow arena %s: %s", arena.region, exc)
             return False
         arena.alloc.add_grown(offset, nbytes)
         return True
 
-    def _grow_blocking(self, arena: _Arena, nbytes: int) -> int:
-        offset = arena.memory.grow(nbytes)
+    def _grow_blocking(self, arena: _Arena, nbytes: int, offset: int) -> int:
+        offset = arena.memory.grow(nbytes, offset)
         if self._pin_cuda:
             try:
                 self._register(arena, offset, nbytes)
@@ -555,4 +602,10 @@ class DramTier(SlotTier):
 
     def _remove(self, key: BlockKey) -> None:
         entry = self._entries.pop(key)
-        entry.slot.arena.alloc.release(entry.slot.slot)
+        arena = entry.slot.arena
+        chunk = arena.alloc.chunk_of(entry.slot.slot)
+        keys = arena.keys_by_chunk[chunk]
+        keys.discard(key)
+        if not keys:
+            del arena.keys_by_chunk[chunk]
+        arena.alloc.release(entry.slot.slot)

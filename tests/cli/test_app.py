@@ -38,8 +38,8 @@ def test_help_lists_the_commands_in_order() -> None:
     group = typer.main.get_command(app)
     assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version",
                                     "bench"]
-    assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "policy",
-                                                      "remote"]
+    assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "gpu",
+                                                      "policy", "remote", "lmcache"]
 
 
 def test_usage_error_exits_2() -> None:

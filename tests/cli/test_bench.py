@@ -71,6 +71,13 @@ def test_bench_without_its_module_is_a_clean_error(monkeypatch) -> None:
     assert result.stderr.startswith("error: `kvstore bench codecs`")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_bench_gpu_without_a_gpu_says_so() -> None:
+    result = invoke("bench", "gpu", "--quick")
+    assert result.exit_code == 1
+    assert "needs a CUDA device" in result.stderr
+
+
 def test_bench_remote_runs_against_a_throwaway_server(tmp_path) -> None:
     """A tiny pass of `kvstore bench remote` (it starts its own redis-server)."""
     import shutil

@@ -43,10 +43,11 @@ class StoreSpy:
 def failing_writer(exc: BaseException, reserved: list):
     """A slot writer that writes the first block's page, then fails with ``exc``."""
 
-    def write(maps, ns, kv, reservation):
+    def write(maps, ns, kv, reservation, first_block=0):
         reserved.append(reservation)
         write_reservation(maps, ns, kv, dataclasses.replace(reservation,
-                                                            blocks=reservation.blocks[:1]))
+                                                            blocks=reservation.blocks[:1]),
+                          first_block)
         raise exc
 
     return write

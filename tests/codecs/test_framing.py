@@ -68,3 +68,39 @@ def test_verify_false_skips_only_the_checksum():
     assert torch.equal(codecs.decode(bytes(blob), verify=False), kv)
     with pytest.raises(CodecError):  # framing is still checked
         codecs.decode(bytes(blob[:-3]), verify=False)
+
+
+def _hostile_zstd(declared_bytes: int, frame: bytes) -> bytes:
+    from kvstore.codecs.zstd import _HEADER, ZSTD_MAGIC
+
+    return _HEADER.pack(ZSTD_MAGIC, declared_bytes) + frame
+
+
+def test_zstd_refuses_a_hostile_declared_length_before_allocating():
+    """A blob declaring 2**40 decompressed bytes used to reach zstd's allocation: it must fail
+    with a CodecError naming the size, through every entry point."""
+    import zstandard
+
+    hostile = _hostile_zstd(1 << 40, zstandard.ZstdCompressor().compress(b"x" * 64))
+    for decode in (lambda: codecs.decode(hostile), lambda: codecs.get("raw+zstd").decode(hostile)):
+        with pytest.raises(CodecError, match=str(1 << 40)):
+            decode()
+    # The frame itself may declare the huge size (the kvstore header then claims less).
+    big_frame = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))
+    with pytest.raises(CodecError, match="frame declares"):
+        codecs.decode(_hostile_zstd(64, big_frame))
+
+
+def test_zstd_bound_follows_the_output_shape():
+    """Decoding into ``out`` bounds the inner blob by out's size: a blob that would decompress to
+    far more than the out tensor could ever need is refused before decompressing."""
+    from kvstore.codecs.zstd import compress
+
+    kv = _kv()
+    inner = codecs.get("raw").encode(kv)
+    blob = compress(inner + bytes(256 << 10))  # padded far past 2x out's bytes + framing slack
+    out = torch.empty_like(kv)
+    with pytest.raises(CodecError, match="more than"):
+        codecs.decode(blob, out=out)
+    good = codecs.get("raw+zstd").encode(kv)
+    assert torch.equal(codecs.decode(good, out=out), kv)

@@ -90,7 +90,8 @@ async def test_trickling_stream_is_ended(quick_daemon):
 async def test_stalled_put_gives_its_buffer_back(root):
     """256 MiB of a declared 512 MiB arrive, then the client stalls: after the 2 s idle gap the
     stream is ended and the daemon gives the buffer back (resident memory back under
-    RETAINED_HEAP_BYTES above the start; liveness bounds 30 s to receive, 10 s to release)."""
+    RETAINED_HEAP_BYTES above the start; liveness bounds 30 s to receive, 30 s to release: a
+    machine busy with other test runs has taken over 10 s)."""
     with daemon_process(root, dram_bytes=1 << 30, stream_idle_timeout_s=2.0) as proc:
         pid = proc.proc.pid
         async with grpc.aio.insecure_channel(proc.address) as channel:
@@ -105,7 +106,7 @@ async def test_stalled_put_gives_its_buffer_back(root):
             code, details = await asyncio.wait_for(call, 10.0)
             assert code == SC.DEADLINE_EXCEEDED, (code, details)
             assert await eventually(
-                lambda: status_line(pid, "VmRSS") < base + RETAINED_HEAP_BYTES, 10.0)
+                lambda: status_line(pid, "VmRSS") < base + RETAINED_HEAP_BYTES, 30.0)
 
 
 async def test_call_cap_refuses_more_and_frees_when_stalled_calls_end(root):

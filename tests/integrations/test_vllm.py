@@ -107,3 +107,17 @@ def test_a_damaged_page_is_recomputed_not_served(runs):
     assert corrupt >= 1  # the damage was found by verification ...
     assert second_b["tokens"] == second_a["tokens"]  # ... and the block recomputed
     assert second_b["logprobs"] == pytest.approx(second_a["logprobs"], rel=1e-4, abs=1e-4)
+
+
+def test_connector_copies_round_trip_blocks_exactly():
+    """The connector's copies against a real daemon: blocks saved in two steps (the second only
+    the new blocks, behind the stored ones) load back byte for byte into other cache blocks,
+    and a load from a later block leaves the blocks before it alone."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        run_engine(root, "copies", daemon.address, timeout_s=120)
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)

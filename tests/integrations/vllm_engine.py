@@ -3,6 +3,11 @@ generate greedily through the kvstore connector and write the outputs as JSON.
 
     python vllm_engine.py build MODEL_DIR
     python vllm_engine.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON
+    python vllm_engine.py copies ADDRESS
+
+``copies`` drives the connector's own copy functions on caches laid out as vLLM's CPU backend
+lays them out (no engine): a prefix saved in two steps from scattered blocks, then loaded into
+other blocks whole and from its second block; it exits non-zero naming the first difference.
 """
 
 from __future__ import annotations
@@ -63,8 +68,45 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path) -> N
     out.write_text(json.dumps({"results": results, "namespace": ns.to_dict()}))
 
 
+def copies(address: str) -> None:
+    import torch
+
+    from kvstore.client import Client
+    from kvstore.integrations.vllm import block_views, gather_blocks, load_blocks
+    from kvstore.keys import Namespace
+    from kvstore.spec import KVSpec
+
+    bs, heads, head_dim = BLOCK_SIZE, 2, 32
+    spec = KVSpec(num_layers=2, num_kv_heads=heads, head_dim=head_dim, block_tokens=bs,
+                  dtype="bfloat16")
+    ns = Namespace(model_id="copies", spec=spec, revision="r1")
+    g = torch.Generator().manual_seed(0)
+    # vLLM 0.32's CPU layer cache: [num_blocks, H, block_size, 2 * head_dim]
+    layers = [torch.randn(16, heads, bs, 2 * head_dim, generator=g).to(torch.bfloat16)
+              for _ in range(spec.num_layers)]
+    tokens, saved_ids = list(range(5 * bs)), [3, 4, 9, 10, 11]
+    with Client(address) as client:
+        views = block_views(layers, spec)
+        client.put(ns, tokens[: 2 * bs], gather_blocks(views, spec, saved_ids[:2]))
+        client.put(ns, tokens, gather_blocks(views, spec, saved_ids[2:]), first_block=2)
+        for first_block, loaded_ids in ((0, [7, 1, 2, 0, 5]), (1, [15, 12, 13, 14, 6])):
+            target = [torch.zeros_like(t) for t in layers]
+            got = load_blocks(client, ns, block_views(target, spec), tokens, loaded_ids,
+                              first_block)
+            if got != 5:
+                sys.exit(f"load from block {first_block}: {got} of 5 blocks stored")
+            for i, (src, dst) in enumerate(zip(saved_ids, loaded_ids, strict=True)):
+                for layer, (a, b) in enumerate(zip(layers, target, strict=True)):
+                    if i >= first_block and not torch.equal(a[src], b[dst]):
+                        sys.exit(f"block {i} layer {layer} differs after the load")
+                    if i < first_block and b[dst].any():
+                        sys.exit(f"block {i} before the first was written")
+
+
 if __name__ == "__main__":  # the engine starts its workers by spawn
-    if sys.argv[1] == "build":
+    if sys.argv[1] == "copies":
+        copies(sys.argv[2])
+    elif sys.argv[1] == "build":
         build(Path(sys.argv[2]))
     else:
         generate(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text()),

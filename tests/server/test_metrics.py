@@ -43,11 +43,18 @@ async def test_metrics_endpoint(root, ns, spec):
             with pytest.raises(LeaseNotFound):
                 await client.abort(reservation.reservation_id)
         url = f"http://127.0.0.1:{d.metrics_port}/metrics"
-        # the scrape runs stats() on this loop, so it must not block the loop itself
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        # The scrape runs stats() on this loop, so it must not block the loop itself. A call's
+        # latency is recorded as its handler ends, which may be just after the client saw the
+        # reply: scrape until the last call shows up (a busy machine can lag by milliseconds).
+        abort_count = ("kvstore_rpc_latency_seconds_count", (("method", "Abort"),))
+        for _ in range(50):
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+            got = samples(text.decode())
+            if got.get(abort_count) == 2:
+                break
+            await asyncio.sleep(0.1)
     finally:
         await d.stop(1.0)
-    got = samples(text.decode())
     dram = (("tier", "dram"),)
     assert got[("kvstore_tier_blocks", dram)] == 3
     assert got[("kvstore_tier_used_bytes", dram)] >= 3 * spec.block_bytes

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from kvstore import codecs
-from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig, TierConfig
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, LeaseNotFound
 from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
 from kvstore.spec import KVSpec
 from kvstore.store import Store
+from kvstore.store.facade import WriteBuffers
 
 from ..conftest import random_kv, random_tokens
 
@@ -297,10 +298,11 @@ async def test_closed_store_refuses(tmp_path, ns):
 
 CRASH_CHILD = """
 import asyncio, os, sys
-from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig, TierConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 from kvstore.store import Store
+from kvstore.store.facade import WriteBuffers
 from tests.conftest import random_kv, random_tokens
 
 async def main(path):
@@ -440,3 +442,64 @@ async def test_damaged_dram_copy_is_served_from_ssd(tmp_path, ns, spec):
         stats = store.stats()
         assert stats.tiers["dram"].corrupt == 2 and stats.tiers["ssd"].corrupt == 0
         assert (await store.lookup(ns, tokens)).tokens_per_tier == {"dram": 32, "ssd": 32}
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+async def test_puts_reuse_their_write_buffer_without_touching_stored_pages(tmp_path, spec, ns,
+                                                                           kind):
+    """In-process puts write their pages into a buffer the next put reuses: pages stored
+    before (copied into the arena, appended to a segment) stay intact as later puts overwrite
+    the buffer, one at a time and side by side."""
+    tier = (TierConfig("mem", "dram", DramConfig(capacity_bytes=64 * MiB, chunk_bytes=MiB))
+            if kind == "dram" else
+            TierConfig("disk", "ssd", SsdConfig(path=str(tmp_path / "ssd"),
+                                                capacity_bytes=64 * MiB, segment_bytes=MiB,
+                                                fsync="batch", admit_after_accesses=0)))
+    prompts = [(random_tokens(48, seed=i), random_kv(spec, 48, seed=i)) for i in range(8)]
+    async with Store(KVStoreConfig(tiers=(tier,))) as store:
+        for tokens, kv in prompts[:4]:
+            assert await store.put(ns, tokens, kv) == 48
+        written = await asyncio.gather(*(store.put(ns, t, kv) for t, kv in prompts[4:]))
+        assert written == [48] * 4
+        for tokens, kv in prompts:
+            assert torch.equal(await store.get(ns, tokens), kv)
+
+
+def test_write_buffers_reuse_the_smallest_fit_within_bounds(monkeypatch):
+    buffers = WriteBuffers()
+    monkeypatch.setattr(WriteBuffers, "MAX_KEPT", 2)
+    monkeypatch.setattr(WriteBuffers, "MAX_KEPT_BYTES", 2000)
+    small, large = buffers.take(100), buffers.take(1000)
+    buffers.give(large)
+    buffers.give(small)
+    assert buffers.take(50) is small and buffers.take(50) is large
+    assert len(buffers.take(50)) == 50  # none left: a new one
+    for _ in range(3):
+        buffers.give(bytearray(10))
+    buffers.give(big := bytearray(20))
+    assert buffers.take(15) is big and len(buffers.take(15)) == 15  # only two were kept
+    buffers.give(bytearray(2001))  # over the bytes bound: dropped
+    assert len(buffers.take(2000)) == 2000
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+async def test_commit_refuses_a_page_holding_nan_or_inf(store, ns, spec, bad):
+    """A well-formed raw page (checksum and all) whose K/V holds NaN or Inf is refused at
+    commit: a lossy tier below could never take it on demotion."""
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    kv[1, 0, 20, 1, 3] = bad  # in the second block
+    res = await store.reserve(ns, tokens)
+    raw = codecs.get(res.codec)
+    bt = spec.block_tokens
+    with open(_arena_path(store, ns.tenant, res.blocks[0].region), "r+b") as f, \
+            mmap.mmap(f.fileno(), 0) as arena:
+        for g in res.blocks:
+            meta = PageMeta(key=g.key, namespace=ns.fingerprint, parent=g.parent,
+                            block_index=g.block_index, tenant=ns.tenant, model_id=ns.model_id,
+                            codec=raw.name, codec_id=raw.codec_id)
+            block = kv[:, :, g.block_index * bt:(g.block_index + 1) * bt]
+            page = encode_page(meta, raw.encode(block))
+            arena[g.offset:g.offset + len(page)] = page
+    with pytest.raises(CorruptPage, match="NaN or Inf"):
+        await store.commit(res.reservation_id)
+    assert (await store.lookup(ns, tokens)).matched_tokens == 0

@@ -22,7 +22,7 @@ from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, decode_page, encode_page, verify_page
 from kvstore.policy.base import RoomNeed
-from kvstore.tiers.arena import SlabAllocator
+from kvstore.tiers.arena import GrowthBudget, SlabAllocator
 from kvstore.tiers.dram import THREAD_VERIFY_BYTES, DramTier
 
 MiB = 1 << 20
@@ -407,7 +407,8 @@ async def test_pin_cuda_registers_the_arena_as_it_grows() -> None:
         for key, page, meta in pages:
             assert await tier.write(key, page, meta)
         for key, page, _ in [first, *pages]:
-            got = await tier.read(key)
+            got = await tier.read(key, verify=False)  # a view of the arena, not a private copy
+            verify_page(got)
             host = torch.frombuffer(got.payload, dtype=torch.uint8)
             assert host.is_pinned()
             on_gpu = host.to("cuda", non_blocking=True)
@@ -618,3 +619,30 @@ async def test_a_killed_process_leaves_no_arena_behind(tmp_path) -> None:
     assert os.listdir(tmp_path) == []
     if HAS_SHM:  # arena files used to be named after their process
         assert not [name for name in os.listdir("/dev/shm") if f"-{child.pid}-" in name]
+
+
+def test_allocator_gives_free_chunks_back_anywhere_and_grows_into_them_again() -> None:
+    """A free chunk in the middle of an arena goes back to the shared budget (a hole), another
+    arena grows with it, and the first arena later backs the hole again before extending."""
+    budget = GrowthBudget(4 * MiB)
+    first = SlabAllocator(capacity_bytes=4 * MiB, chunk_bytes=MiB, budget=budget)
+    second = SlabAllocator(capacity_bytes=4 * MiB, chunk_bytes=MiB, budget=budget)
+    for offset in range(0, 4 * MiB, MiB):
+        first.add_grown(offset, MiB)
+    slots = [first.allocate(MiB) for _ in range(4)]
+    assert budget.room_bytes == 0 and second.growth_plan(MiB) is None
+    first.release(slots[1])  # a chunk in the middle, between two in use
+    assert first.releasable_bytes == MiB
+    assert first.release_free(MiB) == [(MiB, MiB)]
+    assert (first.backed_bytes, first.grown_bytes, budget.room_bytes) == (3 * MiB, 4 * MiB, MiB)
+    assert first.backed_ranges() == [(0, MiB), (2 * MiB, 2 * MiB)]
+    assert second.growth_plan(MiB) == (0, MiB)
+    second.add_grown(0, MiB)
+    assert second.allocate(MiB) is not None and budget.room_bytes == 0
+    assert first.growth_plan(MiB) is None  # the hole is there, the budget is not
+    first.release(slots[3])
+    assert first.release_free(MiB) == [(3 * MiB, MiB)]  # the tail: the extent shrinks
+    assert (first.grown_bytes, first.backed_bytes) == (3 * MiB, 2 * MiB)
+    assert first.growth_plan(MiB) == (MiB, MiB)  # the hole before a new tail
+    first.add_grown(MiB, MiB)
+    assert first.allocate(MiB).offset == MiB and first.backed_bytes == 3 * MiB

@@ -1,0 +1,439 @@
+"""The engine's GPU path: register a paged KV cache once, then save and load prefixes by the
+engine's block ids, with kvstore's kernels reading and writing the cache in place.
+
+With a daemon whose chain has a GPU tier (``kind = "hbm"``), pages move between the engine's
+cache and the tenant's device pool, mapped once through CUDA IPC (``kvstore.ipc``): a save
+reserves pool slots, runs the encode kernel on the engine's stream and commits with an
+interprocess event the daemon waits on before it reads the slots; a load pins the prefix in the
+pool (the daemon promotes it from DRAM, SSD or the shared tier first) and decodes it into the
+engine's pages in one launch, or one launch per layer so layer i can run while later layers
+still land. Without a GPU tier, pages go through the host path of the client (``put``/``get``,
+shared memory where the daemon offers it) and one kernel launch to or from the cache.
+
+Only blocks that are whole in both ``tokens`` and ``block_ids`` move.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Self
+
+import torch
+
+from kvstore.api import Lease, Medium
+from kvstore.codecs.base import unpack_blob
+from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
+from kvstore.codecs.triton.engine import from_engine, to_engine
+from kvstore.errors import InvalidArgument
+from kvstore.ipc import map_region
+from kvstore.keys import Namespace
+from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
+from kvstore.spec import EngineLayout
+
+log = logging.getLogger("kvstore.gpu")
+# A page's fixed header (kvstore.page): magic at 0, the block key at 28, the meta length at 60.
+_PAGE_FIXED = HEADER_BYTES
+_PAGE_MAGIC = PAGE_MAGIC
+_KEY = slice(28, 44)
+_META_LEN = slice(60, 64)
+EVENTS_KEPT = 256  # exported events stay alive until the daemon surely opened them
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: the arena is mapped read-only here.
+_HOST_REGISTER_READ_ONLY = 1 | 8
+
+
+class LoadHandle:
+    """A load in flight: ``matched_tokens`` are (being) written into the engine's cache.
+
+    ``wait_for_layer(i)`` makes the caller's stream (or ``stream``) wait until layer ``i``
+    landed, without blocking the host; ``wait()`` blocks until every layer landed and gives the
+    lease back. A handle not waited on gives its lease back when the lease expires.
+    """
+
+    def __init__(self, matched_tokens: int, events: list[object], finish,
+                 source: str = "") -> None:
+        self.matched_tokens = matched_tokens
+        self.source = source  # "device pool", "host arena", "stream" or "" (nothing loaded)
+        self._events = events  # one per layer, or one for all
+        self._finish = finish
+
+    def wait_for_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        if not self._events:
+            return
+        event = self._events[layer if len(self._events) > 1 else 0]
+        if event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(event)
+
+    def wait(self) -> int:
+        for event in self._events[-1:]:
+            if event is not None:
+                event.synchronize()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self.matched_tokens
+
+
+class EngineCache:
+    """An engine's paged KV cache registered with kvstore (see the module docstring).
+
+    Args:
+        client: a sync ``kvstore.client.Client`` of the daemon on this host.
+        ns: the namespace the cache's pages belong to (its spec is the cache's geometry).
+        kv_caches: the cache as the engine holds it (``EngineLayout.of``).
+        layout: a name from ``kvstore.spec.ENGINE_LAYOUTS`` when the shapes are ambiguous.
+    """
+
+    def __init__(self, client, ns: Namespace, kv_caches, *, layout: str | None = None) -> None:
+        self.client = client
+        self.ns = ns
+        self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
+        self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
+        self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
+        self._rings: dict[str, StagingRing] = {}
+        self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
+        self._unpinnable: set[int] = set()
+        weakref.finalize(self, _unregister, self._pinned)
+
+    def close(self) -> None:
+        """Unregister the arena mappings this cache pinned (the engine's tensors stay); also
+        done when the cache is collected. Close it before its client: a mapping the client
+        unmaps while registered stays registered."""
+        _unregister(self._pinned)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[list[int], list[int]]:
+        bt = self.ns.spec.block_tokens
+        ids = self.layout.check_block_ids(block_ids).tolist()
+        n = min(len(tokens) // bt, len(ids))
+        return list(tokens[:n * bt]), ids[:n]
+
+    def _cuda(self) -> bool:
+        return self.layout.device.type == "cuda"
+
+    def _event(self, stream: torch.cuda.Stream | None, interprocess: bool = False):
+        if not self._cuda():
+            return None
+        event = torch.cuda.Event(interprocess=interprocess)
+        event.record(stream or torch.cuda.current_stream(self.layout.device))
+        return event
+
+    def _try_device(self, call):
+        """``call()`` on the daemon's device slots, or None when it lends none."""
+        if self._device_ok is False:
+            return None
+        try:
+            result = call()
+        except InvalidArgument as exc:
+            if "device slots" not in str(exc):
+                raise
+            self._device_ok = False
+            return None
+        self._device_ok = True
+        return result
+
+    # --- save -------------------------------------------------------------------------------
+
+    def save(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None
+             ) -> int:
+        """Store the blocks of ``tokens`` held in engine pages ``block_ids``; returns the
+        tokens newly published (blocks already stored are skipped)."""
+        tokens, ids = self._blocks(tokens, block_ids)
+        if not ids:
+            return 0
+        res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE))
+        if res is None:
+            return self._save_host(tokens, ids, stream)
+        try:
+            if res.blocks:
+                pool = map_region(res.blocks[0].region)
+                dev = device_layout(res.codec, self.ns.spec)
+                from_engine(self.layout, dev, [pool.base + g.offset for g in res.blocks],
+                            [ids[g.block_index] for g in res.blocks], stream)
+            handle = b""
+            if res.blocks and pool.keep == "ipc":  # the daemon is another process
+                event = self._event(stream, interprocess=True)
+                handle = event.ipc_handle()
+                self._events.append(event)
+            elif res.blocks and self._cuda():  # the daemon is this process: wait here
+                self._event(stream).synchronize()
+            return self.client.commit(res.reservation_id, handle)
+        except BaseException:
+            self.client.abort(res.reservation_id)
+            raise
+
+    def _save_host(self, tokens: list[int], ids: list[int], stream) -> int:
+        spec = self.ns.spec
+        dev = device_layout("raw", spec)
+        staging = _aligned(len(ids) * dev.nbytes, self.layout.device)
+        base = staging.data_ptr()
+        from_engine(self.layout, dev, [base + i * dev.nbytes for i in range(len(ids))], ids,
+                    stream)
+        if self._cuda():
+            (stream or torch.cuda.current_stream()).synchronize()
+        blocks = _canonical(staging, dev, len(ids)).cpu()  # [n, L, 2, bt, H, D]
+        kv = blocks.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(len(tokens)))
+        return self.client.put(self.ns, tokens, kv)
+
+    # --- load -------------------------------------------------------------------------------
+
+    def load(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None,
+             *, layerwise: bool = False, advice: bool = True) -> LoadHandle:
+        """Write the stored prefix of ``tokens`` into engine pages ``block_ids`` (block i of the
+        prefix into ``block_ids[i]``), on ``stream``.
+
+        ``advice``: load only the prefix the cost model says is worth fetching (the rest is
+        cheaper to recompute). ``layerwise``: one launch per layer, each with its event, so
+        the caller can start layer i (``LoadHandle.wait_for_layer``) before the rest landed.
+        """
+        tokens, ids = self._blocks(tokens, block_ids)
+        if not ids:
+            return LoadHandle(0, [], None)
+        bt = self.ns.spec.block_tokens
+        if advice:
+            hit = self.client.lookup(self.ns, tokens)
+            worth = hit.matched_tokens if hit.advised_tokens is None else hit.advised_tokens
+            tokens = tokens[:worth // bt * bt]
+            if not tokens:
+                return LoadHandle(0, [], None)
+        lease = self._try_device(lambda: self.client.acquire(self.ns, tokens,
+                                                             medium=Medium.DEVICE))
+        if lease is None:
+            return self._load_host(tokens, ids, stream)
+        release = _releaser(self.client, lease)
+        if not lease.blocks:
+            release()
+            return LoadHandle(0, [], None)
+        try:
+            pool = map_region(lease.blocks[0].region)
+            dev = device_layout(lease.codec, self.ns.spec)
+            addrs = [pool.base + b.offset for b in lease.blocks]
+            events = self._decode(dev, addrs, ids[:len(addrs)], stream, layerwise)
+        except BaseException:
+            release()
+            raise
+        return LoadHandle(lease.matched_tokens, events, release, "device pool")
+
+    def _decode(self, dev: DeviceLayout, addrs: list[int], ids: list[int], stream,
+                layerwise: bool) -> list[object]:
+        if not layerwise:
+            to_engine(self.layout, dev, addrs, ids, stream)
+            return [self._event(stream)]
+        events = []
+        for layer in range(self.layout.num_layers):
+            to_engine(self.layout, dev, addrs, ids, stream, layers=range(layer, layer + 1))
+            events.append(self._event(stream))
+        return events
+
+    def _load_host(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+        """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
+        staging ring and decoded into the engine as each chunk lands; without an arena this
+        client can map (a remote daemon), the socket path's ``get``."""
+        lease = None
+        maps = getattr(getattr(self.client, "_zero_copy", None), "maps", None)
+        if maps is not None and maps.channel is None:  # where the daemon hands out arenas
+            maps.usable(self.client.health().arena_path)
+        if maps is not None and maps.channel:
+            lease = self.client.acquire(self.ns, tokens)
+        if lease is None:
+            return self._load_streamed(tokens, ids, stream)
+        release = _releaser(self.client, lease)
+        if not lease.blocks or lease.codec not in DEVICE_CODECS:  # none, or zstd-framed pages
+            release()
+            return self._load_streamed(tokens, ids, stream) if lease.blocks else LoadHandle(
+                0, [], None)
+        try:
+            dev = device_layout(lease.codec, self.ns.spec)
+            layout_of: dict[tuple[int, bytes], int] = {}  # (page length, meta length) -> start
+            pages = [self._host_sections(maps, block, dev, layout_of) for block in lease.blocks]
+            ring = self._ring(dev)
+            events = ring.load(self.layout, dev, pages, ids[:len(pages)], stream)
+        except BaseException:
+            release()
+            raise
+        return LoadHandle(lease.matched_tokens, events, release, "host arena")
+
+    def _host_sections(self, maps, block, dev: DeviceLayout,
+                       layout_of: dict[tuple[int, bytes], int]) -> torch.Tensor:
+        """The section bytes of a leased host page, as a (pinned where possible) CPU tensor.
+
+        The daemon sealed the page when it stored it, and only its tenant maps the arena: the
+        page is parsed, not re-hashed (a 2 MiB hash costs more than its transfer). Pages of
+        one namespace and codec share their framing: after the first, a page whose header
+        names its key and has the same lengths has its sections at the same offset.
+        """
+        view = maps.view(block.region, block.offset, block.length)
+        header = bytes(view[:_PAGE_FIXED])
+        shape_key = (block.length, header[_META_LEN])
+        start = layout_of.get(shape_key)
+        if start is None or header[:4] != _PAGE_MAGIC or header[_KEY] != bytes(block.key):
+            page = parse_page(view, block.key)
+            blob = unpack_blob(page.payload, verify=False)
+            if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
+                raise InvalidArgument(f"page {bytes(block.key).hex()} is not a {dev.codec} "
+                                      f"block of this namespace's shape")
+            if not dev.packed:
+                raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; "
+                                      "they load through get")
+            start = _address(blob.sections[0]) - _address(view)
+            layout_of[shape_key] = start
+        self._pin(view)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+        return flat[start:start + dev.span]
+
+    def _pin(self, view: memoryview) -> None:
+        """Register the arena mapping holding ``view`` as pinned memory, once (DMA at the
+        link's rate instead of through a bounce buffer)."""
+        if not self._cuda():
+            return
+        mapping = view.obj
+        base, size = _address(memoryview(mapping)), len(mapping)
+        if self._pinned.get(base) == size or base in self._unpinnable:
+            return
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(base, size, _HOST_REGISTER_READ_ONLY))
+        if err == 0:
+            self._pinned[base] = size
+            return
+        cudart.cudaGetLastError()  # a refused registration must not fail a later CUDA call
+        self._unpinnable.add(base)  # e.g. registered already by another cache: copies still run
+        log.info("arena mapping at %#x stays pageable here (cudaHostRegister: error %d)", base,
+                 err)
+
+    def _ring(self, dev: DeviceLayout) -> StagingRing:
+        ring = self._rings.get(dev.codec)
+        if ring is None:
+            ring = self._rings[dev.codec] = StagingRing(dev, self.layout.device)
+        return ring
+
+    def _load_streamed(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+        kv = self.client.get(self.ns, tokens)
+        if kv is None or kv.shape[2] == 0:
+            return LoadHandle(0, [], None)
+        bt = self.ns.spec.block_tokens
+        n = kv.shape[2] // bt
+        dev = device_layout("raw", self.ns.spec)
+        staging = _aligned(n * dev.nbytes, self.layout.device)
+        blocks = kv.view(*kv.shape[:2], n, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+        _canonical(staging, dev, n).copy_(blocks, non_blocking=True)
+        addrs = [staging.data_ptr() + i * dev.nbytes for i in range(n)]
+        to_engine(self.layout, dev, addrs, ids[:n], stream)
+        event = self._event(stream)
+        return LoadHandle(n * bt, [event], lambda: staging, "stream")  # staging kept till waited
+
+
+class StagingRing:
+    """Device staging for pages that cross the link: ``slots`` chunks of ``chunk_pages``
+    device pages. ``load`` copies pages in chunks on a copy stream and decodes each chunk into
+    the engine on the caller's stream as soon as it landed, so transfer and decode overlap
+    (on an H200: 0.98 of the link for raw pages, 1.95x the link in engine bytes for fp8, 3.5x
+    for nvfp4; 2026-12-01, BENCHMARKS.md)."""
+
+    def __init__(self, dev: DeviceLayout, device: torch.device, chunk_pages: int = 32,
+                 slots: int = 3) -> None:
+        self.dev = dev
+        self.chunk_pages = chunk_pages
+        self.slots = [_aligned(chunk_pages * dev.nbytes, device) for _ in range(slots)]
+        cuda = device.type == "cuda"
+        self._copy = torch.cuda.Stream(device) if cuda else None
+        self._freed = [torch.cuda.Event() if cuda else None for _ in self.slots]
+        self._used = [False] * slots
+
+    def load(self, layout: EngineLayout, dev: DeviceLayout, pages: Sequence[torch.Tensor],
+             ids: Sequence[int], stream: torch.cuda.Stream | None = None) -> list[object]:
+        """Decode ``pages`` (CPU tensors of each page's packed sections, pinned for speed) into
+        engine pages ``ids``; returns the event of the last chunk (None on the CPU)."""
+        cuda = self._copy is not None
+        compute = (stream or torch.cuda.current_stream(layout.device)) if cuda else None
+        last = None
+        for c, start in enumerate(range(0, len(pages), self.chunk_pages)):
+            k = c % len(self.slots)
+            chunk = pages[start:start + self.chunk_pages]
+            slot = self.slots[k]
+            with _on(self._copy):
+                if cuda and self._used[k]:
+                    self._copy.wait_event(self._freed[k])
+                for j, page in _runs(chunk, dev.nbytes):
+                    slot[j * dev.nbytes:j * dev.nbytes + page.numel()].copy_(
+                        page, non_blocking=cuda)
+                landed = torch.cuda.Event() if cuda else None
+                if cuda:
+                    landed.record(self._copy)
+            if cuda:
+                compute.wait_event(landed)
+            base = slot.data_ptr()
+            to_engine(layout, dev, [base + j * dev.nbytes for j in range(len(chunk))],
+                      list(ids[start:start + len(chunk)]), compute)
+            if cuda:
+                self._freed[k].record(compute)
+                self._used[k] = True
+                last = self._freed[k]
+        return [last]
+
+
+def _runs(pages: Sequence[torch.Tensor], stride: int):
+    """``(index, tensor)`` copies for ``pages``: neighbours that lie back to back in memory,
+    each ``stride`` bytes, are merged into one copy."""
+    i = 0
+    while i < len(pages):
+        j = i + 1
+        while (j < len(pages) and pages[j - 1].numel() == stride
+               and pages[j].data_ptr() == pages[j - 1].data_ptr() + stride):
+            j += 1
+        if j - i == 1:
+            yield i, pages[i]
+        else:
+            first = pages[i]
+            yield i, first.as_strided(((j - i - 1) * stride + pages[j - 1].numel(),), (1,))
+        i = j
+
+
+def _unregister(pinned: dict[int, int]) -> None:
+    for base in list(pinned):
+        torch.cuda.cudart().cudaHostUnregister(base)
+        del pinned[base]
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    raw = torch.empty(nbytes + SECTION_ALIGN, dtype=torch.uint8, device=device)
+    pad = -raw.data_ptr() % SECTION_ALIGN
+    return raw[pad:pad + nbytes]
+
+
+def _canonical(staging: torch.Tensor, dev: DeviceLayout, n: int) -> torch.Tensor:
+    """``n`` raw device pages in ``staging`` as ``[n, L, 2, bt, H, D]``."""
+    section = dev.sections[0]
+    pages = staging.view(n, dev.nbytes)[:, :section.nbytes]
+    return pages.view(dev.dtype).view(n, *section.shape)
+
+
+def _releaser(client, lease: Lease):
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            client.release(lease.lease_id)
+
+    return release

@@ -1,0 +1,113 @@
+"""The engine's GPU path end to end: an engine cache registered with a real daemon, saved by
+block ids and loaded into another cache, through the daemon's device pool or its host path.
+
+On a machine without CUDA the pool is host memory and the kernels run in Triton's interpreter
+(the daemon runs in this process, so its host pool is mappable); on a GPU it is a CUDA IPC pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvstore.client import Client
+from kvstore.client.gpu import EngineCache
+from kvstore.codecs.triton.common import kernels_runnable
+from kvstore.config import DramConfig, HbmConfig, TierConfig
+from kvstore.keys import Namespace
+from kvstore.spec import KVSpec
+
+from ..server.helpers import DaemonThread, small_config
+
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not kernels_runnable(torch.device(DEVICE)),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=32, block_tokens=16)
+MiB = 1 << 20
+PAGES = 12
+
+
+def with_hbm(config, codec: str = "raw"):
+    return dataclasses.replace(config, tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=4 * MiB, device=DEVICE, codec=codec)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=8 * MiB, chunk_bytes=MiB)),
+    ))
+
+
+def engine(poison: bool) -> list[torch.Tensor]:
+    shape = (2, PAGES, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)  # FlashAttention
+    if poison:
+        return [torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                for _ in range(SPEC.num_layers)]
+    return [torch.randn(shape, device=DEVICE).to(torch.bfloat16) for _ in range(SPEC.num_layers)]
+
+
+def same_pages(a: list[torch.Tensor], pa: list[int], b: list[torch.Tensor], pb: list[int]
+               ) -> bool:
+    return all(torch.equal(x[:, pa], y[:, pb]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("tiers", ["hbm", "host"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_save_then_load_into_another_cache(tmp_path, tiers, layerwise):
+    config = small_config(tmp_path)
+    if tiers == "hbm":
+        config = with_hbm(config)
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(100, 100 + 5 * 16 + 7))  # five whole blocks and a partial one
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        src = engine(poison=False)
+        saver = EngineCache(client, ns, src)
+        src_pages = [7, 2, 9, 0, 4, 11]
+        assert saver.save(tokens, src_pages) == 80
+        assert saver.save(tokens, src_pages) == 0  # already stored
+        hit = client.lookup(ns, tokens)
+        assert hit.matched_tokens == 80
+        assert set(hit.tokens_per_tier) == ({"gpu"} if tiers == "hbm" else {"dram"})
+
+        dst = engine(poison=True)
+        with EngineCache(client, ns, dst) as loader:
+            dst_pages = [3, 5, 1, 10, 8]
+            handle = loader.load(tokens, dst_pages, layerwise=layerwise)
+            for layer in range(SPEC.num_layers):
+                handle.wait_for_layer(layer)
+            assert handle.wait() == 80
+        assert handle.source == ("device pool" if tiers == "hbm" else "host arena")
+        assert same_pages(src, src_pages[:5], dst, dst_pages)
+        untouched = [p for p in range(PAGES) if p not in dst_pages]
+        assert all(torch.isnan(t[:, untouched]).all() for t in dst)
+        # Leases were given back: the daemon holds none.
+        stats = client.stats()
+        assert stats.active_leases == 0 and stats.active_reservations == 0
+
+
+def test_fp8_pool_loads_within_codec_tolerance(tmp_path):
+    config = with_hbm(small_config(tmp_path), codec="fp8_e4m3")
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(3 * 16))
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        src = engine(poison=False)
+        EngineCache(client, ns, src).save(tokens, [1, 2, 3])
+        dst = engine(poison=True)
+        assert EngineCache(client, ns, dst).load(tokens, [4, 5, 6]).wait() == 48
+        for x, y in zip(src, dst):
+            a, b = x[:, [1, 2, 3]].float(), y[:, [4, 5, 6]].float()
+            assert not torch.isnan(b).any()
+            assert 0 < ((a - b).norm() / a.norm()).item() < 0.05
+
+
+def test_a_load_past_the_stored_prefix_stops_at_it(tmp_path):
+    config = with_hbm(small_config(tmp_path))
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        src = engine(poison=False)
+        EngineCache(client, ns, src).save(list(range(32)), [0, 1])
+        dst = engine(poison=True)
+        cache = EngineCache(client, ns, dst)
+        assert cache.load(list(range(64)), [2, 3, 4, 5]).wait() == 32
+        assert cache.load(list(range(1000, 1064)), [2, 3, 4, 5]).wait() == 0
+        assert torch.isnan(dst[0][:, [4, 5]]).all()
+        with pytest.raises(Exception, match="block_ids span"):
+            cache.load(list(range(32)), [0, PAGES])

@@ -1,0 +1,225 @@
+"""Engine kernels (device pages <-> an engine's paged cache) against torch references, on the
+CPU through Triton's interpreter and on CUDA when there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.codecs.device import SECTION_ALIGN, device_layout
+from kvstore.codecs.fp8 import Fp8Parts, decode_fp8_reference, encode_fp8_reference
+from kvstore.codecs.triton.common import kernels_runnable
+from kvstore.errors import CodecError, InvalidArgument
+from kvstore.spec import ENGINE_LAYOUTS, EngineLayout, KVSpec
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not kernels_runnable(DEVICE),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+NUM_PAGES = 9
+
+
+def engine_cache(name: str, spec: KVSpec, dtype: torch.dtype, fused: bool):
+    """Per-layer tensors (or one fused tensor) of layout ``name``, poisoned with NaN."""
+    sizes = {"kv": 2, "block": NUM_PAGES, "token": spec.block_tokens,
+             "head": spec.num_kv_heads, "dim": spec.head_dim, "kvdim": 2 * spec.head_dim}
+    shape = [sizes[r] for r in ENGINE_LAYOUTS[name]]
+    if fused:
+        return torch.full([spec.num_layers, *shape], float("nan"), dtype=dtype, device=DEVICE)
+    return [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+            for _ in range(spec.num_layers)]
+
+
+def aligned_pool(nbytes: int) -> tuple[torch.Tensor, int]:
+    raw = torch.empty(nbytes + SECTION_ALIGN, dtype=torch.uint8, device=DEVICE)
+    pad = -raw.data_ptr() % SECTION_ALIGN
+    return raw[pad:pad + nbytes], raw.data_ptr() + pad
+
+
+def read_block(layout: EngineLayout, page: int) -> torch.Tensor:
+    """The canonical [L, 2, bt, H, D] block held in engine page ``page`` (torch reference)."""
+    out = []
+    for layer in range(layout.num_layers):
+        k, v = layout.block_view(layer, page)
+        out.append(torch.stack([k, v]))
+    return torch.stack(out)
+
+
+def assert_decoded(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-exact on a GPU; within one ulp in the interpreter, which truncates float32 to
+    bf16/fp16 where torch rounds to nearest even."""
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, want)
+    else:
+        ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1
+
+
+def spec_of(dtype: torch.dtype) -> KVSpec:
+    return KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_tokens=4, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec", ["raw", "fp8_e4m3"])
+def test_round_trip_through_device_pages(name, dtype, codec):
+    from kvstore.codecs.triton.engine import from_engine, page_tensors, to_engine
+
+    spec = spec_of(dtype)
+    fused = name in ("flash", "fused_hnd")
+    src_cache = engine_cache(name, spec, dtype, fused)
+    src = EngineLayout.of(src_cache, spec)
+    assert src.name == name
+    for t in src.tensors:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(dtype))
+    dev = device_layout(codec, spec)
+    n = 5
+    pool, base = aligned_pool(n * dev.nbytes)
+    src_ids = torch.randperm(NUM_PAGES)[:n].tolist()
+    slots = torch.randperm(n).tolist()
+    addrs = [base + s * dev.nbytes for s in slots]
+    from_engine(src, dev, addrs, src_ids)
+
+    # The device pages hold exactly the reference encoding of each block.
+    for i, page in enumerate(src_ids):
+        block = read_block(src, page)
+        got = page_tensors(pool, dev, slots[i] * dev.nbytes)
+        if codec == "raw":
+            assert torch.equal(got[0].view(torch.int16), block.contiguous().view(torch.int16))
+        else:
+            ref = encode_fp8_reference(block.cpu())
+            assert torch.equal(got[0].cpu(), ref.codes)
+            assert torch.equal(got[1].cpu().view(torch.int16), ref.scales.view(torch.int16))
+
+    dst_cache = engine_cache(name, spec, dtype, fused)
+    dst = EngineLayout.of(dst_cache, spec)
+    dst_ids = torch.randperm(NUM_PAGES)[:n].tolist()
+    to_engine(dst, dev, addrs, dst_ids)
+    for i, page in enumerate(dst_ids):
+        got = read_block(dst, page)
+        want = read_block(src, src_ids[i])
+        assert not torch.isnan(got).any(), "every element of a loaded page is written"
+        if codec == "raw":
+            assert torch.equal(got, want)
+        else:
+            parts = Fp8Parts(*(t.cpu() for t in page_tensors(pool, dev, slots[i] * dev.nbytes)))
+            assert_decoded(got.cpu(), decode_fp8_reference(parts, dtype))
+            rel = (got.float() - want.float()).norm() / want.float().norm()
+            assert rel < 0.05
+    untouched = [p for p in range(NUM_PAGES) if p not in dst_ids]
+    for page in untouched:
+        assert torch.isnan(read_block(dst, page)).all(), "other pages are left alone"
+
+
+def test_layout_is_read_from_strides_not_assumed():
+    """An engine that permutes memory under the logical shape (vLLM's stride order)."""
+    from kvstore.codecs.triton.engine import from_engine, to_engine
+
+    spec = spec_of(torch.bfloat16)
+    dev = device_layout("raw", spec)
+    # Logical [2, nb, bt, H, D], memory ordered [nb, H, 2, bt, D].
+    caches = [torch.randn(NUM_PAGES, spec.num_kv_heads, 2, spec.block_tokens, spec.head_dim,
+                          device=DEVICE).to(torch.bfloat16).permute(2, 0, 3, 1, 4)
+              for _ in range(spec.num_layers)]
+    layout = EngineLayout.of(caches, spec)
+    pool, base = aligned_pool(2 * dev.nbytes)
+    from_engine(layout, dev, [base, base + dev.nbytes], [3, 7])
+    got = pool[:dev.sections[0].nbytes].view(torch.bfloat16).view(spec.block_shape)
+    want = torch.stack([torch.stack([c[0, 3], c[1, 3]]) for c in caches])
+    assert torch.equal(got, want)
+    out = [torch.full_like(c, float("nan")) for c in caches]
+    to_engine(EngineLayout.of(out, spec), dev, [base + dev.nbytes], [0])
+    assert torch.equal(torch.stack([torch.stack([c[0, 0], c[1, 0]]) for c in out]),
+                       torch.stack([torch.stack([c[0, 7], c[1, 7]]) for c in caches]))
+
+
+def test_bad_inputs_name_what_is_wrong():
+    from kvstore.codecs.triton.engine import to_engine
+
+    spec = spec_of(torch.bfloat16)
+    caches = engine_cache("flash", spec, torch.bfloat16, fused=False)
+    layout = EngineLayout.of(caches, spec)
+    dev = device_layout("raw", spec)
+    _pool, base = aligned_pool(dev.nbytes)  # kept alive: the kernels read its address
+    with pytest.raises(InvalidArgument, match="block_ids span"):
+        to_engine(layout, dev, [base], [NUM_PAGES])
+    with pytest.raises(CodecError, match="aligned"):
+        to_engine(layout, dev, [base + 2], [0])
+    with pytest.raises(CodecError, match="addresses for"):
+        to_engine(layout, dev, [base, base], [0])
+    with pytest.raises(CodecError, match="do not fit"):
+        to_engine(layout, device_layout("raw", spec_of(torch.float16)), [base], [0])
+    with pytest.raises(CodecError, match="no device kernels"):
+        device_layout("fp8_e4m3+zstd", spec)
+    with pytest.raises(InvalidArgument, match="layers"):
+        EngineLayout.of(caches[:2], spec)
+    with pytest.raises(InvalidArgument, match="matches no known layout"):
+        EngineLayout.of([c[..., :8] for c in caches], spec)
+    square = KVSpec(num_layers=1, num_kv_heads=4, head_dim=16, block_tokens=4)
+    with pytest.raises(InvalidArgument, match="pass layout="):
+        EngineLayout.of([torch.zeros(2, 3, 4, 4, 16, dtype=torch.bfloat16)], square)
+    assert EngineLayout.of([torch.zeros(2, 3, 4, 4, 16, dtype=torch.bfloat16)], square,
+                           layout="flash_hnd").head_stride == 64
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp4_pages_decode_into_the_engine(codec, dtype):
+    from kvstore.codecs.fp4 import (
+        Fp4Parts,
+        dequantize_reference,
+        mxfp4_quantize_reference,
+        nvfp4_quantize_reference,
+    )
+    from kvstore.codecs.triton.engine import page_tensors, to_engine
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=4, dtype=dtype)
+    dev = device_layout(codec, spec)
+    quantize = nvfp4_quantize_reference if codec == "nvfp4" else mxfp4_quantize_reference
+    n = 3
+    pool, base = aligned_pool(n * dev.nbytes)
+    blocks = [torch.randn(spec.block_shape).to(dtype) for _ in range(n)]
+    for i, block in enumerate(blocks):
+        for view, section in zip(page_tensors(pool, dev, i * dev.nbytes),
+                                 quantize(block).sections()):
+            view.copy_(section.to(DEVICE))
+    caches = engine_cache("flashinfer", spec, dtype, fused=False)
+    layout = EngineLayout.of(caches, spec)
+    ids = [4, 0, 7]
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    with pytest.raises(CodecError, match="do not encode"):
+        from kvstore.codecs.triton.engine import from_engine
+
+        from_engine(layout, dev, [base], [0])
+    for i, page in enumerate(ids):
+        parts = Fp4Parts(*(t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)))
+        assert_decoded(read_block(layout, page).cpu(), dequantize_reference(parts, dtype))
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2"])
+@pytest.mark.parametrize("block_tokens", [8, 12])  # 12: four K tokens kept whole
+def test_kivi_pages_decode_into_the_engine(codec, block_tokens):
+    from kvstore.codecs import kivi
+    from kvstore.codecs.triton.engine import page_tensors, to_engine
+
+    dtype = torch.float16 if block_tokens == 12 else torch.bfloat16
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=block_tokens,
+                  dtype=dtype)
+    dev = device_layout(codec, spec)
+    bits = 4 if codec == "int4" else 2
+    n = 3
+    pool, base = aligned_pool(n * dev.nbytes)
+    for i in range(n):
+        block = torch.randn(spec.block_shape).to(dtype)
+        parts = kivi.encode_kivi_reference(block, bits, dev.group_size)
+        for view, section in zip(page_tensors(pool, dev, i * dev.nbytes), parts.tensors()):
+            view.copy_(section.to(DEVICE))
+    caches = engine_cache("fused_nhd", spec, dtype, fused=False)
+    layout = EngineLayout.of(caches, spec)
+    ids = [2, 8, 5]
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    for i, page in enumerate(ids):
+        views = [t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)]
+        want = kivi.decode_kivi_reference(kivi.KiviParts(bits, dev.group_size, *views), dtype)
+        got = read_block(layout, page).cpu()
+        assert not torch.isnan(got).any()
+        assert_decoded(got, want)

@@ -1,0 +1,75 @@
+"""Tenants sharing one DRAM tier: one tenant filling it cannot starve another, making room for
+a tenant never deletes another's blocks it does not have to, and quotas give each its share."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.config import KVStoreConfig, QuotaConfig, ServerConfig, TierConfig
+from kvstore.store import Store
+
+from ..conftest import random_kv, random_tokens
+from .test_chain import BLOCKS_PER_MIB, SPEC, MiB, dram, namespace
+
+CAPACITY_MIB = 4
+
+
+def one_tier(**server) -> KVStoreConfig:
+    return KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(CAPACITY_MIB * MiB)),),
+                         server=ServerConfig(**server))
+
+
+def _keys_in(store: Store, tenant: str) -> set[bytes]:
+    return {row.key for row in store.list_blocks(tenant=tenant, tier="mem", limit=10_000)}
+
+
+async def test_a_tenant_that_filled_dram_does_not_starve_another():
+    """Regression: room-making was tenant-blind. Once acme's arena held all of DRAM, a globex
+    put evicted acme's blocks one at a time without ever freeing memory globex's arena could
+    grow into, and failed. Now the tier asks for a whole chunk of acme's (the store evicts
+    exactly those blocks), the chunk goes back to the shared budget and globex's arena grows."""
+    acme, globex = namespace(1, "acme"), namespace(2, "globex")
+    async with Store(one_tier()) as store:
+        for i in range(6):  # 60 blocks: a full tier, acme making room from its own blocks
+            tokens = random_tokens(16 * 10, seed=30 + i)
+            assert await store.put(acme, tokens, random_kv(SPEC, 16 * 10, seed=30 + i)) == 160
+        assert store.stats(tenant="acme").num_blocks == CAPACITY_MIB * BLOCKS_PER_MIB
+        g_tokens, g_kv = random_tokens(16 * 10, seed=50), random_kv(SPEC, 16 * 10, seed=50)
+        assert await store.put(globex, g_tokens, g_kv) == 160
+        assert (await store.lookup(globex, g_tokens)).tokens_per_tier == {"mem": 160}
+        assert torch.equal(await store.get(globex, g_tokens), g_kv)
+        # One chunk of acme's went: exactly the blocks that filled it.
+        assert store.stats(tenant="acme").num_blocks == (CAPACITY_MIB - 1) * BLOCKS_PER_MIB
+        globex_keys = _keys_in(store, "globex")
+        for i in range(4):  # acme keeps writing: it makes room from its own blocks only
+            tokens = random_tokens(16 * 10, seed=60 + i)
+            assert await store.put(acme, tokens, random_kv(SPEC, 16 * 10, seed=60 + i)) == 160
+        assert _keys_in(store, "globex") == globex_keys
+        assert torch.equal(await store.get(globex, g_tokens), g_kv)
+        # Zero-copy writes of the starved tenant find room the same way.
+        reservation = await store.reserve(globex, random_tokens(16 * 5, seed=70))
+        assert len(reservation.blocks) == 5
+        await store.abort(reservation.reservation_id)
+        assert _keys_in(store, "globex") == globex_keys
+
+
+async def test_with_quotas_each_tenant_gets_its_share():
+    """Two tenants with half the tier each, both writing three times their share: each ends
+    with its share's worth of blocks, and the latest of them read back bit-exact."""
+    acme, globex = namespace(1, "acme"), namespace(2, "globex")
+    share_blocks = CAPACITY_MIB // 2 * BLOCKS_PER_MIB
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(CAPACITY_MIB * MiB)),),
+                           server=ServerConfig(tenant_tokens={"acme": "a", "globex": "g"}),
+                           quota=QuotaConfig(tier_share=0.5))
+    async with Store(config) as store:
+        last = {}
+        for i in range(9):  # interleaved: 90 blocks each
+            for j, ns in enumerate((acme, globex)):
+                tokens = random_tokens(16 * 10, seed=100 + 10 * i + j)
+                kv = random_kv(SPEC, 16 * 10, seed=100 + 10 * i + j)
+                assert await store.put(ns, tokens, kv) == 160
+                last[ns.tenant] = (tokens, kv)
+        for ns in (acme, globex):
+            assert store.stats(tenant=ns.tenant).num_blocks == share_blocks
+            tokens, kv = last[ns.tenant]
+            assert torch.equal(await store.get(ns, tokens), kv)

@@ -1,0 +1,135 @@
+"""The HBM tier in the store's chain: device pages in per-tenant pools, written by engine
+kernels through reservations, demoted down the chain as host pages and promoted back.
+
+Runs on the GPU when there is one (``pytest -m gpu`` picks the CUDA cases), otherwise on the
+tier's host-memory pools with the kernels in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.api import Medium
+from kvstore.codecs.device import device_layout
+from kvstore.codecs.triton.common import kernels_runnable
+from kvstore.config import ConfigError, DramConfig, HbmConfig, KVStoreConfig, TierConfig
+from kvstore.errors import InvalidArgument
+from kvstore.keys import Namespace
+from kvstore.spec import EngineLayout, KVSpec
+from kvstore.store import Store
+
+from ..conftest import random_kv, random_tokens
+
+MiB = 1 << 20
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16)  # 8 KiB a block
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not kernels_runnable(torch.device(DEVICE)),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def chain(hbm_bytes: int, codec: str = "raw") -> KVStoreConfig:
+    return KVStoreConfig(tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=hbm_bytes, device=DEVICE, codec=codec,
+                                           high_watermark=1.0, low_watermark=1.0)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB,
+                                              high_watermark=1.0, low_watermark=1.0)),
+    ))
+
+
+def namespace(tenant: str = "acme") -> Namespace:
+    return Namespace(model_id="m", spec=SPEC, tenant=tenant)
+
+
+async def test_puts_land_in_hbm_spill_to_dram_and_come_back_exact():
+    ns = namespace()
+    slot = device_layout("raw", SPEC).nbytes
+    prompts = [(random_tokens(16 * 4, seed=i), random_kv(SPEC, 16 * 4, seed=i)) for i in range(5)]
+    async with Store(chain(6 * slot)) as store:  # 6 blocks of HBM, 20 blocks written
+        for tokens, kv in prompts:
+            assert await store.put(ns, tokens, kv) == 64
+        stats = store.stats()
+        assert stats.tiers["gpu"].num_blocks == 6
+        assert stats.tiers["host"].num_blocks == 14 and stats.counters.dropped == 0
+        # A device lease promotes the prefix into the tenant's pool and says where it is.
+        lease = await store.acquire(ns, prompts[0][0], medium=Medium.DEVICE)
+        assert lease.matched_tokens == 64 and lease.codec == "raw"
+        assert {b.medium for b in lease.blocks} == {Medium.DEVICE}
+        pool = store.tiers["gpu"].pool_tensor("acme")
+        layout = device_layout("raw", SPEC)
+        for i, block in enumerate(lease.blocks):
+            assert block.length == layout.nbytes and block.offset % 256 == 0
+            got = pool[block.offset:block.offset + layout.nbytes].view(torch.bfloat16)
+            want = prompts[0][1][:, :, 16 * i:16 * (i + 1)].contiguous().flatten()
+            assert torch.equal(got.cpu(), want)
+        await store.release(lease.lease_id)
+        for tokens, kv in prompts:
+            assert torch.equal(await store.get(ns, tokens), kv)
+        # A host lease of the same prefix is served from DRAM, never from device memory.
+        host = await store.acquire(ns, prompts[0][0])
+        assert host.matched_tokens == 64 and {b.medium for b in host.blocks} == {Medium.HOST}
+        await store.release(host.lease_id)
+
+
+@needs_kernels
+@pytest.mark.parametrize("codec", ["raw", "fp8_e4m3"])
+async def test_engine_writes_device_slots_and_the_store_serves_them(codec):
+    """A writer reserves device slots, encodes its paged cache into them with the engine
+    kernel, commits; a get (through the tier's host page) returns what the cache held."""
+    from kvstore.codecs.triton.engine import from_engine
+
+    ns = namespace()
+    tokens = random_tokens(16 * 3, seed=7)
+    kv = random_kv(SPEC, 48, seed=7)
+    caches = [torch.full((2, 8, 16, 2, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+              for _ in range(SPEC.num_layers)]
+    layout = EngineLayout.of(caches, SPEC)
+    pages = [5, 1, 6]
+    for i, page in enumerate(pages):
+        for layer in range(SPEC.num_layers):
+            caches[layer][:, page] = kv[layer, :, 16 * i:16 * (i + 1)].to(DEVICE)
+    async with Store(chain(16 * device_layout(codec, SPEC).nbytes, codec)) as store:
+        res = await store.reserve(ns, tokens, medium=Medium.DEVICE)
+        assert res.codec == codec and len(res.blocks) == 3
+        pool = store.tiers["gpu"].pool_tensor("acme")
+        from_engine(layout, device_layout(codec, SPEC),
+                    [pool.data_ptr() + g.offset for g in res.blocks], pages)
+        assert await store.commit(res.reservation_id) == 48
+        got = await store.get(ns, tokens)
+        if codec == "raw":
+            assert torch.equal(got, kv)
+        else:
+            rel = (got.float() - kv.float()).norm() / kv.float().norm()
+            assert 0 < rel < 0.05
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"gpu": 48}
+
+
+async def test_device_tier_refuses_what_it_cannot_hold():
+    with pytest.raises(ConfigError, match="engine kernels"):
+        HbmConfig(codec="nvfp4")
+    with pytest.raises(ConfigError, match="pool_bytes"):
+        HbmConfig(capacity_bytes=MiB, pool_bytes=2 * MiB)
+    async with Store(chain(MiB)) as store:
+        ns = namespace()
+        res = await store.reserve(ns, random_tokens(32), medium=Medium.DEVICE)
+        with pytest.raises(InvalidArgument, match="ready.event"):
+            await store.commit(res.reservation_id, ready_event=b"\x01" * 64)
+
+
+async def test_tenants_get_pools_of_their_own():
+    slot = device_layout("raw", SPEC).nbytes
+    config = KVStoreConfig(tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=8 * slot, pool_bytes=4 * slot,
+                                           device=DEVICE)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB)),
+    ))
+    async with Store(config) as store:
+        a, b = namespace("a"), namespace("b")
+        tokens = random_tokens(64, seed=1)
+        await store.put(a, tokens, random_kv(SPEC, 64, seed=1))
+        await store.put(b, tokens, random_kv(SPEC, 64, seed=2))
+        la = await store.acquire(a, tokens, medium=Medium.DEVICE)
+        lb = await store.acquire(b, tokens, medium=Medium.DEVICE)
+        assert la.blocks[0].region != lb.blocks[0].region
+        tier = store.tiers["gpu"]
+        assert tier.pool_tensor("a").data_ptr() != tier.pool_tensor("b").data_ptr()
+        assert store.stats().tiers["gpu"].extra["pools"] == 2
