@@ -153,6 +153,7 @@ class Counters:
     hint_skipped: int = 0  # blocks hints left alone: they could not arrive before the deadline
     hint_landed: int = 0  # scheduled blocks in the fastest tier before their deadline
     hint_late: int = 0  # scheduled blocks that did not land before the deadline
+    hint_cancelled: int = 0  # scheduled blocks not moved: their request arrived or was dropped
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

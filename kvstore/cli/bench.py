@@ -148,7 +148,7 @@ def bench_policy(
     json_path: JsonPathOpt = None,
 ) -> None:
     """Eviction and fetch policies over traces in a simulated HBM/DRAM/SSD chain: hit rates,
-    bytes per path and modelled TTFT (kvstore.bench.policy)."""
+    bytes per path and modelled TTFT (kvstore.bench.policy); a PNG plot beside the JSON."""
     from kvstore.bench.policy import run_policy_bench, write_policy_report
 
     report, results = run_policy_bench([str(p) for p in trace or ()], quick, block_tokens)

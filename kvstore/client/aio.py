@@ -198,8 +198,12 @@ class AsyncClient:
                           tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
         return await self._unary(requests.list_blocks(tenant, model_id, tier, limit))
 
-    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
-        return await self._unary(requests.hint(ns, tokens, deadline_s))
+    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float,
+                   policy: str = "best_effort") -> int:
+        return await self._unary(requests.hint(ns, tokens, deadline_s, policy))
+
+    async def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
+        return await self._unary(requests.cancel_hint(ns, tokens))
 
     async def report_prefill(self, ns: Namespace, new_tokens: int = 0, cached_tokens: int = 0,
                              seconds: float = 0.0, profile: ModelProfile | None = None) -> None:

@@ -89,10 +89,17 @@ def list_blocks(tenant: str | None, model_id: str | None, tier: str | None,
     return Unary("ListBlocks", request, _block_infos)
 
 
-def hint(ns: Namespace, tokens: Tokens, deadline_s: float) -> Unary[int]:
+def hint(ns: Namespace, tokens: Tokens, deadline_s: float, policy: str = "best_effort"
+         ) -> Unary[int]:
     request = pb.HintRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
-                             deadline_s=deadline_s)
+                             deadline_s=deadline_s, policy=policy)
     return Unary("Hint", request, attrgetter("num_blocks"))
+
+
+def cancel_hint(ns: Namespace, tokens: Tokens) -> Unary[int]:
+    request = pb.CancelHintRequest(namespace=namespace_to_proto(ns),
+                                   tokens=tokens_to_bytes(tokens))
+    return Unary("CancelHint", request, attrgetter("num_hints"))
 
 
 def report_prefill(ns: Namespace, new_tokens: int, cached_tokens: int, seconds: float,

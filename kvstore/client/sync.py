@@ -257,9 +257,15 @@ class Client:
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
         return self._unary(requests.list_blocks(tenant, model_id, tier, limit))
 
-    def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
-        """Announce a queued request; returns the blocks scheduled for promotion."""
-        return self._unary(requests.hint(ns, tokens, deadline_s))
+    def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float,
+             policy: str = "best_effort") -> int:
+        """Announce a queued request; returns the blocks scheduled for promotion (with
+        ``policy="wait"``: those that landed before the deadline; "timeout" gives up there)."""
+        return self._unary(requests.hint(ns, tokens, deadline_s, policy))
+
+    def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
+        """The hinted request was dropped: end its hints; returns how many ended."""
+        return self._unary(requests.cancel_hint(ns, tokens))
 
     def report_prefill(self, ns: Namespace, new_tokens: int = 0, cached_tokens: int = 0,
                        seconds: float = 0.0, profile: ModelProfile | None = None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvstore.keys import BlockKey
 from kvstore.policy.base import EvictionOrder, Footprint
-from kvstore.policy.value import COALESCE_S
+from kvstore.policy.history import COALESCE_S
 
 RECENT, FREQUENT = 1, 2  # T1 and T2
 
@@ -115,7 +115,7 @@ class ArcOrder(EvictionOrder):
             lst.by_class.setdefault(footprint.size_class, OrderedDict())[key] = None
         held.footprint = footprint  # same place in its list's overall order
 
-    def touch_chain(self, keys: Sequence[BlockKey]) -> None:
+    def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
         now = self._clock()
         chain = [(k, h) for k in reversed(keys) if (h := self._held.get(k)) is not None]
         is_frequent = any(h.where == FREQUENT or now - h.last_use_s >= self._coalesce_s

@@ -4,8 +4,8 @@ The store asks an ``EvictionOrder`` per tier for victims and an ``AdmissionPolic
 whether a demoted block may enter it; neither reaches into tier internals. What a tier needs
 freed before a page fits is the tier's own answer (``RoomNeed``, from ``Tier.room_for``), in
 the terms an order understands: bytes, and the size class they must come from. Scores come from
-recency for now; the cost model (seed §8: value = reuse likelihood x time a fetch saves / bytes)
-plugs in behind the same interface.
+recency (LRU, ARC) or from the cost model (seed §8: value = reuse likelihood x time a fetch saves /
+bytes, ``ValueOrder``) behind the same interface.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ class EvictionOrder(ABC):
         """The block's footprint changed where it is (no access): it keeps its value."""
 
     @abstractmethod
-    def touch_chain(self, keys: Sequence[BlockKey]) -> None:
+    def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
         """A prefix chain (parents first) was used: every parent must rank at least as valuable
-        as its children, so a chain is evicted from its tail and stays reachable."""
+        as its children, so a chain is evicted from its tail and stays reachable. ``group``
+        names the chain's namespace (its fingerprint) for orders that learn per namespace."""
 
     @abstractmethod
     def remove(self, key: BlockKey) -> None:

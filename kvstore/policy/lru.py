@@ -36,7 +36,7 @@ class LruOrder(EvictionOrder):
             self._drop_from_class(key, old.size_class)
             self._by_class.setdefault(footprint.size_class, OrderedDict())[key] = None
 
-    def touch_chain(self, keys: Sequence[BlockKey]) -> None:
+    def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
         # Children first, parents last: the parent ends up more recent than every child.
         for key in reversed(keys):
             footprint = self._order.get(key)

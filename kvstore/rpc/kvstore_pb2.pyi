@@ -408,20 +408,36 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HintRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "deadline_s")
+    __slots__ = ("namespace", "tokens", "deadline_s", "policy")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     deadline_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    policy: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., deadline_s: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class HintResponse(_message.Message):
     __slots__ = ("num_blocks",)
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class CancelHintRequest(_message.Message):
+    __slots__ = ("namespace", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class CancelHintResponse(_message.Message):
+    __slots__ = ("num_hints",)
+    NUM_HINTS_FIELD_NUMBER: _ClassVar[int]
+    num_hints: int
+    def __init__(self, num_hints: _Optional[int] = ...) -> None: ...
 
 class ModelProfile(_message.Message):
     __slots__ = ("num_params", "num_layers", "hidden_size", "flops_per_s")

@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.HintRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.HintResponse.FromString,
                 _registered_method=True)
+        self.CancelHint = channel.unary_unary(
+                '/kvstore.v1.KVStore/CancelHint',
+                request_serializer=kvstore__pb2.CancelHintRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.CancelHintResponse.FromString,
+                _registered_method=True)
         self.ReportPrefill = channel.unary_unary(
                 '/kvstore.v1.KVStore/ReportPrefill',
                 request_serializer=kvstore__pb2.ReportPrefillRequest.SerializeToString,
@@ -195,8 +200,15 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Hint(self, request, context):
-        """Prefetch: promote what can arrive before the deadline.
+        """Prefetch: promote what can arrive before the deadline. A Lookup or Acquire of the prefix by
+        the same tenant ends the hint (its request arrived); CancelHint ends it (it was dropped).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelHint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -285,6 +297,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Hint,
                     request_deserializer=kvstore__pb2.HintRequest.FromString,
                     response_serializer=kvstore__pb2.HintResponse.SerializeToString,
+            ),
+            'CancelHint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelHint,
+                    request_deserializer=kvstore__pb2.CancelHintRequest.FromString,
+                    response_serializer=kvstore__pb2.CancelHintResponse.SerializeToString,
             ),
             'ReportPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportPrefill,
@@ -648,6 +665,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Hint',
             kvstore__pb2.HintRequest.SerializeToString,
             kvstore__pb2.HintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelHint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CancelHint',
+            kvstore__pb2.CancelHintRequest.SerializeToString,
+            kvstore__pb2.CancelHintResponse.FromString,
             options,
             channel_credentials,
             insecure,

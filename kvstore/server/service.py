@@ -278,8 +278,15 @@ class KVStoreService(pbg.KVStoreServicer):
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
         ns = self._namespace(request.namespace, "prefetch")
         deadline_s = _seconds(request.deadline_s, "deadline_s", MAX_HINT_DEADLINE_S, False)
-        scheduled = await self._store.hint(ns, self._tokens(request.tokens), deadline_s)
+        policy = request.policy or "best_effort"  # the store names a policy it does not know
+        scheduled = await self._store.hint(ns, self._tokens(request.tokens), deadline_s, policy)
         return pb.HintResponse(num_blocks=scheduled)
+
+    async def CancelHint(self, request: pb.CancelHintRequest, context
+                         ) -> pb.CancelHintResponse:
+        ns = self._namespace(request.namespace, "cancel hints for")
+        ended = await self._store.cancel_hint(ns, self._tokens(request.tokens))
+        return pb.CancelHintResponse(num_hints=ended)
 
     async def ReportPrefill(self, request: pb.ReportPrefillRequest, context
                             ) -> pb.ReportPrefillResponse:

@@ -123,8 +123,9 @@ class BlockDirectory:
             entry.last_access_s = now
             entry.hits += hit
         keys = [e.meta.key for e in entries]
+        group = entries[0].meta.namespace if entries else None
         for order in self._orders.values():
-            order.touch_chain(keys)
+            order.touch_chain(keys, group)
 
     def pin(self, entries: Iterable[BlockEntry]) -> None:
         for entry in entries:

@@ -30,12 +30,13 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.page import Page, PageMeta, page_bytes, write_page
-from kvstore.policy import build_order
+from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder, Footprint
 from kvstore.policy.cost import PrefillModel, advise
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
 from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, SharedTier, Tier
@@ -57,10 +58,11 @@ async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
     return block_keys(ns, tokens)
 
 
-def _eviction_order(links: Sequence[Link], index: int) -> EvictionOrder:
+def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> EvictionOrder:
     """The order ``links[index]``'s settings name. The value order scores a hit by the read time
     it saves against the next tier down; in the last tier by its own read time (recompute is
-    taken to cost at least twice the slowest read: the store has no prefill model per tier)."""
+    taken to cost at least twice the slowest read: the store has no prefill model per tier).
+    Value orders share the chain's ``history``, so a block keeps its uses as it moves down."""
     here = links[index].path
     lower = links[index + 1].path if index + 1 < len(links) else None
 
@@ -68,7 +70,7 @@ def _eviction_order(links: Sequence[Link], index: int) -> EvictionOrder:
         cost = here.time_s(footprint.nbytes, queued=False)
         return cost if lower is None else lower.time_s(footprint.nbytes, queued=False) - cost
 
-    return build_order(links[index].settings.eviction, saved_s)
+    return build_order(links[index].settings.eviction, saved_s, history=history, rank=index)
 
 
 @dataclass(slots=True)
@@ -127,7 +129,8 @@ class Store:
         self.config = config or KVStoreConfig()
         links = [Link.build(i, link) for i, link in enumerate(self.config.tier_chain())]
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
-        orders = {link.name: _eviction_order(links, link.index) for link in links}
+        history = UseHistory()
+        orders = {link.name: _eviction_order(links, link.index, history) for link in links}
         self._dir = BlockDirectory(list(orders), orders.__getitem__,
                                    observer=self._directory_observer(links))
         share = self.config.quota.share(len(self.config.server.tenant_tokens))
@@ -135,6 +138,7 @@ class Store:
         self._leases = LeaseManager(self._dir, self._placement,
                                     self.config.server.lease_timeout_s, self.config.quota,
                                     self._count, self._spawn)
+        self._hints = Hints(self._dir, self._placement, self._count, self._spawn)
         # Blocks an in-process put is writing; a put of the same block waits on it.
         self._writing: dict[BlockKey, asyncio.Future[None]] = {}
         self._buffers = WriteBuffers()
@@ -261,6 +265,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         all_keys = await _keys(ns, arr)
+        self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
         entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
         per_tier: dict[str, int] = {}
@@ -390,7 +395,8 @@ class Store:
         rows.sort(key=lambda r: r.age_s)
         return rows[:limit]
 
-    # Leases, reservations and hints live in kvstore.store.leases; these delegate to it.
+    # Leases and reservations live in kvstore.store.leases, hints in kvstore.store.hints; these
+    # delegate to them.
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
                       medium: Medium = Medium.HOST) -> Lease:
@@ -399,6 +405,7 @@ class Store:
         first, as for ``get``."""
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
+        self._hints.arrived(ns.tenant, keys)
         await self._adopt_shared(ns, keys)
         return await self._leases.acquire(ns, keys, lease_s, Medium(medium))
 
@@ -431,10 +438,21 @@ class Store:
         self._check_open()
         self._leases.abort(reservation_id)
 
-    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float) -> int:
-        """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a request."""
+    async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float,
+                   policy: str | HintPolicy = HintPolicy.BEST_EFFORT) -> int:
+        """Promote the stored prefix of ``tokens`` into the fastest tier ahead of a queued
+        request (kvstore.store.hints): returns the blocks scheduled, or with ``wait`` those
+        that landed in time. The hint ends when a lookup or acquire of the prefix by the same
+        tenant arrives, or on ``cancel_hint``."""
         self._check_open()
-        return self._leases.hint(ns, await _keys(ns, token_array(tokens)), deadline_s)
+        return await self._hints.hint(ns, await _keys(ns, token_array(tokens)), deadline_s,
+                                      hint_policy(policy))
+
+    async def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
+        """The hinted request for ``tokens`` was dropped: end the tenant's hints for that
+        prefix (what had not landed counts as cancelled). Returns how many hints ended."""
+        self._check_open()
+        return self._hints.arrived(ns.tenant, await _keys(ns, token_array(tokens)))
 
     def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
         """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.
@@ -482,10 +500,11 @@ class Store:
         self._totals.add(**deltas)
         self._by_tenant.setdefault(tenant, Counters()).add(**deltas)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _encode_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
                        todo: list[int]) -> tuple[list[_Encoded], bytearray]:

@@ -1,5 +1,5 @@
-"""Leases (pinned zero-copy reads), reservations (zero-copy writes) and prefetch hints, over
-whichever tier of the chain lends slots (``SlotTier``)."""
+"""Leases (pinned zero-copy reads) and reservations (zero-copy writes), over whichever tier of
+the chain lends slots (``SlotTier``); prefetch hints are kvstore.store.hints."""
 
 from __future__ import annotations
 
@@ -334,49 +334,6 @@ class LeaseManager:
         for reserved in slots:
             reserved.link.tier.abort(reserved.slot)  # type: ignore[attr-defined]
             self._dir.charge(reserved.link.name, tenant, -reserved.slot.slot_bytes)
-
-    # ------------------------------------------------------------------------------ hints
-
-    def hint(self, ns: Namespace, keys: list[BlockKey], deadline_s: float) -> int:
-        """Promote the prefix's blocks into the fastest tier ahead of a queued request: in
-        prefix order, those that can arrive before the deadline over their path (behind what is
-        already queued on it); return how many were scheduled. Promotions still running at the
-        deadline are given up and counted late."""
-        if deadline_s <= 0:
-            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s}")
-        first = self._placement.links[0]
-        todo = [e for e in self._dir.match_prefix(keys) if first.name not in e.sizes]
-        plan: list[tuple[BlockEntry, Link]] = []
-        arrival_s = 0.0
-        for entry in todo:
-            source = self._placement.fastest_holder(entry)
-            arrival_s += source.path.time_s(entry.sizes[source.name])
-            if arrival_s > deadline_s:
-                break
-            plan.append((entry, source))
-        self._count(ns.tenant, hint_blocks=len(plan), hint_skipped=len(todo) - len(plan))
-        if plan:
-            self._spawn(self._prefetch(ns.tenant, plan, first, deadline_s))
-        return len(plan)
-
-    async def _prefetch(self, tenant: str, plan: list[tuple[BlockEntry, Link]], target: Link,
-                        deadline_s: float) -> None:
-        pending = [entry.sizes[source.name] for entry, source in plan]
-        for (_, source), nbytes in zip(plan, pending):  # later hints and advice see the queue
-            source.path.queued_bytes += nbytes
-        landed = 0
-        try:
-            async with asyncio.timeout(deadline_s):
-                for i, (entry, source) in enumerate(plan):
-                    landed += await self._placement.promote(entry, target)
-                    source.path.queued_bytes -= pending[i]
-                    pending[i] = 0
-        except TimeoutError:
-            pass
-        finally:
-            for (_, source), nbytes in zip(plan, pending):
-                source.path.queued_bytes -= nbytes
-            self._count(tenant, hint_landed=landed, hint_late=len(plan) - landed)
 
     # ------------------------------------------------------------------------------ background
 

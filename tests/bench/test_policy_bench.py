@@ -32,11 +32,18 @@ def test_bench_policy_writes_every_trace_and_policy(tmp_path: Path) -> None:
             assert {"ttft_mean_ms", "ttft_p99_ms", "hit_rate", "hit_rate_hbm",
                     "read_gib_dram"} <= set(summary)
             assert 0 <= summary["hit_rate"] <= 1 and summary["ttft_mean_ms"] > 0
+        assert by_policy["kvstore"]["tau_s"] > 0 and "tau_s" not in by_policy["lru"]
         oracle, recompute = by_policy["oracle"], by_policy["always-recompute"]
         assert oracle["ttft_mean_ms"] <= recompute["ttft_mean_ms"] * (1 + 1e-9), name
         assert recompute["fetched_rate"] == 0
     no_reuse = document["traces"]["no-reuse/tight"]
     assert all(s["hit_rate"] == 0 for s in no_reuse.values())
+    png = out.with_suffix(".png")
+    assert f"plot written to {png}" in result.stdout.replace("\n", "")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"  # a PNG, not a stub
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 600 and height >= 600
 
 
 def test_a_mooncake_file_is_replayed_under_its_own_name(tmp_path: Path) -> None:

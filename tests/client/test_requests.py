@@ -23,7 +23,8 @@ def test_every_unary_call_matches_its_method(ns):
     calls = [requests.lookup(ns, tokens),
              requests.evict("acme", None, [BlockKey(bytes(16))], False),
              requests.stats(None), requests.list_blocks(None, "m", "dram", 10),
-             requests.hint(ns, tokens, 0.5), requests.health(),
+             requests.hint(ns, tokens, 0.5), requests.hint(ns, tokens, 0.5, "wait"),
+             requests.cancel_hint(ns, tokens), requests.health(),
              requests.acquire(ns, tokens, None), requests.release("l1"),
              requests.reserve(ns, tokens, 30.0), requests.commit("r1"), requests.abort("r1")]
     for call in calls:
@@ -32,6 +33,8 @@ def test_every_unary_call_matches_its_method(ns):
         assert not method.client_streaming and not method.server_streaming
     assert requests.commit("r1").parse(pb.CommitResponse(tokens_published=48)) == 48
     assert requests.release("l1").parse(pb.ReleaseResponse()) is None
+    assert requests.hint(ns, tokens, 0.5, "wait").request.policy == "wait"
+    assert requests.cancel_hint(ns, tokens).parse(pb.CancelHintResponse(num_hints=2)) == 2
 
 
 def test_put_stream_starts_over_on_each_iteration(ns, spec):

@@ -7,7 +7,10 @@ import pytest
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
 from kvstore.policy.base import Footprint
-from kvstore.policy.value import HALF_LIFE_S, ReuseStats, ValueOrder, use_class
+from kvstore.policy.history import ReuseStats, use_class
+from kvstore.policy.value import ValueOrder
+
+HALF_LIFE_S = 15.0
 
 from .test_orders import Clock, key, never
 

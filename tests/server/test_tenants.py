@@ -44,7 +44,8 @@ async def test_tenant_isolation_over_tcp(tcp_daemon, ns, spec):
         denied = "tenant 'acme' may not"
         for call in (acme.lookup(zeta_ns, tokens), acme.get(zeta_ns, tokens),
                      acme.put(zeta_ns, tokens, random_kv(spec, 48)),
-                     acme.hint(zeta_ns, tokens, 1.0), acme.acquire(zeta_ns, tokens),
+                     acme.hint(zeta_ns, tokens, 1.0), acme.cancel_hint(zeta_ns, tokens),
+                     acme.acquire(zeta_ns, tokens),
                      acme.list_blocks(tenant="zeta"), acme.stats(tenant="zeta"),
                      acme.evict(tenant="zeta")):
             with pytest.raises(PermissionDenied, match=denied):

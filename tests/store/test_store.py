@@ -280,8 +280,11 @@ async def test_hint_promotes_ssd_blocks(tmp_path, ns, spec):
         await store.put(ns, tokens, kv)
     async with Store(cfg) as store:
         assert await store.hint(ns, tokens, deadline_s=5.0) == 4
+        # Polled through the counters: a lookup of the prefix is its request arriving, which
+        # would end the hint.
         for _ in range(100):
-            if (await store.lookup(ns, tokens)).tokens_per_tier.get("dram") == 64:
+            counters = store.stats().counters
+            if counters.hint_landed + counters.hint_late == 4:
                 break
             await asyncio.sleep(0.02)
         assert (await store.lookup(ns, tokens)).tokens_per_tier == {"dram": 64}
@@ -430,11 +433,8 @@ async def test_damaged_dram_copy_is_served_from_ssd(tmp_path, ns, spec):
     async with Store(cfg) as store:
         await store.put(ns, tokens, kv)  # close persists the blocks to SSD
     async with Store(cfg) as store:
-        assert await store.hint(ns, tokens, deadline_s=5.0) == 4  # copies them up to DRAM
-        for _ in range(100):
-            if (await store.lookup(ns, tokens)).tokens_per_tier.get("dram") == 64:
-                break
-            await asyncio.sleep(0.02)
+        # Copies them up to DRAM (waiting: a lookup would be the request arriving, ending it).
+        assert await store.hint(ns, tokens, deadline_s=5.0, policy="wait") == 4
         keys = await _keys(ns, tokens)
         _damage_dram_copy(store, keys[1])
         _damage_dram_copy(store, keys[3])
