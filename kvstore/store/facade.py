@@ -268,12 +268,9 @@ class Store:
         self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
         entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
-        per_tier: dict[str, int] = {}
-        for entry in entries:
-            name = self._placement.fastest_holder(entry).name
-            per_tier[name] = per_tier.get(name, 0) + bt
+        per_tier = self._placement.tokens_per_tier(entries, bt)
         self._dir.touch(entries)
-        keys = tuple(e.meta.key for e in entries)
+        keys = tuple([e.meta.key for e in entries])
         shared_keys, cluster_tokens = await self._probe_shared(ns, all_keys, len(keys))
         if shared_keys:
             name = self._placement.shared_link().name
