@@ -113,7 +113,7 @@ class KVStoreService(pbg.KVStoreServicer):
         self._max_put_bytes = max(config.server.max_message_bytes,
                                   config.tier_chain()[0].settings.capacity_bytes)
         self._grants = GrantBook()
-        self._sessions = Sessions(store)
+        self._sessions = Sessions(store, config.server.max_concurrent_rpcs)
         self._started = time.monotonic()
         self._max_tokens = config.server.max_request_tokens
         self._idle_s = config.server.stream_idle_timeout_s

@@ -25,7 +25,12 @@ from kvstore.store import Store
 log = logging.getLogger("kvstore.server.sessions")
 
 HEARTBEAT_S = 5.0  # a Hold stream sends an event this often
-MAX_SESSIONS_PER_TENANT = 4096
+# A session is one client process (an engine's scheduler and each of its workers): a few per
+# tenant and host. Each holds one call slot of server.max_concurrent_rpcs for its lifetime, so
+# one tenant may open this many, and all together at most a quarter of the slots: sessions
+# can never crowd out the calls they exist for.
+MAX_SESSIONS_PER_TENANT = 64
+SESSION_SHARE_OF_CALLS = 4
 _SESSION_ID = re.compile(r"[0-9a-f]{32,64}")
 
 
@@ -40,8 +45,9 @@ class Session:
 class Sessions:
     """The open sessions of one daemon and what was granted under each."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, max_concurrent_rpcs: int = 4096) -> None:
         self._store = store
+        self._max_open = max(1, max_concurrent_rpcs // SESSION_SHARE_OF_CALLS)
         self._open: dict[str, Session] = {}
         self._per_tenant: dict[str | None, int] = {}
         self._by_grant: dict[str, Session] = {}
@@ -59,6 +65,9 @@ class Sessions:
         if count >= MAX_SESSIONS_PER_TENANT:
             raise CapacityError(f"tenant {shown(caller.tenant)} holds {count} open sessions, "
                                 "the most one tenant may")
+        if len(self._open) >= self._max_open:
+            raise CapacityError(f"{len(self._open)} sessions are open, the most this daemon "
+                                "keeps (a quarter of server.max_concurrent_rpcs)")
         session = self._open[session_id] = Session(session_id, caller.tenant)
         self._per_tenant[caller.tenant] = count + 1
         return session

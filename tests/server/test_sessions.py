@@ -136,3 +136,34 @@ def test_bad_session_ids_are_refused_and_a_daemon_with_sessions_stops_promptly(t
     assert time.monotonic() - start < config.server.shutdown_grace_s + 2.0
     client.close()
     channel.close()
+
+
+def test_sessions_cannot_crowd_out_calls(tmp_path):
+    """One tenant opens at most MAX_SESSIONS_PER_TENANT sessions and all tenants together a
+    quarter of the call slots; past that a Hold is RESOURCE_EXHAUSTED and calls still run."""
+    from kvstore.server.sessions import MAX_SESSIONS_PER_TENANT
+
+    config = small_config(tmp_path, tenant_tokens=TOKENS, max_concurrent_rpcs=4 * 80)
+    with DaemonThread(config) as daemon:
+        channel = grpc.insecure_channel(daemon.unix_address)
+        stub = pbg.KVStoreStub(channel)
+
+        def hold(token: str):
+            stream = stub.Hold(pb.HoldRequest(session=new_session_id()),
+                               metadata=(("authorization", f"Bearer {token}"),))
+            next(stream)
+            return stream
+
+        acme = [hold("tok-acme") for _ in range(MAX_SESSIONS_PER_TENANT)]
+        with pytest.raises(grpc.RpcError) as info:
+            hold("tok-acme")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        globex = [hold("tok-globex") for _ in range(80 - MAX_SESSIONS_PER_TENANT)]
+        with pytest.raises(grpc.RpcError) as info:
+            hold("tok-globex")  # the daemon-wide quarter is taken
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with Client(daemon.unix_address, token="tok-globex") as client:
+            assert client.lookup(ns("globex"), list(range(32))).matched_tokens == 0
+        for stream in acme + globex:
+            stream.cancel()
+        channel.close()
