@@ -43,6 +43,7 @@ from kvstore.tiers.base import SlotTier
 log = logging.getLogger(__name__)
 
 MAX_POOLS = 64  # tenants with a pool on one GPU
+READY_TIMEOUT_S = 30.0  # a writer's event must fire within this of a read of its slot
 
 
 def _round(nbytes: int) -> int:
@@ -393,6 +394,14 @@ class HbmTier(SlotTier):
         if entry is None:
             self._stats.misses += 1
             return None
+        if entry.ready is not None and not await self._fired(entry):
+            log.warning("%s: dropping block %s: its writer's event has not fired after %g s",
+                        self.name, bytes(key).hex(), READY_TIMEOUT_S)
+            if self._entries.get(key) is entry:
+                await self.delete(key)
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            return None
         async with entry.slot.pool.lock:
             sections = await asyncio.to_thread(self._copy_out, entry)
         if self._entries.get(key) is not entry:  # deleted while copying
@@ -402,6 +411,21 @@ class HbmTier(SlotTier):
         self._stats.hits += 1
         self._stats.bytes_read += entry.layout.nbytes
         return decode_page(data, key)
+
+    async def _fired(self, entry: _Entry) -> bool:
+        """Wait, without holding a thread, until the writer's event fired (True), at most
+        READY_TIMEOUT_S: a writer that records its event behind a kernel that never ends
+        loses that block, and holds up nothing else."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        delay = 1e-4
+        while not entry.ready.query():
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        entry.ready = None
+        return True
 
     async def delete(self, key: BlockKey) -> bool:
         entry = self._entries.pop(key, None)
