@@ -15,6 +15,11 @@ class ConfigError(InvalidArgument):
     """A configuration field is out of range or unparsable; the message names the field."""
 
 
+class NoSlotTier(InvalidArgument):
+    """The store has no tier lending slots of the memory asked for (a device lease from a
+    daemon without a GPU tier): use the other medium, or put and get."""
+
+
 class NotFound(KVStoreError, KeyError):
     """A named object (block, lease, tenant) does not exist."""
 

@@ -7,8 +7,11 @@ reserves pool slots, runs the encode kernel on the engine's stream and commits w
 interprocess event the daemon waits on before it reads the slots; a load pins the prefix in the
 pool (the daemon promotes it from DRAM, SSD or the shared tier first) and decodes it into the
 engine's pages in one launch, or one launch per layer so layer i can run while later layers
-still land. Without a GPU tier, pages go through the host path of the client (``put``/``get``,
-shared memory where the daemon offers it) and one kernel launch to or from the cache.
+still land. Without a GPU tier, a load leases the pages in the tenant's DRAM arena and DMAs
+them chunk by chunk into a device staging ring (``StagingRing``), decoding each chunk into the
+engine's pages as it lands; a save encodes the engine's pages on the device and puts them
+through the client (shared memory where the daemon offers it). From a daemon the client cannot
+share memory with, pages stream through ``get``.
 
 Only blocks that are whole in both ``tokens`` and ``block_ids`` move.
 """
@@ -28,7 +31,7 @@ from kvstore.api import Lease, Medium
 from kvstore.codecs.base import unpack_blob
 from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NoSlotTier
 from kvstore.ipc import map_region
 from kvstore.keys import Namespace
 from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
@@ -134,9 +137,7 @@ class EngineCache:
             return None
         try:
             result = call()
-        except InvalidArgument as exc:
-            if "device slots" not in str(exc):
-                raise
+        except NoSlotTier:
             self._device_ok = False
             return None
         self._device_ok = True

@@ -24,6 +24,7 @@ from kvstore.errors import (
     CorruptPage,
     InvalidArgument,
     LeaseNotFound,
+    NoSlotTier,
     shown,
 )
 from kvstore.keys import BlockKey, Namespace
@@ -179,8 +180,8 @@ class LeaseManager:
     def _slot_link(self, medium: Medium) -> Link:
         link = self._placement.slot_link(medium)
         if link is None:
-            raise InvalidArgument(f"no tier of this store lends {medium.value} slots for "
-                                  "zero-copy reads and writes; use put and get")
+            raise NoSlotTier(f"no tier of this store lends {medium.value} slots for "
+                             "zero-copy reads and writes; use put and get")
         return link
 
     # ------------------------------------------------------------------------------ leases
