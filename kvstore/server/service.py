@@ -7,6 +7,7 @@ metrics.py); this module only parses each request, applies the tenant rules of t
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -182,14 +183,22 @@ class KVStoreService(pbg.KVStoreServicer):
             raise InvalidArgument("a Put header with a ticket carries nothing else (OpenPut "
                                   "took the namespace, tokens and tensor)")
         transfer = self._datapath.claim_put(header.ticket, current_caller())
+        reuse = False  # whether the store has let go of the buffer
         try:
             if await clock.next(stream, "Put") is not None:
                 raise InvalidArgument("no chunks may follow a Put header with a ticket")
             buffer = await self._datapath.wait(transfer)
             ns, tokens, tensor = transfer.context
-            written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, tensor))
+            try:
+                written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, tensor))
+            except asyncio.CancelledError:
+                raise  # its encoding thread may still read the buffer: not reused
+            except BaseException:
+                reuse = True
+                raise
+            reuse = True
         finally:
-            self._datapath.discard(transfer)
+            self._datapath.discard(transfer, reuse=reuse)
         return pb.PutResponse(tokens_written=written)
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
