@@ -24,7 +24,7 @@ from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
-from kvstore.client.retry import RetryPolicy, next_delay, rpc_code
+from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.errors import KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
@@ -132,14 +132,11 @@ class AsyncClient:
                 return await self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
                                                 metadata=self._settings.metadata)
             except grpc.RpcError as err:
-                if rpc_code(err) in requests.OPEN_PUT_REFUSED:
-                    return None
-                raise
+                return requests.open_put_refused(err, self._data)
 
         ticket = await self._call(open_put)
         sock = None if ticket is None else await asyncio.to_thread(self._data.connect, ticket)
         if sock is None:
-            self._data.refused()
             return None
         with contextlib.suppress(OSError):  # the Put call below says what went wrong
             await asyncio.to_thread(datapath.send_put, sock, ticket.ticket, self._data.token,

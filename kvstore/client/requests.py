@@ -27,7 +27,7 @@ from kvstore.api import (
     StoreStats,
 )
 from kvstore.client.address import Target
-from kvstore.errors import KVStoreError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.convert import (
@@ -42,6 +42,7 @@ from kvstore.rpc.convert import (
     tokens_to_bytes,
 )
 from kvstore.rpc.datapath import DataAddress, connect
+from kvstore.rpc.status import translate
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     iter_chunks,
@@ -187,8 +188,20 @@ def get_request(ns: Namespace, tokens: Tokens, data_socket: bool = False) -> pb.
                          data_socket=data_socket)
 
 
-OPEN_PUT_REFUSED = (grpc.StatusCode.UNIMPLEMENTED,  # a daemon older than the data socket
-                    grpc.StatusCode.FAILED_PRECONDITION)  # one that offers none to this caller
+def open_put_refused(err: grpc.RpcError, data: DataSocket) -> None:
+    """None where a failed OpenPut means "stream this Put instead", else ``err`` re-raised.
+
+    A daemon older than the data socket (UNIMPLEMENTED) or one that offers none to this
+    caller (FAILED_PRECONDITION) makes the client stream for a while; one whose tickets are
+    all taken (CapacityError, not a rate limit) makes it stream this one Put.
+    """
+    code = err.code() if hasattr(err, "code") else None
+    if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+        data.refused()
+        return
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and type(translate(err)) is CapacityError:
+        return
+    raise err
 
 
 class DataSocket:

@@ -31,7 +31,7 @@ from kvstore.client.arena import (
     write_reservation,
 )
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
-from kvstore.client.retry import RetryPolicy, next_delay, rpc_code
+from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
@@ -146,14 +146,11 @@ class Client:
                 return self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
                                           metadata=self._settings.metadata)
             except grpc.RpcError as err:
-                if rpc_code(err) in requests.OPEN_PUT_REFUSED:
-                    return None
-                raise
+                return requests.open_put_refused(err, self._data)
 
         ticket = self._call(open_put)
         sock = None if ticket is None else self._data.connect(ticket)
         if sock is None:
-            self._data.refused()
             return None
         with contextlib.suppress(OSError):  # the Put call below says what went wrong
             datapath.send_put(sock, ticket.ticket, self._data.token, stream.view())

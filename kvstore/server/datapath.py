@@ -151,6 +151,11 @@ class DataPathServer:
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
+    @property
+    def pooled_bytes(self) -> int:
+        """Idle Put buffers kept for reuse."""
+        return self._pool.num_bytes
+
     def serves(self, peer: str) -> bool:
         """Whether a caller at ``peer`` can reach a data socket of this daemon."""
         return peer.startswith(UNIX_PEER_PREFIX) or self.tcp_port is not None

@@ -318,3 +318,40 @@ async def test_get_cancelled_by_its_caller_gives_its_tensor_back(daemon, stub):
     reader, writer = await send(daemon.datapath.unix_path, encode_hello(ticket.ticket, None))
     assert await closed_by_daemon(reader)  # nothing left to send
     writer.close()
+
+
+async def test_client_streams_a_put_while_every_ticket_is_taken(root):
+    d = await serve(small_config(root, dram_bytes=64 * MiB, stream_idle_timeout_s=5.0,
+                                 max_data_transfers=1))
+    try:
+        async with grpc.aio.insecure_channel(d.unix_address) as channel:
+            hog = await pbg.KVStoreStub(channel).OpenPut(put_header(tokens_for(16), kv_for(16)))
+            assert hog.ticket and d.datapath.num_transfers == 1
+            kv, tokens = kv_for(32, seed=5), tokens_for(32, base=500)
+            async with AsyncClient(d.unix_address, zero_copy=False, retry=NO_RETRY) as client:
+                assert await client.put(NS, tokens, kv) == 32  # streamed instead
+                assert torch.equal(await client.get(NS, tokens), kv)  # streamed as well
+        assert d.datapath.bytes_moved == 0
+    finally:
+        await d.stop(1.0)
+
+
+async def test_pooled_put_buffers_never_mix_puts(daemon, stub):
+    """A Put buffer is reused by the next Put of its size: each stores its own bytes, and a
+    transfer that failed halfway leaves nothing of itself in a later one."""
+    first, second, third, fourth = (kv_for(64, seed=s) for s in (10, 11, 12, 13))
+    async with AsyncClient(daemon.unix_address, zero_copy=False, retry=NO_RETRY) as client:
+        await client.put(NS, tokens_for(64, base=0), first)
+        ticket = await stub.OpenPut(put_header(tokens_for(64, base=100), second))
+        _, writer = await send(daemon.datapath.unix_path, encode_hello(ticket.ticket, None)
+                               + kv_bytes(second)[: 1000])
+        assert (await finish_put(stub, ticket))[0] == SC.INVALID_ARGUMENT
+        writer.close()
+        await client.put(NS, tokens_for(64, base=200), third)
+        assert daemon.datapath.pooled_bytes == third.numel() * 2  # kept for the next one
+        await client.put(NS, tokens_for(64, base=300), fourth)  # into third's buffer
+        assert torch.equal(await client.get(NS, tokens_for(64, base=0)), first)
+        assert torch.equal(await client.get(NS, tokens_for(64, base=200)), third)
+        assert torch.equal(await client.get(NS, tokens_for(64, base=300)), fourth)
+        assert await client.get(NS, tokens_for(64, base=100)) is None
+    assert settled(daemon)
