@@ -27,6 +27,7 @@ from kvstore.api import (
     StoreStats,
 )
 from kvstore.client.address import Target
+from kvstore.client.arena import fresh_tensor
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -281,8 +282,9 @@ class GetAssembler:
         dtype = DTYPES.get(header.tensor.dtype)
         if dtype is None:
             raise KVStoreError(f"Get header names an unknown dtype {header.tensor.dtype!r}")
-        # torch.empty: the data socket writes every byte, nothing needs zeroing first
-        self._tensor = torch.empty(tuple(header.tensor.shape), dtype=dtype)
+        # uninitialised (the data socket writes every byte) and on huge pages where the
+        # kernel gives them: faulting fresh memory in 4 KiB pages cost more than the copy
+        self._tensor = fresh_tensor(tuple(header.tensor.shape), dtype)
         self.target = memoryview(self._tensor.view(-1).view(torch.uint8).numpy())
         if len(self.target) != header.data.total_bytes:
             raise KVStoreError(f"Get header: a {header.tensor.dtype} tensor of shape "
