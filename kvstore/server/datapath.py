@@ -113,8 +113,8 @@ class Transfer:
         if not self.finished.is_set():
             self.error = error
             self.finished.set()
-            if error is not None:
-                self.buffer = None  # a failed transfer gives its bytes back at once
+            if error is not None:  # a failed transfer gives its bytes back at once
+                self.buffer = self.storage = None
 
 
 class DataPathServer:
