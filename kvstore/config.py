@@ -314,6 +314,12 @@ class ServerConfig:
     max_concurrent_rpcs: int = 4096  # calls in progress at once; more get RESOURCE_EXHAUSTED
     rate_limit_rps: float = 0.0  # calls per second per caller (tenant, else peer host); 0 = off
     rate_limit_burst: int = 0  # calls a caller may make at once; 0 = one second's worth
+    # The socket data path (rpc/datapath.py): Put/Get tensor bytes over a plain socket beside
+    # gRPC, under one-time tickets. Unix: <socket_path>.data; TCP (with tcp_address): data_port
+    # on the same host, which must be exactly as private as the gRPC port.
+    data_socket: bool = True
+    data_port: int = 0  # TCP data port when tcp_address is set; 0 picks a free one
+    max_data_transfers: int = 256  # tickets outstanding (and data connections) at once
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -334,6 +340,12 @@ class ServerConfig:
         if not 0 <= self.rate_limit_burst < 1 << 31:
             raise ConfigError(f"server.rate_limit_burst must be in [0, 2**31) (0 = one second "
                               f"of rate_limit_rps), got {self.rate_limit_burst!r}")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"server.data_port must be in [0, 65535] (0 = a free port), "
+                              f"got {self.data_port!r}")
+        if not 1 <= self.max_data_transfers <= 1 << 20:
+            raise ConfigError(f"server.max_data_transfers must be in [1, 2**20], "
+                              f"got {self.max_data_transfers!r}")
         if self.lease_timeout_s <= 0:
             raise ConfigError("server.lease_timeout_s must be > 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -38,6 +38,9 @@ def test_layering_file_env_overrides(tmp_path):
         ({"KVSTORE_DRAM__NOPE": "1"}, "dram.nope"),
         ({"KVSTORE_BOGUS__X": "1"}, "bogus"),
         ({"KVSTORE_SSD__O_DIRECT": "maybe"}, "ssd.o_direct"),
+        ({"KVSTORE_SERVER__DATA_PORT": "70000"}, "server.data_port"),
+        ({"KVSTORE_SERVER__MAX_DATA_TRANSFERS": "0"}, "server.max_data_transfers"),
+        ({"KVSTORE_SERVER__DATA_SOCKET": "perhaps"}, "server.data_socket"),
     ],
 )
 def test_bad_values_name_the_field(environ, match):

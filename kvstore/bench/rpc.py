@@ -1,8 +1,11 @@
 """RPC benchmark: the daemon's Lookup latency, put/get GB/s through the socket and through shared
-memory, and small-call throughput, each against a bare grpc.aio echo of the same payload.
+memory, and small-call throughput, each against a bare grpc.aio echo of the same payload; and
+the socket path (data socket, and the streamed gRPC fallback) against redis-py SET/GET of the
+same 2 MiB values pipelined a prompt deep, on a redis-server started here, over Unix sockets
+and TCP loopback, with CPU seconds per GB of both sides.
 
-The daemon and the echo server run as subprocesses on Unix sockets in a temp directory; the
-client side runs here. ``kvstore bench rpc`` prints the table and writes the JSON.
+The daemon, the echo server and redis-server run as subprocesses in a temp directory; the
+client side runs here. ``kvstore bench rpc`` prints the tables and writes the JSON.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
+import shutil
 import signal
+import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -43,6 +50,9 @@ LOOKUP_PREFIXES = (8192, 32768)
 MAX_MESSAGE_BYTES = 256 * MiB
 _ECHO = "/kvstore.bench.Echo/"
 _SERVER_START_S = 60.0
+_BENCH_TOKEN = "kvstore-bench-admin"  # the daemon's TCP port is never served without a token
+_ECHO_SECTION = "against a bare gRPC echo"
+_REDIS_SECTION = "socket path against redis-py SET/GET, pipelined 16 deep"
 
 
 # ------------------------------------------------------------------------------ echo server
@@ -167,8 +177,8 @@ def _seconds(call: Callable[[], object]) -> float:
 
 
 def _row(measurement: str, value: float, unit: str, baseline: float, **extra) -> dict:
-    return {"measurement": measurement, "value": value, "unit": unit, "echo": baseline,
-            "vs_echo": value / baseline if baseline else None, **extra}
+    return {"section": _ECHO_SECTION, "measurement": measurement, "value": value, "unit": unit,
+            "echo": baseline, "vs_echo": value / baseline if baseline else None, **extra}
 
 
 def _lookup_rows(client: Client, echo: Echo, repeats: int) -> list[dict]:
@@ -267,11 +277,172 @@ async def _small_call_rows(address: str, echo_address: str, seconds: float,
                  bare, payload_bytes=request + response)]
 
 
+# ------------------------------------------------------------------------- against Redis
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by this process and ``pids``."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    total = own.ru_utime + own.ru_stime
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def _measured(call: Callable[[], object], pids: list[int]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of both sides) of ``call``."""
+    cpu = _cpu_s(pids)
+    wall = _seconds(call)
+    return wall, _cpu_s(pids) - cpu
+
+
+@contextlib.contextmanager
+def _redis_server(root: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """redis-server on a free loopback port and a Unix socket, no persistence."""
+    import redis
+
+    port, unix = _free_port(), root / "redis.sock"
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--unixsocket", str(unix), "--unixsocketperm", "700",
+            "--dir", str(root), "--logfile", str(root / "redis.log"), "--protected-mode", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + _SERVER_START_S
+        while True:
+            try:
+                redis.Redis(unix_socket_path=str(unix)).ping()
+                break
+            except (redis.ConnectionError, FileNotFoundError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise KVStoreError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield proc, port, unix
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+class _RedisSide:
+    """redis-py SET/GET of a prompt's blocks as separate 2 MiB values, one pipeline a prompt."""
+
+    def __init__(self, conn, blocks: list[bytes]) -> None:
+        self.conn, self.blocks = conn, blocks
+
+    def put(self, base: int) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        for i, value in enumerate(self.blocks):
+            pipe.set(f"b{base}:{i}", value)
+        pipe.execute()
+
+    def get(self, base: int) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        for i in range(len(self.blocks)):
+            pipe.get(f"b{base}:{i}")
+        if any(v is None for v in pipe.execute()):
+            raise KVStoreError("redis bench: a value was missing")
+
+
+def _redis_round(clients: dict[str, Client], redis_side: _RedisSide, ns: Namespace,
+                 kv: torch.Tensor, num_calls: int, pids: list[int], base: int
+                 ) -> dict[str, tuple[float, float]]:
+    """One paired round: every path puts then gets the same bytes; (wall s, CPU s) by path."""
+    prompt_tokens = PROMPT_BLOCKS * BLOCK_SPEC.block_tokens
+    out = {}
+    for offset, (name, client) in enumerate(clients.items()):
+        prompts = [list(range(base + (offset * num_calls + i) * prompt_tokens,
+                              base + (offset * num_calls + i + 1) * prompt_tokens))
+                   for i in range(num_calls)]
+        out[f"put {name}"] = _measured(lambda c=client, p=prompts: [c.put(ns, t, kv)
+                                                                   for t in p], pids)
+        out[f"get {name}"] = _measured(lambda c=client, p=prompts: [c.get(ns, t)
+                                                                   for t in p], pids)
+        client.evict(model_id=ns.model_id)
+    out["put redis"] = _measured(lambda: [redis_side.put(i) for i in range(num_calls)], pids)
+    out["get redis"] = _measured(lambda: [redis_side.get(i) for i in range(num_calls)], pids)
+    redis_side.conn.flushall()
+    return out
+
+
+def _redis_rows(unix_address: str, tcp_address: str, daemon_pid: int, root: Path,
+                total_bytes: int, repeats: int) -> list[dict]:
+    """Socket-path put/get against redis-py SET/GET of the same 2 MiB values, per transport."""
+    import redis
+
+    ns = Namespace(model_id="bench/redis", spec=BLOCK_SPEC, tenant="bench")
+    kv = torch.randn(BLOCK_SPEC.shape(PROMPT_BLOCKS * BLOCK_SPEC.block_tokens)
+                     ).to(torch.bfloat16)
+    raw = kv.view(-1).view(torch.uint8).numpy()
+    block = BLOCK_SPEC.block_bytes
+    blocks = [raw[i * block : (i + 1) * block].tobytes() for i in range(PROMPT_BLOCKS)]
+    num_calls = max(1, total_bytes // (PROMPT_BLOCKS * block))
+    gb = num_calls * PROMPT_BLOCKS * block / 1e9
+    rows = []
+    with _redis_server(root) as (redis_proc, redis_port, redis_unix):
+        pids = [daemon_pid, redis_proc.pid]
+        for transport, address, redis_conn in (
+                ("unix", unix_address, redis.Redis(unix_socket_path=str(redis_unix))),
+                ("tcp", tcp_address, redis.Redis(host="127.0.0.1", port=redis_port))):
+            token = None if transport == "unix" else _BENCH_TOKEN
+            with Client(address, token=token, retry=NO_RETRY, zero_copy=False,
+                        max_message_bytes=MAX_MESSAGE_BYTES) as data_socket, \
+                    Client(address, token=token, retry=NO_RETRY, zero_copy=False,
+                           data_socket=False, max_message_bytes=MAX_MESSAGE_BYTES) as streamed:
+                clients = {"data socket": data_socket, "streamed": streamed}
+                redis_side = _RedisSide(redis_conn, blocks)
+                _redis_round(clients, redis_side, ns, kv, 1, pids, 50_000_000)  # warm-up
+                rounds = [_redis_round(clients, redis_side, ns, kv, num_calls, pids,
+                                       60_000_000 + r * 10_000_000) for r in range(repeats)]
+            redis_conn.close()
+            rows += _paired_rows(rounds, transport, gb)
+    return rows
+
+
+def _paired_rows(rounds: list[dict[str, tuple[float, float]]], transport: str, gb: float
+                 ) -> list[dict]:
+    rows = []
+    for op in ("put", "get"):
+        redis_gbs = statistics.median(gb / r[f"{op} redis"][0] for r in rounds)
+        redis_cpu = statistics.median(r[f"{op} redis"][1] / gb for r in rounds)
+        for path in ("data socket", "streamed"):
+            key = f"{op} {path}"
+            rows.append({
+                "section": _REDIS_SECTION,
+                "measurement": f"{op} 2 MiB blocks x16, {path}, {transport}",
+                "value": statistics.median(gb / r[key][0] for r in rounds), "unit": "GB/s",
+                "redis": redis_gbs,
+                # the ratio of each round, then their median: pairs share the box's load
+                "vs_redis": statistics.median(r[f"{op} redis"][0] / r[key][0] for r in rounds),
+                "cpu_s_per_gb": statistics.median(r[key][1] / gb for r in rounds),
+                "redis_cpu_s_per_gb": redis_cpu,
+                "cpu_vs_redis": statistics.median(r[key][1] / r[f"{op} redis"][1]
+                                                  for r in rounds),
+            })
+    return rows
+
+
 # ------------------------------------------------------------------------------------ entry
 
 
+def redis_available() -> bool:
+    """Whether the Redis comparison can run here: redis-server on PATH and redis-py."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("redis-server") is not None
+
+
 def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
-                  small_call_s: float = 2.0, concurrency: int = 32) -> BenchReport:
+                  small_call_s: float = 2.0, concurrency: int = 32,
+                  redis_repeats: int = 3) -> BenchReport:
     """Start a daemon and an echo server, measure, stop them, and return the report.
 
     Args:
@@ -280,23 +451,33 @@ def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
         lookup_repeats: timed Lookup calls per prefix length.
         small_call_s: seconds each small-call throughput measurement runs.
         concurrency: small calls in flight.
+        redis_repeats: paired rounds against redis-py (0: skip; skipped with a note where
+            redis-server or redis-py is missing).
 
     Returns:
         Rows of (measurement, value, unit, echo, vs_echo): ``vs_echo`` is value / echo, so for
         latency above 1 means slower than bare gRPC, for GB/s and calls/s above 1 means faster.
+        Rows of the Redis section have (redis, vs_redis, cpu_s_per_gb, redis_cpu_s_per_gb,
+        cpu_vs_redis) instead: medians over the rounds, ratios of paired rounds.
     """
     if total_bytes < 1 or lookup_repeats < 1 or small_call_s <= 0 or concurrency < 1:
         raise InvalidArgument("total_bytes, lookup_repeats, small_call_s and concurrency must "
                               "be positive")
+    if redis_repeats < 0:
+        raise InvalidArgument(f"redis_repeats must be >= 0, got {redis_repeats}")
+    with_redis = redis_repeats > 0 and redis_available()
     with tempfile.TemporaryDirectory(prefix="kvsb", dir="/tmp") as tmp:
         root = Path(tmp)
         socket_path, echo_path = root / "kv.sock", root / "echo.sock"
         prompt_bytes = PROMPT_BLOCKS * BLOCK_SPEC.block_bytes
         dram_bytes = max(total_bytes, prompt_bytes) + 256 * MiB
+        tcp_address = f"127.0.0.1:{_free_port()}"  # the Redis section's TCP pairs
         daemon_args = ["-m", "kvstore.server.daemon", "--set", f"server.socket_path={socket_path}",
                        "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "ssd.enabled=false",
                        "--set", "server.log_level=WARNING", "--set", "server.metrics_port=0",
-                       "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
+                       "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}",
+                       "--set", f"server.tcp_address={tcp_address}",
+                       "--set", f"server.admin_token={_BENCH_TOKEN}"]
         echo_args = ["-m", "kvstore.bench.rpc", "--echo-server", f"unix://{echo_path}"]
         address, echo_address = f"unix://{socket_path}", f"unix://{echo_path}"
         with _process(daemon_args, root / "daemon.log") as daemon, \
@@ -310,18 +491,30 @@ def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
             rows += asyncio.run(_small_call_rows(address, echo_address, small_call_s,
                                                  concurrency))
             echo.channel.close()
+            if with_redis:
+                rows += _redis_rows(address, tcp_address, daemon.pid, root, total_bytes,
+                                    redis_repeats)
     return BenchReport(
         name="rpc", title="kvstore RPC vs bare grpc.aio echo (same payloads, same run)",
         columns=(Column("measurement", "measurement", justify="left"),
                  Column("value", "kvstore"), Column("unit", "unit", justify="left"),
-                 Column("echo", "echo"), Column("vs_echo", "kvstore/echo")),
-        rows=tuple(rows),
+                 Column("echo", "echo"), Column("vs_echo", "kvstore/echo"),
+                 Column("redis", "redis"), Column("vs_redis", "kvstore/redis"),
+                 Column("cpu_s_per_gb", "CPU s/GB"), Column("redis_cpu_s_per_gb", "redis CPU s/GB"),
+                 Column("cpu_vs_redis", "CPU kvstore/redis")),
+        rows=tuple(rows), section_key="section",
         params={"total_bytes": total_bytes, "lookup_repeats": lookup_repeats,
                 "small_call_s": small_call_s, "concurrency": concurrency,
+                "redis_repeats": redis_repeats if with_redis else 0,
                 "block_spec": BLOCK_SPEC.to_dict(), "lookup_spec": LOOKUP_SPEC.to_dict(),
                 "prompt_blocks": PROMPT_BLOCKS},
         notes=(("kvstore/echo: latency above 1 is slower than bare gRPC; GB/s and calls/s "
-                "above 1 are faster. Shared-memory rows compare against the socket echo."),),
+               "above 1 are faster. Shared-memory rows compare against the socket echo."),
+               ("kvstore/redis: one kvstore put/get of a 16-block prompt (32 MiB) against 16 "
+               "redis-py SET/GET of its 2 MiB blocks in one pipeline; above 1 is faster. CPU "
+               "s/GB counts both sides (this process and the daemon or redis-server)."),
+               *(() if with_redis or not redis_repeats else
+                 ("redis-server or redis-py is missing: the Redis section was skipped",))),
     )
 
 
@@ -329,12 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore.bench.rpc")
     parser.add_argument("--echo-server", metavar="ADDRESS", help="serve the echo baseline only")
     parser.add_argument("--total-bytes", type=int, default=256 * MiB)
+    parser.add_argument("--redis-repeats", type=int, default=3,
+                        help="paired rounds against redis-py (0: skip)")
     parser.add_argument("--json", help="results file [default: bench/results/rpc-<date>.json]")
     args = parser.parse_args(argv)
     if args.echo_server:
         asyncio.run(serve_echo(args.echo_server))
         return 0
-    write_report(run_rpc_bench(total_bytes=args.total_bytes), args.json)
+    write_report(run_rpc_bench(total_bytes=args.total_bytes, redis_repeats=args.redis_repeats),
+                 args.json)
     return 0
 
 

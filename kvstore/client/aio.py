@@ -23,18 +23,21 @@ from kvstore.api import (
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
-from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.errors import KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
+from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
+from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:
     from typing import Self
 
 T = TypeVar("T")
+_NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
 
 
 class AsyncClient:
@@ -46,7 +49,8 @@ class AsyncClient:
 
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_message_bytes: int = 256 << 20, zero_copy: bool | None = None) -> None:
+                 max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
+                 data_socket: bool = True) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._channel = grpc.aio.insecure_channel(self._settings.target.grpc_target,
                                                   options=self._settings.channel_options)
@@ -55,6 +59,8 @@ class AsyncClient:
         self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
         self._hold = None
         self._hold_task: asyncio.Task[None] | None = None
+        self._data = DataSocket(data_socket, self._settings.target, token,
+                                self._settings.timeout_s)
         self._cleanups: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------------------ plumbing
@@ -130,6 +136,10 @@ class AsyncClient:
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
+        if self._data.usable:
+            written = await self._put_data_socket(stream)
+            if written is not None:
+                return written
 
         async def messages() -> AsyncIterator[pb.PutRequest]:
             for message in stream:
@@ -137,6 +147,32 @@ class AsyncClient:
 
         return stream.parse(await self._call(lambda: self._stub.Put(
             messages(), timeout=self._settings.timeout_s, metadata=self._settings.metadata)))
+
+    async def _put_data_socket(self, stream: PutStream) -> int | None:
+        """See Client._put_data_socket; the socket work runs in a worker thread."""
+        async def open_put() -> pb.DataTicket | None:
+            try:
+                return await self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
+                                                metadata=self._settings.metadata)
+            except grpc.RpcError as err:
+                return requests.open_put_refused(err, self._data)
+
+        ticket = await self._call(open_put)
+        sock = None if ticket is None else await asyncio.to_thread(self._data.connect, ticket)
+        if sock is None:
+            return None
+        with contextlib.suppress(OSError):  # the Put call below says what went wrong
+            await asyncio.to_thread(datapath.send_put, sock, ticket.ticket, self._data.token,
+                                    stream.view())
+
+        async def message() -> AsyncIterator[pb.PutRequest]:
+            yield requests.ticket_put(ticket)
+
+        try:  # not retried: the ticket is spent whatever the outcome
+            return stream.parse(await self._stub.Put(
+                message(), timeout=self._settings.timeout_s, metadata=self._settings.metadata))
+        except grpc.RpcError as err:
+            raise translate(err) from None
 
     async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
         requests.check_put(ns, tokens, kv)
@@ -162,15 +198,30 @@ class AsyncClient:
                 return await self._get_shared(ns, tokens)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
+        if self._data.usable:
+            request = requests.get_request(ns, tokens, data_socket=True)
+            kv = await self._call(lambda: self._get_stream(request))
+            if kv is not _NO_DATA_SOCKET:
+                return kv
         request = requests.get_request(ns, tokens)
         return await self._call(lambda: self._get_stream(request))
 
-    async def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None:
+    async def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None | object:
+        """See Client._get_stream; the socket work runs in a worker thread."""
         assembler = GetAssembler()
         call = self._stub.Get(request, timeout=self._settings.timeout_s,
                               metadata=self._settings.metadata)
         async for message in call:
             assembler.add(message)
+            if assembler.ticket is not None and assembler.target is not None:
+                sock = await asyncio.to_thread(self._data.connect, assembler.ticket)
+                if sock is None:
+                    call.cancel()
+                    return _NO_DATA_SOCKET
+                with contextlib.suppress(OSError):  # the stream's status says why
+                    await asyncio.to_thread(datapath.receive_get, sock, assembler.ticket.ticket,
+                                            self._data.token, assembler.target)
+                assembler.target = None
         return assembler.result()
 
     async def _get_shared(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:

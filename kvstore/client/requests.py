@@ -4,11 +4,14 @@ transport (a blocking or an asyncio channel) and the zero-copy paths around it."
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Generic, TypeVar
 
+import grpc
 import numpy as np
 import torch
 from google.protobuf.message import Message
@@ -23,7 +26,9 @@ from kvstore.api import (
     Reservation,
     StoreStats,
 )
-from kvstore.errors import KVStoreError
+from kvstore.client.address import Target
+from kvstore.client.arena import fresh_tensor
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.convert import (
@@ -37,6 +42,8 @@ from kvstore.rpc.convert import (
     stats_from_proto,
     tokens_to_bytes,
 )
+from kvstore.rpc.datapath import DataAddress, connect
+from kvstore.rpc.status import translate
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     iter_chunks,
@@ -44,6 +51,7 @@ from kvstore.rpc.tensors import (
     tensor_header,
     tensor_view,
 )
+from kvstore.spec import DTYPES
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 R = TypeVar("R")
@@ -168,27 +176,108 @@ class PutStream:
         for chunk in iter_chunks(self._view, self._chunk_bytes):
             yield pb.PutRequest(chunk=chunk)
 
+    def view(self) -> memoryview:
+        """The tensor's bytes (for the data socket)."""
+        return self._view
+
     @staticmethod
     def parse(response: pb.PutResponse) -> int:
         """Tokens newly written."""
         return response.tokens_written
 
 
-def get_request(ns: Namespace, tokens: Tokens) -> pb.GetRequest:
-    return pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+def ticket_put(ticket: pb.DataTicket) -> pb.PutRequest:
+    """The one message of a Put whose bytes went over the data socket under ``ticket``."""
+    return pb.PutRequest(header=pb.PutHeader(ticket=ticket.ticket))
+
+
+def get_request(ns: Namespace, tokens: Tokens, data_socket: bool = False) -> pb.GetRequest:
+    return pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                         data_socket=data_socket)
+
+
+def open_put_refused(err: grpc.RpcError, data: DataSocket) -> None:
+    """None where a failed OpenPut means "stream this Put instead", else ``err`` re-raised.
+
+    A daemon older than the data socket (UNIMPLEMENTED) or one that offers none to this
+    caller (FAILED_PRECONDITION) makes the client stream for a while; one whose tickets are
+    all taken (CapacityError, not a rate limit) makes it stream this one Put.
+    """
+    code = err.code() if hasattr(err, "code") else None
+    if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+        data.refused()
+        return
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and type(translate(err)) is CapacityError:
+        return
+    raise err
+
+
+class DataSocket:
+    """Whether a client moves tensor bytes over the daemon's data socket, and where to.
+
+    On by default: a daemon that offers none says so (OpenPut refused, a Get header without a
+    ticket) and the client streams chunks; a data socket it cannot connect to makes it stream
+    for ``RETRY_S`` before it tries again.
+    """
+
+    RETRY_S = 30.0
+
+    def __init__(self, enabled: bool, target: Target, token: str | None,
+                 timeout_s: float) -> None:
+        self.token = token
+        self._enabled = enabled
+        self._target = target
+        self._timeout_s = timeout_s
+        self._retry_at = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self._enabled and time.monotonic() >= self._retry_at
+
+    def refused(self) -> None:
+        """The daemon offers no data socket to this client: stream for a while."""
+        self._retry_at = time.monotonic() + self.RETRY_S
+
+    def connect(self, ticket: pb.DataTicket) -> socket.socket | None:
+        """A connection for ``ticket``'s transfer; None (and streaming for a while) when the
+        data socket cannot be reached."""
+        address = self._address(ticket)
+        try:
+            if address is not None:
+                return connect(address, self._timeout_s)
+        except OSError:
+            pass  # firewalled, or the daemon went: the ticket expires there on its own
+        self.refused()
+        return None
+
+    def _address(self, ticket: pb.DataTicket) -> DataAddress | None:
+        if self._target.is_unix:
+            return DataAddress(socket.AF_UNIX, ticket.unix_path) if ticket.unix_path else None
+        if not ticket.tcp_port:
+            return None
+        host = self._target.grpc_target.rpartition(":")[0].strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return DataAddress(family, (host, ticket.tcp_port))
 
 
 class GetAssembler:
-    """Builds the tensor of a streamed Get from its header and chunks."""
+    """Builds the tensor of a streamed Get from its header and chunks, or, when the header
+    carries a data ticket, gives the tensor to fill from the data socket (:attr:`ticket`,
+    :attr:`target`)."""
 
     def __init__(self) -> None:
         self._header: pb.GetHeader | None = None
         self._chunks: ChunkAssembler | None = None
+        self._tensor: torch.Tensor | None = None
+        self.ticket: pb.DataTicket | None = None
+        self.target: memoryview | None = None  # where the data socket's bytes go
 
     def add(self, message: pb.GetResponse) -> None:
         if message.WhichOneof("part") == "header":
             self._header = message.header
-            if message.header.found:
+            if message.header.HasField("data"):
+                self._receive_into(message.header)
+            elif message.header.found:
                 total = message.header.tensor.total_bytes
                 self._chunks = ChunkAssembler(total, max_bytes=total)
         elif self._chunks is None:
@@ -196,9 +285,25 @@ class GetAssembler:
         else:
             self._chunks.add(message.chunk)
 
+    def _receive_into(self, header: pb.GetHeader) -> None:
+        dtype = DTYPES.get(header.tensor.dtype)
+        if dtype is None:
+            raise KVStoreError(f"Get header names an unknown dtype {header.tensor.dtype!r}")
+        # uninitialised (the data socket writes every byte) and on huge pages where the
+        # kernel gives them: faulting fresh memory in 4 KiB pages cost more than the copy
+        self._tensor = fresh_tensor(tuple(header.tensor.shape), dtype)
+        self.target = memoryview(self._tensor.view(-1).view(torch.uint8).numpy())
+        if len(self.target) != header.data.total_bytes:
+            raise KVStoreError(f"Get header: a {header.tensor.dtype} tensor of shape "
+                               f"{tuple(header.tensor.shape)} is not the "
+                               f"{header.data.total_bytes} bytes its ticket moves")
+        self.ticket = header.data
+
     def result(self) -> torch.Tensor | None:
         if self._header is None:
             raise KVStoreError("Get stream ended without a header")
+        if self._tensor is not None:
+            return self._tensor
         if self._chunks is None:
             return None
         return tensor_from_buffer(self._chunks.finish(), self._header.tensor)

@@ -31,18 +31,21 @@ from kvstore.client.arena import (
     visit_lease,
     write_reservation,
 )
-from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
+from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
+from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:
     from typing import Self
 
 T = TypeVar("T")
+_NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
 
 
 class Client:
@@ -59,11 +62,15 @@ class Client:
             sockets whenever the daemon hands this client its arena (streaming meanwhile, and
             asking again at most every ``kvstore.client.arena.PROBE_RETRY_S``), True always
             (errors if impossible), False never. Each call can override it.
+        data_socket: without shared memory, move tensor bytes over the daemon's data socket
+            (outside gRPC's framing, under one-time tickets) where it offers one; False:
+            always stream them in gRPC messages.
     """
 
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_message_bytes: int = 256 << 20, zero_copy: bool | None = None) -> None:
+                 max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
+                 data_socket: bool = True) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._channel = grpc.insecure_channel(self._settings.target.grpc_target,
                                               options=self._settings.channel_options)
@@ -71,6 +78,8 @@ class Client:
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
         self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
         self._hold: grpc.Call | None = None
+        self._data = DataSocket(data_socket, self._settings.target, token,
+                                self._settings.timeout_s)
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -146,8 +155,36 @@ class Client:
         if first_block:
             kv = self._with_stored_head(ns, tokens, kv, first_block)
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
+        if self._data.usable:
+            written = self._put_data_socket(stream)
+            if written is not None:
+                return written
         return stream.parse(self._call(lambda: self._stub.Put(
             iter(stream), timeout=self._settings.timeout_s, metadata=self._settings.metadata)))
+
+    def _put_data_socket(self, stream: PutStream) -> int | None:
+        """Put ``stream``'s tensor over the data socket; None where the daemon offers none
+        (the caller streams it instead)."""
+        def open_put() -> pb.DataTicket | None:
+            try:
+                return self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
+                                          metadata=self._settings.metadata)
+            except grpc.RpcError as err:
+                return requests.open_put_refused(err, self._data)
+
+        ticket = self._call(open_put)
+        sock = None if ticket is None else self._data.connect(ticket)
+        if sock is None:
+            return None
+        with contextlib.suppress(OSError):  # the Put call below says what went wrong
+            datapath.send_put(sock, ticket.ticket, self._data.token, stream.view())
+        # Not retried: the ticket is spent whatever the outcome.
+        try:
+            return stream.parse(self._stub.Put(
+                iter((requests.ticket_put(ticket),)), timeout=self._settings.timeout_s,
+                metadata=self._settings.metadata))
+        except grpc.RpcError as err:
+            raise translate(err) from None
 
     def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                     first_block: int = 0) -> int:
@@ -184,15 +221,37 @@ class Client:
                 return self._get_shared(ns, tokens)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
+        return self._get(ns, tokens)
+
+    def _get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
+        """A Get over the data socket where the daemon offers one, else streamed."""
+        if self._data.usable:
+            request = requests.get_request(ns, tokens, data_socket=True)
+            kv = self._call(lambda: self._get_stream(request))
+            if kv is not _NO_DATA_SOCKET:
+                return kv
         request = requests.get_request(ns, tokens)
         return self._call(lambda: self._get_stream(request))
 
-    def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None:
+    def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None | object:
+        """The Get's tensor (None: nothing matched); ``_NO_DATA_SOCKET`` when its ticket's
+        data socket could not be reached."""
         assembler = GetAssembler()
         call = self._stub.Get(request, timeout=self._settings.timeout_s,
                               metadata=self._settings.metadata)
         for message in call:
             assembler.add(message)
+            if assembler.ticket is not None and assembler.target is not None:
+                sock = self._data.connect(assembler.ticket)
+                if sock is None:
+                    call.cancel()
+                    return _NO_DATA_SOCKET
+                try:
+                    datapath.receive_get(sock, assembler.ticket.ticket, self._data.token,
+                                         assembler.target)
+                except OSError:
+                    pass  # the stream's status says why the daemon stopped
+                assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
 
     def _get_shared(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
@@ -230,8 +289,7 @@ class Client:
                     self.release(lease.lease_id)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
-        request = requests.get_request(ns, tokens)
-        kv = self._call(lambda: self._get_stream(request))
+        kv = self._get(ns, tokens)
         if kv is None:
             return 0
         bt = ns.spec.block_tokens

@@ -91,14 +91,30 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ..., cluster_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("namespace", "tokens", "tensor")
+    __slots__ = ("namespace", "tokens", "tensor", "ticket")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     tensor: TensorHeader
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class DataTicket(_message.Message):
+    __slots__ = ("ticket", "unix_path", "tcp_port", "deadline", "total_bytes")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    unix_path: str
+    tcp_port: int
+    deadline: float
+    total_bytes: int
+    def __init__(self, ticket: _Optional[bytes] = ..., unix_path: _Optional[str] = ..., tcp_port: _Optional[int] = ..., deadline: _Optional[float] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -115,24 +131,28 @@ class PutResponse(_message.Message):
     def __init__(self, tokens_written: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "chunk_bytes")
+    __slots__ = ("namespace", "tokens", "chunk_bytes", "data_socket")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     chunk_bytes: int
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    data_socket: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., data_socket: _Optional[bool] = ...) -> None: ...
 
 class GetHeader(_message.Message):
-    __slots__ = ("found", "matched_tokens", "tensor")
+    __slots__ = ("found", "matched_tokens", "tensor", "data")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     found: bool
     matched_tokens: int
     tensor: TensorHeader
-    def __init__(self, found: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+    data: DataTicket
+    def __init__(self, found: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[_Union[DataTicket, _Mapping]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("header", "chunk")

@@ -44,6 +44,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.PutRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.OpenPut = channel.unary_unary(
+                '/kvstore.v1.KVStore/OpenPut',
+                request_serializer=kvstore__pb2.PutHeader.SerializeToString,
+                response_deserializer=kvstore__pb2.DataTicket.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
                 request_serializer=kvstore__pb2.GetRequest.SerializeToString,
@@ -128,6 +133,15 @@ class KVStoreServicer:
 
     def Put(self, request_iterator, context):
         """Store K/V for tokens: one PutHeader message, then the tensor bytes in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenPut(self, request, context):
+        """The socket path of a Put: checks the header as Put would, sets aside its buffer and
+        hands back a one-time ticket; the client sends the tensor bytes over the data socket,
+        then calls Put with a header carrying only that ticket.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -242,6 +256,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Put,
                     request_deserializer=kvstore__pb2.PutRequest.FromString,
                     response_serializer=kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'OpenPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenPut,
+                    request_deserializer=kvstore__pb2.PutHeader.FromString,
+                    response_serializer=kvstore__pb2.DataTicket.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
@@ -368,6 +387,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Put',
             kvstore__pb2.PutRequest.SerializeToString,
             kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/OpenPut',
+            kvstore__pb2.PutHeader.SerializeToString,
+            kvstore__pb2.DataTicket.FromString,
             options,
             channel_credentials,
             insecure,

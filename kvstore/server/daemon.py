@@ -31,13 +31,15 @@ import grpc
 
 from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
 from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
+from kvstore.rpc.datapath import data_socket_path
 from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.server.auth import AuthInterceptor, TokenTable
+from kvstore.server.datapath import DataPathServer
 from kvstore.server.fdpass import FdPassServer
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
-from kvstore.server.service import KVStoreService, add_to_server
+from kvstore.server.service import KVStoreService, add_to_server, max_put_bytes
 from kvstore.store import Store
 
 _log = logging.getLogger("kvstore.server.daemon")
@@ -207,7 +209,12 @@ class Daemon:
             options=server_options(server),
             maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
-        add_to_server(KVStoreService(store, config, lambda: self.draining), self.server)
+        # Put/Get tensor bytes beside gRPC under one-time tickets (the socket data path). The
+        # daemon has no TLS: were gRPC ever served over TLS, this plain socket must not be.
+        self.datapath = DataPathServer(server, data_socket_path(self.socket_path),
+                                       max_put_bytes(config)) if server.data_socket else None
+        add_to_server(KVStoreService(store, config, lambda: self.draining, self.datapath),
+                      self.server)
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions
         self.fd_server = None if regions is None else FdPassServer(
@@ -246,10 +253,14 @@ class Daemon:
         if self.fd_server is not None:
             await self.fd_server.start()
         server = self.config.server
+        if self.datapath is not None:
+            host = server.tcp_address.rsplit(":", 1)[0].strip("[]") if self.tcp_port else None
+            await self.datapath.start(host, server.data_port, server.socket_mode)
         if server.metrics_port:
             self.metrics.watch_store(loop_snapshot(self.store.stats, asyncio.get_running_loop()))
             self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port)
         _log.info("serving", extra={"socket": self.socket_path, "tcp_port": self.tcp_port,
+                                    "data_port": self.datapath and self.datapath.tcp_port,
                                     "metrics_port": self.metrics_port, "pid": os.getpid()})
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -265,11 +276,15 @@ class Daemon:
             # closes the arenas.
             if self.fd_server is not None:
                 await self.fd_server.close()
+            if self.datapath is not None:  # after the drain: draining calls move bytes on it
+                await self.datapath.close()
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
             await self.store.close()
         finally:
             if self.fd_server is not None:  # idempotent: removes the socket on any failure
                 await self.fd_server.close()
+            if self.datapath is not None:
+                await self.datapath.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             self._lock.close()

@@ -21,7 +21,13 @@ from google.protobuf.message import DecodeError
 from kvstore import __version__
 from kvstore.api import MAX_LEASE_S
 from kvstore.config import KVStoreConfig
-from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied, shown
+from kvstore.errors import (
+    CapacityError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    shown,
+)
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
@@ -48,6 +54,7 @@ from kvstore.rpc.tensors import (
     tensor_view,
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
+from kvstore.server.datapath import DataPathServer
 from kvstore.server.limits import StreamClock
 from kvstore.server.sessions import HEARTBEAT_S, Sessions
 from kvstore.store import Store
@@ -64,6 +71,12 @@ def _seconds(value: float, name: str, upper: float, allow_zero: bool) -> float:
         raise InvalidArgument(f"{name} must be in {'[' if allow_zero else '('}0, {upper:g}] "
                               f"seconds, got {value!r}")
     return value
+
+
+def max_put_bytes(config: KVStoreConfig) -> int:
+    """The largest tensor one Put may carry. It is held in memory before the store sees it:
+    bound it by what the fastest tier (memory) holds. Also the budget of all data tickets."""
+    return max(config.server.max_message_bytes, config.tier_chain()[0].settings.capacity_bytes)
 
 
 def _require_unix(context, method: str, instead: str) -> None:
@@ -103,15 +116,14 @@ class KVStoreService(pbg.KVStoreServicer):
     """Serves one Store. Every handler raises kvstore exceptions; the interceptors map them."""
 
     def __init__(self, store: Store, config: KVStoreConfig,
-                 is_draining: Callable[[], bool] = lambda: False) -> None:
+                 is_draining: Callable[[], bool] = lambda: False,
+                 datapath: DataPathServer | None = None) -> None:
         self._store = store
+        self._datapath = datapath  # the socket data path; None: tensors stream in chunks
         self._config = config
         self._is_draining = is_draining
         self._chunk_bytes = chunk_limit(config.server.max_message_bytes)
-        # One Put is assembled in memory before the store sees it: bound it by what the fastest
-        # tier (memory) holds.
-        self._max_put_bytes = max(config.server.max_message_bytes,
-                                  config.tier_chain()[0].settings.capacity_bytes)
+        self._max_put_bytes = max_put_bytes(config)
         self._grants = GrantBook()
         self._sessions = Sessions(store, config.server.max_concurrent_rpcs)
         self._started = time.monotonic()
@@ -135,6 +147,62 @@ class KVStoreService(pbg.KVStoreServicer):
         result = await self._store.lookup(ns, self._tokens(request.tokens))
         return lookup_to_proto(result)
 
+    def _checked_put(self, header: pb.PutHeader) -> tuple[Namespace, np.ndarray, int]:
+        """A Put header's namespace (the caller may write it), tokens and tensor bytes."""
+        ns = self._namespace(header.namespace, "write")
+        tokens = self._tokens(header.tokens)
+        return ns, tokens, expected_tensor(ns.spec, len(tokens), header.tensor)
+
+    def _datapath_for(self, context) -> DataPathServer | None:
+        """The data path, if this daemon offers one the caller's transport can reach."""
+        path = self._datapath
+        return path if path is not None and path.serves(context.peer()) else None
+
+    async def OpenPut(self, request: pb.PutHeader, context) -> pb.DataTicket:
+        # Everything a streamed Put checks before it reads a chunk is checked here, before
+        # the ticket (and its buffer) exist.
+        datapath = self._datapath_for(context)
+        if datapath is None:
+            raise FailedPrecondition("this daemon offers no data socket to this caller "
+                                     "(server.data_socket); stream the tensor with Put")
+        if request.ticket:
+            raise InvalidArgument("OpenPut takes a PutHeader without a ticket")
+        ns, tokens, nbytes = self._checked_put(request)
+        if nbytes > self._max_put_bytes:
+            raise CapacityError(f"tensor of {nbytes} bytes exceeds the {self._max_put_bytes}"
+                                "-byte limit for one request")
+        transfer = datapath.open_put(current_caller(), context.peer(), nbytes,
+                                     (ns, tokens, request.tensor))
+        return datapath.ticket_proto(transfer)
+
+    async def _put_from_ticket(self, header: pb.PutHeader, clock: StreamClock,
+                               stream: AsyncIterator[pb.PutRequest]) -> pb.PutResponse:
+        """Complete a Put whose bytes come over the data socket under ``header.ticket``."""
+        if self._datapath is None:
+            raise FailedPrecondition("this daemon offers no data socket; a Put header "
+                                     "carries no ticket here")
+        if header.HasField("namespace") or header.tokens or header.HasField("tensor"):
+            raise InvalidArgument("a Put header with a ticket carries nothing else (OpenPut "
+                                  "took the namespace, tokens and tensor)")
+        transfer = self._datapath.claim_put(header.ticket, current_caller())
+        reuse = False  # whether the store has let go of the buffer
+        try:
+            if await clock.next(stream, "Put") is not None:
+                raise InvalidArgument("no chunks may follow a Put header with a ticket")
+            buffer = await self._datapath.wait(transfer)
+            ns, tokens, tensor = transfer.context
+            try:
+                written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, tensor))
+            except asyncio.CancelledError:
+                raise  # its encoding thread may still read the buffer: not reused
+            except BaseException:
+                reuse = True
+                raise
+            reuse = True
+        finally:
+            self._datapath.discard(transfer, reuse=reuse)
+        return pb.PutResponse(tokens_written=written)
+
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
         # Every read waits at most stream_idle_timeout_s for progress (limits.StreamClock), and
         # the sizes the header declares are checked before the buffer is allocated.
@@ -145,10 +213,10 @@ class KVStoreService(pbg.KVStoreServicer):
         if first.WhichOneof("part") != "header":
             raise InvalidArgument("Put stream must start with a PutHeader")
         header = first.header
-        ns = self._namespace(header.namespace, "write")
-        tokens = self._tokens(header.tokens)
-        assembler = ChunkAssembler(expected_tensor(ns.spec, len(tokens), header.tensor),
-                                   self._max_put_bytes)
+        if header.ticket:
+            return await self._put_from_ticket(header, clock, stream)
+        ns, tokens, nbytes = self._checked_put(header)
+        assembler = ChunkAssembler(nbytes, self._max_put_bytes)
         clock.advance()
         try:
             while (message := await clock.next(stream, "Put")) is not None:
@@ -172,8 +240,19 @@ class KVStoreService(pbg.KVStoreServicer):
         if kv is None:
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
-        yield pb.GetResponse(header=pb.GetHeader(found=True, matched_tokens=kv.shape[2],
-                                                 tensor=tensor_header(kv)))
+        header = pb.GetHeader(found=True, matched_tokens=kv.shape[2], tensor=tensor_header(kv))
+        datapath = self._datapath_for(context) if request.data_socket else None
+        transfer = None if datapath is None else datapath.open_get(
+            current_caller(), context.peer(), tensor_view(kv))
+        if transfer is not None:  # None: out of tickets; stream this one
+            try:
+                header.data.CopyFrom(datapath.ticket_proto(transfer))
+                yield pb.GetResponse(header=header)
+                await datapath.wait(transfer)  # the stream's status is the transfer's
+            finally:
+                datapath.discard(transfer)
+            return
+        yield pb.GetResponse(header=header)
         chunk_bytes = min(max(request.chunk_bytes, MIN_CHUNK_BYTES) if request.chunk_bytes
                           else self._chunk_bytes, self._chunk_bytes)
         for chunk in iter_chunks(tensor_view(kv), chunk_bytes):

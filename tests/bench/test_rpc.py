@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.bench.rpc import run_rpc_bench
+from kvstore.bench.rpc import redis_available, run_rpc_bench
 from kvstore.errors import InvalidArgument
 
 
 def test_rpc_bench_smoke():
     report = run_rpc_bench(total_bytes=32 << 20, lookup_repeats=5, small_call_s=0.2,
-                           concurrency=4)
+                           concurrency=4, redis_repeats=1)
     rows = {row["measurement"]: row for row in report.rows}
-    assert len(rows) == 9
+    assert len(rows) == 9 + (8 if redis_available() else 0)
     for name in ("Lookup 8k-token prefix p50", "Lookup 32k-token prefix p99",
                  "put 2 MiB blocks, socket", "get 2 MiB blocks, shared memory"):
         assert rows[name]["value"] > 0 and rows[name]["echo"] > 0
         assert rows[name]["vs_echo"] == pytest.approx(rows[name]["value"] / rows[name]["echo"])
     assert report.as_dict()["params"]["total_bytes"] == 32 << 20
+    if redis_available():
+        for transport in ("unix", "tcp"):
+            for op in ("put", "get"):
+                for path in ("data socket", "streamed"):
+                    row = rows[f"{op} 2 MiB blocks x16, {path}, {transport}"]
+                    assert row["value"] > 0 and row["redis"] > 0 and row["vs_redis"] > 0
+                    assert row["cpu_s_per_gb"] > 0 and row["redis_cpu_s_per_gb"] > 0
+    else:
+        assert any("Redis section was skipped" in note for note in report.notes)
 
 
 def test_rpc_bench_rejects_bad_parameters():
     with pytest.raises(InvalidArgument):
         run_rpc_bench(total_bytes=0)
+    with pytest.raises(InvalidArgument, match="redis_repeats"):
+        run_rpc_bench(redis_repeats=-1)

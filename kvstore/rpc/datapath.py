@@ -1,0 +1,116 @@
+"""The data socket: the tensor bytes of a Put or Get moved beside gRPC, outside its message
+framing, under a one-time ticket that a gRPC call handed out.
+
+The daemon listens on a Unix socket beside its gRPC one (``data_socket_path``:
+``<socket_path>.data``, with the gRPC socket's mode) and, when it serves TCP, on a data port of
+the same host (``server.data_port``). One transfer per connection:
+
+- the client sends a hello: ``HELLO`` (magic ``KVD1``, the 32-byte ticket, the byte length of
+  its bearer token as little-endian uint16), then the token (nothing under local trust);
+- Put (ticket from OpenPut): exactly the ticket's ``total_bytes`` follow the hello, then the
+  client shuts its side down; the daemon reads them straight into the buffer it set aside (no
+  zero-fill), and the Put call that carries the ticket stores them and reports the outcome;
+- Get (ticket in a GetHeader): the daemon answers with exactly ``total_bytes`` and closes;
+  the client reads them into a tensor it allocated (``torch.empty``), and the Get stream
+  ends with the transfer's status.
+
+A ticket is 32 bytes from ``secrets``, good for one connection, for the caller (tenant and
+transport) it went to, until its deadline. A wrong hello is answered by closing the
+connection; the gRPC call that owns the ticket says what went wrong. Each side copies a byte
+once, kernel to buffer or buffer to kernel. Both ends import this module, which imports
+neither end.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+
+DATA_SOCKET_SUFFIX = ".data"
+MAGIC = b"KVD1"
+TICKET_BYTES = 32  # 256 random bits: unguessable, so holding one is what proves the call
+MAX_TOKEN_BYTES = 4096
+HELLO = struct.Struct("<4s32sH")  # magic, ticket, token length
+
+
+def data_socket_path(socket_path: str) -> str:
+    """Where the daemon serving ``socket_path`` takes data connections."""
+    return socket_path + DATA_SOCKET_SUFFIX
+
+
+def new_ticket() -> bytes:
+    return secrets.token_bytes(TICKET_BYTES)
+
+
+def encode_hello(ticket: bytes, token: str | None) -> bytes:
+    """The bytes a client opens a data connection with."""
+    raw = (token or "").encode()
+    if len(ticket) != TICKET_BYTES:
+        raise InvalidArgument(f"a data ticket has {TICKET_BYTES} bytes, got {len(ticket)}")
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"bearer token of {len(raw)} bytes exceeds {MAX_TOKEN_BYTES}")
+    return HELLO.pack(MAGIC, ticket, len(raw)) + raw
+
+
+def parse_hello(fixed: bytes) -> tuple[bytes, int]:
+    """``(ticket, token length)`` of a hello's fixed part; InvalidArgument if malformed."""
+    magic, ticket, token_bytes = HELLO.unpack(fixed)
+    if magic != MAGIC:
+        raise InvalidArgument(f"data connection does not start with {MAGIC!r}")
+    if token_bytes > MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"data connection declares a {token_bytes}-byte token; at most "
+                              f"{MAX_TOKEN_BYTES}")
+    return ticket, token_bytes
+
+
+# ------------------------------------------------------------------------------ client side
+
+
+@dataclass(frozen=True, slots=True)
+class DataAddress:
+    """Where a client connects for one transfer."""
+
+    family: int  # socket.AF_UNIX or AF_INET / AF_INET6
+    address: str | tuple[str, int]
+
+
+def connect(address: DataAddress, timeout_s: float) -> socket.socket:
+    """A blocking connection whose every send and receive waits at most ``timeout_s``."""
+    sock = socket.socket(address.family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(address.address)
+        if address.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def send_put(sock: socket.socket, ticket: bytes, token: str | None, data: memoryview) -> None:
+    """Send a Put's hello and bytes on a connected ``sock`` and end the stream; closes it."""
+    with sock:
+        sock.sendall(encode_hello(ticket, token))
+        sock.sendall(data)  # straight from the tensor's memory, no message around it
+        sock.shutdown(socket.SHUT_WR)
+
+
+def receive_get(sock: socket.socket, ticket: bytes, token: str | None, out: memoryview) -> None:
+    """Send a Get's hello on a connected ``sock`` and read the bytes into ``out``; closes it.
+
+    Raises:
+        ConnectionError: the daemon closed the connection before ``out`` was full.
+    """
+    with sock:
+        sock.sendall(encode_hello(ticket, token))
+        pos, total = 0, len(out)
+        while pos < total:
+            got = sock.recv_into(out[pos:])
+            if not got:
+                raise ConnectionError(f"the data socket closed after {pos} of {total} bytes")
+            pos += got
