@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -202,7 +203,15 @@ class ArenaMaps:
         self._fds: dict[str, int] = {}
         self._maps: dict[tuple[str, bool], mmap.mmap] = {}
         self._published: dict[str, mmap.mmap] = {}  # published regions' read-only mappings
+        self._unmap_listeners: list[weakref.WeakMethod] = []
         self._lock = threading.Lock()
+
+    def on_unmap(self, listener: Callable[[int, int], None]) -> None:
+        """Have ``listener(address, nbytes)`` (a bound method, held weakly) called before any
+        mapping is closed, so what registered it (cudaHostRegister) can unregister it first."""
+        with self._lock:
+            if not any(ref() == listener for ref in self._unmap_listeners):
+                self._unmap_listeners.append(weakref.WeakMethod(listener))
 
     @property
     def regions(self) -> list[str]:
@@ -233,7 +242,7 @@ class ArenaMaps:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         if current is not None:
-            self._close_map(current)
+            self._unmap(current)
         self._maps[(region, writable)] = mapped
         sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
         if not writable and sealed and is_published(mapped):
@@ -284,14 +293,20 @@ class ArenaMaps:
             for writable in (False, True):
                 mapped = self._maps.pop((region, writable), None)
                 if mapped is not None:
-                    self._close_map(mapped)
+                    self._unmap(mapped)
             fd = self._fds.pop(region, None)
             if fd is not None:
                 os.close(fd)
         return len(gone)
 
-    @staticmethod
-    def _close_map(mapped: mmap.mmap) -> None:
+    def _unmap(self, mapped: mmap.mmap) -> None:
+        listeners = [ref() for ref in self._unmap_listeners]
+        if any(listeners) and len(mapped):
+            probe = np.frombuffer(mapped, dtype=np.uint8, count=1)
+            address = int(probe.ctypes.data)
+            del probe
+            for listener in filter(None, listeners):
+                listener(address, len(mapped))
         # BufferError: a caller still holds a view; the mapping goes when the last one does.
         with contextlib.suppress(BufferError):
             mapped.close()
@@ -299,7 +314,7 @@ class ArenaMaps:
     def close(self) -> None:
         with self._lock:
             for mapped in self._maps.values():
-                self._close_map(mapped)
+                self._unmap(mapped)
             self._maps.clear()
             self._published.clear()
             for fd in self._fds.values():

@@ -70,6 +70,14 @@ async def test_no_client_route_changes_a_stored_page(root, ns, spec):
         await daemon.stop(1.0)
 
 
+class _UnmapRecorder:
+    def __init__(self) -> None:
+        self.unmapped: list[tuple[int, int]] = []
+
+    def note(self, address: int, nbytes: int) -> None:
+        self.unmapped.append((address, nbytes))
+
+
 def _mapped_memfds() -> set[str]:
     with open("/proc/self/maps") as maps:
         return {line.split("/memfd:")[1].split()[0] for line in maps if "/memfd:" in line}
@@ -102,11 +110,14 @@ async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec)
             given_back = steps - set(dram.published_regions("acme"))
             assert given_back and all(dram.region_fd(name) is None for name in given_back)
             assert set(maps.regions) >= given_back  # not read since: still held
+            recorder = _UnmapRecorder()
+            maps.on_unmap(recorder.note)  # what a GPU client unregisters its pinning with
             small, small_kv = random_tokens(32, seed=9), random_kv(spec, 32, seed=9)
             assert await acme.put(ns, small, small_kv, zero_copy=False) == 32
             assert torch.equal(await acme.get(ns, small, zero_copy=True), small_kv)
             assert not set(maps.regions) & given_back
             assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
+            assert len(recorder.unmapped) == len(given_back)
     finally:
         await daemon.stop(1.0)
 
