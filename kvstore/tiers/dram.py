@@ -310,8 +310,7 @@ class DramTier(SlotTier):
         arena = self._arenas.get(tenant)
         if arena is not None and arena.alloc.growth_plan(nbytes) is not None:
             return None
-        spare = self._budget.room_bytes + sum(a.releasable_bytes for a in self._arenas.values())
-        if spare >= slot_bytes:
+        if self._spare_bytes(arena) >= slot_bytes:
             return None
         donor = max((a for a in self._arenas.values() if a.keys_by_step),
                     key=lambda a: a.backed_bytes, default=None)
@@ -508,9 +507,16 @@ class DramTier(SlotTier):
         log.info("dram: made arena %s for tenant %s", region, shown(tenant))
         return arena
 
-    def _spare_bytes(self) -> int:
-        """Memory the budget has left, with what every tenant could give back."""
-        return self._budget.room_bytes + sum(a.releasable_bytes for a in self._arenas.values())
+    def _spare_bytes(self, arena: _Arena | None = None) -> int:
+        """Memory the budget has left, with what tenants could give back, for ``arena`` to
+        grow into (None: anyone): all of every other tenant's free memory, and its own empty
+        steps but not its free staging memory. A tenant's staging memory stays its writers'
+        while nobody else needs it: turning it into published memory and back with each
+        zero-copy put would empty a whole step of its blocks every few puts."""
+        spare = self._budget.room_bytes
+        for other in self._arenas.values():
+            spare += other.steps.releasable_bytes if other is arena else other.releasable_bytes
+        return spare
 
     def _fits(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when
@@ -527,8 +533,8 @@ class DramTier(SlotTier):
         with none yet) without deleting pages."""
         if arena is not None and arena.steps.fits(nbytes):
             return True
-        return self._spare_bytes() >= PUBLISHED_HEADER_BYTES + SlabAllocator.slot_bytes_for(
-            nbytes)
+        return self._spare_bytes(arena) >= PUBLISHED_HEADER_BYTES + \
+            SlabAllocator.slot_bytes_for(nbytes)
 
     def _step_need(self, arena: _Arena) -> RoomNeed:
         """Every block of ``arena``'s emptiest step: deleting them empties the step, which
@@ -594,16 +600,18 @@ class DramTier(SlotTier):
         return None
 
     async def _take_back(self, arena: _Arena, need_bytes: int) -> bool:
-        """Give free memory back to the budget (free staging chunks, empty published steps;
-        other tenants' first) until it holds ``need_bytes``; False (nothing given back) when
-        all of it would not be enough."""
+        """Give free memory back to the budget for ``arena`` to grow (free staging chunks and
+        empty published steps of other tenants, then its own empty steps: ``_spare_bytes``)
+        until it holds ``need_bytes``; False (nothing given back) when all of it would not be
+        enough."""
         short = need_bytes - self._budget.room_bytes
-        if short <= 0 or self._spare_bytes() < need_bytes:
+        if short <= 0 or self._spare_bytes(arena) < need_bytes:
             return False
         donors = sorted(self._arenas.values(),
                         key=lambda a: (a is arena, -a.releasable_bytes))
         for donor in donors:
-            for offset, size in donor.alloc.release_free(short) if short > 0 else ():
+            staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
+            for offset, size in staging:
                 await asyncio.to_thread(donor.memory.release, offset, size)
                 log.info("dram: took %d free bytes at %d back from arena %s", size, offset,
                          donor.region)
@@ -682,7 +690,10 @@ class DramTier(SlotTier):
 
     def _retire(self, step: Step) -> None:
         if self._pin_cuda and step.memory.base_address():
-            err = int(torch.cuda.cudart().cudaHostUnregister(step.memory.base_address()))
+            cudart = torch.cuda.cudart()
+            err = int(cudart.cudaHostUnregister(step.memory.base_address()))
+            if err:
+                cudart.cudaGetLastError()  # a refusal must not fail a later CUDA call
             if err not in (0, 713):  # 713: cudaErrorHostMemoryNotRegistered (it stayed pageable)
                 log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
         step.memory.retire()
