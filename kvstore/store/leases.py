@@ -275,10 +275,10 @@ class LeaseManager:
         tokens newly published.
 
         Each slot's page is copied out and every check is made on the copy (``check_written``),
-        which the tier then seals: a writer that changes its slot afterwards only breaks the
-        seal. A page that fails aborts the whole commit and frees every slot: nothing
-        half-written, or that would not decode on a later read, demotion or transcode, is ever
-        published. A block stored meanwhile by another writer keeps that copy and frees this
+        which the tier then publishes (making room for it first): a writer that changes its
+        slot afterwards changes nothing anyone reads. A page that fails aborts the whole commit
+        and frees every slot: nothing half-written, or that would not decode on a later read,
+        demotion or transcode, is ever published. A block stored meanwhile by another writer keeps that copy and frees this
         slot. Device slots (``DevicePages``) are published under the meta the store builds,
         once ``ready_event`` (the writer's IPC event handle) fired.
         """
@@ -422,7 +422,7 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
     Blocking: run it in a thread.
     """
     key = reserved.key
-    # The writer can still change its slot: check, and have the tier seal, only this copy.
+    # The writer can still change its slot: check, and have the tier publish, only this copy.
     data = bytes(slot[:page_length(slot)])
     page = decode_page(data, expected_key=key)
     meta = page.meta

@@ -58,7 +58,9 @@ class Tier(ABC):
       byte before ``verify_page`` accepted the page; when it refuses, the caller reads the key
       again with ``verify=True``, and the tier's own check removes and counts the page (a tier
       is the only judge of its pages: a caller never deletes one for being corrupt). A header
-      or meta that does not parse is handled as in a verified read.
+      or meta that does not parse is handled as in a verified read. A tier that verified a page
+      when it stored it, in memory nobody else can write, returns it trusted
+      (``Page.is_trusted``, which ``verify_page`` accepts as it is) on either kind of read.
     - ``delete`` forgets a key (idempotent). ``close`` flushes what must persist.
     - ``used_bytes`` never exceeds ``capacity_bytes``.
     - Room: ``room_for(n)`` is None when a page of ``n`` bytes fits now; otherwise the space to
