@@ -4,7 +4,7 @@
 # tests: the GPU cases of the kernel, tier and engine-path tests against their references, and
 #        pytest -m gpu (CUDA IPC across processes); codecs: `kvstore bench codecs --no-real
 #        --gpu`; tiers: `kvstore bench tiers --total-bytes 1GiB`; gpu: `kvstore bench gpu`.
-# Wheels the image lacks (zstandard, lmdb, blake3, pytest-asyncio, redis, hiredis; pytest and
+# Wheels the image lacks (zstandard, lmdb, pytest-asyncio, redis, hiredis; pytest and
 # its two dependencies, installed only where the image's pytest is older than 8.2) may sit in
 # .whl/. Results go to $OUT (default bench/results). Exit status: any step's failure.
 set -uo pipefail

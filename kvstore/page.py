@@ -8,24 +8,23 @@ Layout (little-endian)::
 
 The checksum is xxh3-64 over the header (with the checksum field zero), meta and payload.
 Any reader can verify and decode a page without outside state. The checksum catches damage, not
-forgery: whoever can write a page can recompute it. Where pages sit in memory that clients can
-write (the DRAM arenas), the daemon also seals each page it stores there: a :class:`PageSealer`
-makes a keyed MAC of the whole page under a secret only the daemon holds, and the daemon keeps
-that tag in its own memory beside the page (a :class:`Seal`). A page read back is trusted only
-if it still matches its tag, so a forged page, checksum recomputed, is never served.
+forgery: whoever can write a page can recompute it. So the DRAM tier never serves a page from
+memory a client can write: it keeps stored pages in published memory, memfds sealed against
+every writer but the daemon's own mapping (``F_SEAL_FUTURE_WRITE``), each a region that starts
+with a header page (``PUBLISHED_MAGIC``, and a state the daemon sets to retired before it gives
+the region back, so a client drops its mapping). A page the daemon verified when it published it
+there is returned *trusted* (``Page.is_trusted``): nobody can change it afterwards, so
+``verify_page`` does not hash it again.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import json
-import secrets
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import blake3
 import xxhash
 
 from kvstore.errors import CapacityError, CorruptPage
@@ -42,8 +41,14 @@ _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CHECKSUM = struct.Struct("<Q")
 _ZERO_CHECKSUM = bytes(_CHECKSUM.size)
 MAX_META_BYTES = 64 * 1024
-SEAL_KEY_BYTES = 32
-TAG_BYTES = 16  # a 128-bit tag: a blind forgery succeeds with probability 2**-128
+# Published memory (see the module docstring): each region's first page is its header.
+PUBLISHED_HEADER_BYTES = 4096
+PUBLISHED_MAGIC = b"KVPUB\x00\x00\x01"
+PUBLISHED_STATE_OFFSET = len(PUBLISHED_MAGIC)  # one byte: live or retired
+PUBLISHED_LIVE = 0
+PUBLISHED_RETIRED = 1
+# The memfd seal that makes memory published (Linux 5.1+; Python 3.11's fcntl does not name it).
+F_SEAL_FUTURE_WRITE = 0x0010
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,58 +70,28 @@ class Page:
     """A parsed page: its meta, a view of its payload and a view of the whole encoded page.
 
     ``decode_page`` returns it verified; ``parse_page`` (and a tier's ``read(key, verify=False)``)
-    leaves the check to ``verify_page``, which must accept it before any of it is used: against
-    ``seal`` when the page came with one (it sits in memory clients can write), else its checksum.
+    leaves the check to ``verify_page``, which must accept it before any of it is used. A page
+    ``is_trusted`` when it lies in published memory: the daemon verified it when it put it
+    there and nobody can change it since, so ``verify_page`` accepts it without hashing.
     """
 
     meta: PageMeta
     payload: memoryview
     data: memoryview  # header + meta + payload, e.g. to copy the page to another tier as is
-    seal: Seal | None = None
+    is_trusted: bool = False
 
 
-class PageSealer:
-    """Makes and checks keyed MACs of whole pages under a secret that never leaves it.
-
-    BLAKE3 in keyed mode is a PRF: without the secret, no writer can make a page match a tag,
-    and a tag says nothing about the secret. The secret is random per sealer (per daemon run)
-    and never stored anywhere. Thread-safe; hashing releases the GIL, so callers tag and check
-    large pages on worker threads.
-    """
-
-    __slots__ = ("_key",)
-
-    def __init__(self, key: bytes | None = None) -> None:
-        if key is not None and len(key) != SEAL_KEY_BYTES:
-            raise ValueError(f"a seal key is {SEAL_KEY_BYTES} bytes, got {len(key)}")
-        self._key = secrets.token_bytes(SEAL_KEY_BYTES) if key is None else bytes(key)
-
-    def __repr__(self) -> str:
-        return "PageSealer(<secret>)"
-
-    def tag(self, page: bytes | bytearray | memoryview) -> bytes:
-        """The MAC of the page that starts at ``page`` (its header says where it ends)."""
-        view = memoryview(page).cast("B")
-        return blake3.blake3(view[:page_length(view)], key=self._key).digest(TAG_BYTES)
-
-    def seal(self, page: bytes | bytearray | memoryview) -> Seal:
-        """The seal to keep beside ``page`` (its tag under this sealer)."""
-        return Seal(self, self.tag(page))
+def is_published(buf: bytes | bytearray | memoryview) -> bool:
+    """Whether ``buf`` starts with the header page of a region of published memory."""
+    view = memoryview(buf)
+    return len(view) >= PUBLISHED_HEADER_BYTES and bytes(view[:PUBLISHED_STATE_OFFSET]) == \
+        PUBLISHED_MAGIC
 
 
-@dataclass(frozen=True, slots=True)
-class Seal:
-    """The tag its sealer made of a page when storing it, kept where no client can write."""
-
-    sealer: PageSealer
-    tag: bytes
-
-    def check(self, page: Page) -> None:
-        """CorruptPage unless ``page`` is, byte for byte, the page this seal was made of."""
-        if not hmac.compare_digest(self.sealer.tag(page.data), self.tag):
-            raise CorruptPage(f"page checksum mismatch for key {bytes(page.meta.key).hex()}: "
-                              "the page fails its seal (keyed checksum), it changed after the "
-                              "daemon stored it")
+def is_retired(buf: bytes | bytearray | memoryview) -> bool:
+    """Whether the region of published memory ``buf`` maps was given back by the daemon (its
+    header says so): a client drops its mapping, or it keeps the memory alive."""
+    return is_published(buf) and memoryview(buf)[PUBLISHED_STATE_OFFSET] == PUBLISHED_RETIRED
 
 
 def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> bytes:
@@ -193,41 +168,36 @@ def page_length(buf: bytes | bytearray | memoryview) -> int:
     return HEADER_BYTES + fields[7] + fields[8]
 
 
-def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None,
-                seal: Seal | None = None) -> Page:
-    """Verify and parse a page; raise CorruptPage naming the first fault found.
-
-    With ``seal`` the page must match it (which implies its checksum: only pages whose checksum
-    held are ever sealed); without, its checksum must hold. The returned payload is a view into
-    ``buf`` (no copy).
-    """
-    page = parse_page(buf, expected_key, seal)
+def decode_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None
+                ) -> Page:
+    """Verify and parse a page; raise CorruptPage naming the first fault found. The returned
+    payload is a view into ``buf`` (no copy)."""
+    page = parse_page(buf, expected_key)
     verify_page(page)
     return page
 
 
 def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None = None,
-               seal: Seal | None = None) -> Page:
-    """Parse a page without checking its checksum or seal; CorruptPage if the header or meta is
+               is_trusted: bool = False) -> Page:
+    """Parse a page without checking its checksum; CorruptPage if the header or meta is
     damaged.
 
     Cheap (no pass over the payload). Nothing in the returned page may be trusted, or leave
-    the reader, before ``verify_page`` accepted it (against ``seal``, if given).
+    the reader, before ``verify_page`` accepted it. ``is_trusted`` is for pages in published
+    memory only (the module docstring): ``verify_page`` then accepts the page as it is.
     """
-    return _make_page(*_parse_header(buf, expected_key), seal)
+    return _make_page(*_parse_header(buf, expected_key), is_trusted)
 
 
 def verify_page(page: Page) -> None:
-    """Check a parsed page against its seal if it has one (one keyed BLAKE3 pass), else its
-    checksum (one xxh3 pass); CorruptPage if it fails.
+    """Check a parsed page's checksum (one xxh3 pass) unless it is trusted; CorruptPage if it
+    fails.
 
     Releases the GIL while hashing, so worker threads verify side by side. Hashing leaves the
     page in the CPU caches: copying its payload right after, on the same thread, costs about
     what the copy alone costs.
     """
-    if page.seal is not None:
-        page.seal.check(page)
-    else:
+    if not page.is_trusted:
         _check_sum(page.data, page.meta.key)
 
 
@@ -267,7 +237,7 @@ def _check_sum(data: memoryview, key: bytes) -> None:
         raise CorruptPage(f"page checksum mismatch for key {bytes(key).hex()}")
 
 
-def _make_page(view: memoryview, fields: tuple, seal: Seal | None = None) -> Page:
+def _make_page(view: memoryview, fields: tuple, is_trusted: bool = False) -> Page:
     (_, _, codec_id, block_index, namespace, key, parent, meta_len, _, _) = fields
     end = _page_end(fields)
     try:
@@ -285,4 +255,4 @@ def _make_page(view: memoryview, fields: tuple, seal: Seal | None = None) -> Pag
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptPage(f"page meta unreadable for key {key.hex()}: {exc}") from None
     return Page(meta=meta, payload=view[HEADER_BYTES + meta_len : end], data=view[:end],
-                seal=seal)
+                is_trusted=is_trusted)

@@ -4,12 +4,15 @@ from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import (
     HEADER_BYTES,
-    TAG_BYTES,
+    PUBLISHED_HEADER_BYTES,
+    PUBLISHED_MAGIC,
+    PUBLISHED_RETIRED,
+    PUBLISHED_STATE_OFFSET,
     PageMeta,
-    PageSealer,
-    Seal,
     decode_page,
     encode_page,
+    is_published,
+    is_retired,
     page_length,
     parse_page,
     verify_page,
@@ -55,48 +58,29 @@ def test_wrong_key_truncation_and_version():
         decode_page(bad)
 
 
-def _forge(buf: bytes, payload: bytes) -> bytes:
-    """Another payload under the same header fields, its plain checksum recomputed, as a
-    writer with access to the page's memory could make it."""
-    return encode_page(decode_page(buf).meta, payload)
-
-
-def test_a_sealed_page_verifies_against_its_seal():
-    sealer = PageSealer()
-    buf = encode_page(META, b"kv" * 500)
-    seal = sealer.seal(buf)
-    assert len(seal.tag) == TAG_BYTES and "secret" in repr(sealer)
-    assert bytes(decode_page(buf, META.key, seal).payload) == b"kv" * 500
-    page = parse_page(buf + b"trailing bytes", META.key, seal)  # the header says where it ends
-    assert page.seal is seal
+def test_an_unverified_page_is_checked_and_a_trusted_one_is_not_hashed_again():
+    """verify_page checks the checksum of a page parsed from memory anyone could write, and
+    accepts a page parsed as trusted (published memory, verified when the daemon put it there)
+    as it is: the damage below is what a trusted page can never suffer."""
+    buf = bytearray(encode_page(META, b"kv" * 500))
+    page = parse_page(buf + b"trailing bytes", META.key)  # the header says where it ends
+    assert not page.is_trusted and bytes(page.payload) == b"kv" * 500
     verify_page(page)
+    buf[-1] ^= 0x01
+    with pytest.raises(CorruptPage, match="checksum mismatch"):
+        verify_page(parse_page(buf, META.key))
+    trusted = parse_page(buf, META.key, is_trusted=True)
+    assert trusted.is_trusted
+    verify_page(trusted)
+    with pytest.raises(CorruptPage, match="expected"):  # the header is still checked
+        parse_page(buf, BlockKey(b"z" * 16), is_trusted=True)
 
 
-def test_a_forged_page_with_a_recomputed_checksum_fails_its_seal():
-    sealer = PageSealer()
-    buf = encode_page(META, b"a" * 1000)
-    seal = sealer.seal(buf)
-    forged = _forge(buf, b"b" * 1000)
-    assert decode_page(forged).meta == META  # the plain checksum is fooled
-    with pytest.raises(CorruptPage, match="fails its seal"):
-        decode_page(forged, META.key, seal)
-    with pytest.raises(CorruptPage, match="fails its seal"):
-        verify_page(parse_page(forged, META.key, seal))
-    with pytest.raises(CorruptPage, match="fails its seal"):  # a tag made under another secret
-        decode_page(buf, META.key, Seal(sealer, PageSealer().tag(buf)))
-
-
-@pytest.mark.parametrize("offset", [0, 20, HEADER_BYTES - 1, HEADER_BYTES + 3, -1])
-def test_any_flipped_byte_breaks_the_seal(offset):
-    sealer = PageSealer(bytes(range(32)))
-    buf = encode_page(META, b"payload" * 100)
-    seal = sealer.seal(buf)
-    damaged = bytearray(buf)
-    damaged[offset] ^= 0x01
-    with pytest.raises(CorruptPage):
-        decode_page(damaged, META.key, seal)
-
-
-def test_a_seal_key_has_32_bytes():
-    with pytest.raises(ValueError, match="32 bytes"):
-        PageSealer(b"short")
+def test_the_published_header_says_whether_a_region_was_given_back():
+    region = bytearray(PUBLISHED_HEADER_BYTES + 4096)
+    assert not is_published(region) and not is_retired(region)
+    region[:PUBLISHED_STATE_OFFSET] = PUBLISHED_MAGIC
+    assert is_published(region) and not is_retired(region)
+    region[PUBLISHED_STATE_OFFSET] = PUBLISHED_RETIRED
+    assert is_retired(region)
+    assert not is_published(region[:PUBLISHED_HEADER_BYTES - 1])  # too short for a header

@@ -1,6 +1,10 @@
 """Zero-copy pages: a client on the daemon's host reads and writes them in its tenant's arena.
 
-Reads: Acquire, map, check, decode, Release. Writes: Reserve, encode straight into the slots,
+Reads: Acquire, map, check, decode, Release. Stored pages lie in published memory, regions the
+daemon sealed against every writer but itself (``F_SEAL_FUTURE_WRITE``) after it verified each
+page there: a client maps them read-only (no other mapping is possible) and reads their pages
+without hashing them again; it drops its mapping of a region the daemon gave back (its header
+says so) at its next read, so no client keeps that memory alive. Writes: Reserve, encode straight into the slots,
 Commit; Abort if the write fails or is interrupted. Neither streams tensor bytes through the
 socket. A client maps only its own tenant's arena: it gets the arena's descriptor from the
 daemon's descriptor socket (``kvstore.rpc.fdpass``, named by Health) after the daemon checked
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -44,7 +50,17 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import Namespace
-from kvstore.page import PageMeta, decode_page, page_bytes, write_page
+from kvstore.page import (
+    F_SEAL_FUTURE_WRITE,
+    Page,
+    PageMeta,
+    decode_page,
+    is_published,
+    is_retired,
+    page_bytes,
+    parse_page,
+    write_page,
+)
 from kvstore.rpc.fdpass import (
     EXCHANGE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
@@ -170,12 +186,15 @@ def fetch_region_fd(channel: str, region: str, token: str | None,
 
 
 class ArenaMaps:
-    """mmaps of the arenas this client's tenant may map, one descriptor per region.
+    """mmaps of the regions this client's tenant may map, one descriptor per region.
 
     A region's descriptor is fetched from the daemon's descriptor socket (``channel``, learnt
     from Health) the first time a lease or reservation names the region, then kept: pages of
     leases are read through a read-only mapping of it, reservations written through a
-    read-write one. Thread-safe: the async client reads and writes pages from worker threads.
+    read-write one. A region of published memory (sealed against future writes, opening with
+    the published header) holds pages the daemon verified: ``is_trusted`` says so, and
+    ``drop_retired`` forgets the ones the daemon gave back. Thread-safe: the async client reads
+    and writes pages from worker threads.
     """
 
     def __init__(self, token: str | None = None, channel: str | None = None) -> None:
@@ -183,7 +202,22 @@ class ArenaMaps:
         self._token = token
         self._fds: dict[str, int] = {}
         self._maps: dict[tuple[str, bool], mmap.mmap] = {}
+        self._published: dict[str, mmap.mmap] = {}  # published regions' read-only mappings
+        self._unmap_listeners: list[weakref.WeakMethod] = []
         self._lock = threading.Lock()
+
+    def on_unmap(self, listener: Callable[[int, int], None]) -> None:
+        """Have ``listener(address, nbytes)`` (a bound method, held weakly) called before any
+        mapping is closed, so what registered it (cudaHostRegister) can unregister it first."""
+        with self._lock:
+            if not any(ref() == listener for ref in self._unmap_listeners):
+                self._unmap_listeners.append(weakref.WeakMethod(listener))
+
+    @property
+    def regions(self) -> list[str]:
+        """The regions this client holds a descriptor of."""
+        with self._lock:
+            return list(self._fds)
 
     def _fd(self, region: str) -> int:
         fd = self._fds.get(region)
@@ -199,6 +233,8 @@ class ArenaMaps:
         current = self._maps.get((region, writable))
         if current is not None and len(current) >= end:
             return current
+        if current is None:
+            self._drop_retired()  # a new region: the daemon may have given older ones back
         fd = self._fd(region)
         size = os.fstat(fd).st_size
         if size < end:
@@ -206,8 +242,11 @@ class ArenaMaps:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         if current is not None:
-            self._close_map(current)
+            self._unmap(current)
         self._maps[(region, writable)] = mapped
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+        if not writable and sealed and is_published(mapped):
+            self._published[region] = mapped
         return mapped
 
     def usable(self, channel: str) -> bool:
@@ -227,8 +266,47 @@ class ArenaMaps:
             mapped = self._map(region, offset + length, writable)
             return memoryview(mapped)[offset : offset + length]
 
-    @staticmethod
-    def _close_map(mapped: mmap.mmap) -> None:
+    def is_trusted(self, region: str) -> bool:
+        """Whether ``region`` (mapped by ``view``) is published memory: its pages were verified
+        by the daemon and nobody can change them."""
+        return region in self._published
+
+    def page(self, region: str, offset: int, length: int, key: bytes) -> Page:
+        """The verified page of ``key`` at ``offset`` in ``region``: checked against its
+        checksum, unless the region is published memory (the daemon checked it, nobody can
+        change it since; only its header is parsed)."""
+        view = self.view(region, offset, length)
+        if self.is_trusted(region):
+            return parse_page(view, key, is_trusted=True)
+        return decode_page(view, expected_key=key)
+
+    def drop_retired(self) -> int:
+        """Close the mappings and descriptors of published regions the daemon gave back;
+        return how many went. Cheap (one byte read per published region mapped)."""
+        with self._lock:
+            return self._drop_retired()
+
+    def _drop_retired(self) -> int:
+        gone = [region for region, mapped in self._published.items() if is_retired(mapped)]
+        for region in gone:
+            del self._published[region]
+            for writable in (False, True):
+                mapped = self._maps.pop((region, writable), None)
+                if mapped is not None:
+                    self._unmap(mapped)
+            fd = self._fds.pop(region, None)
+            if fd is not None:
+                os.close(fd)
+        return len(gone)
+
+    def _unmap(self, mapped: mmap.mmap) -> None:
+        listeners = [ref() for ref in self._unmap_listeners]
+        if any(listeners) and len(mapped):
+            probe = np.frombuffer(mapped, dtype=np.uint8, count=1)
+            address = int(probe.ctypes.data)
+            del probe
+            for listener in filter(None, listeners):
+                listener(address, len(mapped))
         # BufferError: a caller still holds a view; the mapping goes when the last one does.
         with contextlib.suppress(BufferError):
             mapped.close()
@@ -236,8 +314,9 @@ class ArenaMaps:
     def close(self) -> None:
         with self._lock:
             for mapped in self._maps.values():
-                self._close_map(mapped)
+                self._unmap(mapped)
             self._maps.clear()
+            self._published.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -267,16 +346,17 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | None:
-    """The K/V of a lease's pinned pages, each verified once (its page checksum, against its
-    key) and then decoded without checking the blob checksum inside it again."""
+    """The K/V of a lease's pinned pages, each verified once (``ArenaMaps.page``: its page
+    checksum against its key, or none in published memory) and then decoded without checking
+    the blob checksum inside it again."""
+    maps.drop_retired()
     if not lease.blocks:
         return None
     bt = ns.spec.block_tokens
     out = fresh_tensor(ns.spec.shape(len(lease.blocks) * bt), ns.spec.torch_dtype)
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
-        page = decode_page(maps.view(loc.region, loc.offset, loc.length),
-                           expected_key=loc.key)
+        page = maps.page(loc.region, loc.offset, loc.length, loc.key)
         _decode_into(page.payload, out[:, :, i * bt : (i + 1) * bt])
     return out
 
@@ -323,13 +403,14 @@ def visit_lease(maps: ArenaMaps, ns: Namespace, lease: Lease, visit: BlockVisito
     Returns:
         The number of blocks the lease holds (visited or not).
     """
+    maps.drop_retired()
     spec = ns.spec
     shape, dtype = spec.shape(spec.block_tokens), spec.torch_dtype
     scratch: torch.Tensor | None = None
     for i in range(first_block, len(lease.blocks)):
         loc = lease.blocks[i]
         _check_host(loc.medium)
-        page = decode_page(maps.view(loc.region, loc.offset, loc.length), expected_key=loc.key)
+        page = maps.page(loc.region, loc.offset, loc.length, loc.key)
         kv = _raw_block(page.payload, shape, dtype)
         if kv is None:
             scratch = scratch if scratch is not None else torch.empty(shape, dtype=dtype)

@@ -268,11 +268,12 @@ class EngineCache:
                        layout_of: dict[tuple[int, bytes], int]) -> torch.Tensor:
         """The section bytes of a leased host page, as a (pinned where possible) CPU tensor.
 
-        The daemon sealed the page when it stored it, and only its tenant maps the arena: the
-        page is parsed, not re-hashed (a 2 MiB hash costs more than its transfer). Pages of
+        The daemon verified the page when it published it, nobody can change it since, and
+        only its tenant maps it: the page is parsed, not re-hashed (a 2 MiB hash costs more than its transfer). Pages of
         one namespace and codec share their framing: after the first, a page whose header
         names its key and has the same lengths has its sections at the same offset.
         """
+        maps.on_unmap(self._unpinned)  # a region the daemon gave back is unmapped: unregister
         view = maps.view(block.region, block.offset, block.length)
         header = bytes(view[:_PAGE_FIXED])
         shape_key = (block.length, header[_META_LEN])
@@ -310,6 +311,12 @@ class EngineCache:
         self._unpinnable.add(base)  # e.g. registered already by another cache: copies still run
         log.info("arena mapping at %#x stays pageable here (cudaHostRegister: error %d)", base,
                  err)
+
+    def _unpinned(self, base: int, size: int) -> None:
+        """The client is about to unmap the mapping at ``base``: unregister it if pinned here."""
+        if self._pinned.pop(base, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(base)
+        self._unpinnable.discard(base)
 
     def _ring(self, dev: DeviceLayout) -> StagingRing:
         ring = self._rings.get(dev.codec)

@@ -206,9 +206,8 @@ class LeaseManager:
         finally:
             self._dir.unpin(entries[len(held):])
         blocks = []
-        region = tier.region_of(ns.tenant) if held else ""
         for entry in held:
-            offset, length = tier.locate(entry.meta.key)
+            region, offset, length = tier.locate(entry.meta.key)
             blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
@@ -247,7 +246,8 @@ class LeaseManager:
             for i, key in enumerate(keys):
                 if key in self._dir:
                     continue
-                if not await self._placement.make_room(link, slot_bytes, ns.tenant):
+                if not await self._placement.make_room(link, slot_bytes, ns.tenant,
+                                                       for_slot=True):
                     break
                 slot = await tier.allocate_slot(slot_bytes, ns.tenant)
                 if slot is None:
@@ -276,10 +276,10 @@ class LeaseManager:
         tokens newly published.
 
         Each slot's page is copied out and every check is made on the copy (``check_written``),
-        which the tier then seals: a writer that changes its slot afterwards only breaks the
-        seal. A page that fails aborts the whole commit and frees every slot: nothing
-        half-written, or that would not decode on a later read, demotion or transcode, is ever
-        published. A block stored meanwhile by another writer keeps that copy and frees this
+        which the tier then publishes (making room for it first): a writer that changes its
+        slot afterwards changes nothing anyone reads. A page that fails aborts the whole commit
+        and frees every slot: nothing half-written, or that would not decode on a later read,
+        demotion or transcode, is ever published. A block stored meanwhile by another writer keeps that copy and frees this
         slot. Device slots (``DevicePages``) are published under the meta the store builds,
         once ``ready_event`` (the writer's IPC event handle) fired.
         """
@@ -291,29 +291,45 @@ class LeaseManager:
         except BaseException:  # a cancelled commit frees its slots too: the hold is gone
             self._abort_slots(hold.tenant, hold.slots)
             raise
-        published = []
-        for i, (reserved, (meta, page)) in enumerate(zip(hold.slots, checked)):
-            tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-            try:
-                if reserved.key in self._dir or tier.contains(reserved.key):
-                    tier.abort(reserved.slot)
-                else:
-                    if isinstance(tier, DevicePages):
-                        length = await tier.publish_sections(reserved.slot, reserved.key, meta,
-                                                             hold.ns.spec, ready_event)
+        published: list[BlockKey] = []
+        held: list[BlockEntry] = []  # making room for a later block never evicts an earlier one
+        try:
+            for i, (reserved, (meta, page)) in enumerate(zip(hold.slots, checked)):
+                tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+                try:
+                    if reserved.key in self._dir or tier.contains(reserved.key):
+                        tier.abort(reserved.slot)
                     else:
-                        length = await tier.publish(reserved.slot, reserved.key, meta, page)
-                    self._dir.place(meta, reserved.link.name, length,
-                                    tier.footprint(reserved.key))
-                    published.append(reserved.key)
-            except BaseException:
-                self._abort_slots(hold.tenant, hold.slots[i:])
-                raise
-            self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
+                        length = await self._publish(hold, reserved, meta, page, ready_event)
+                        if length:
+                            self._dir.place(meta, reserved.link.name, length,
+                                            tier.footprint(reserved.key))
+                            published.append(reserved.key)
+                            held.append(self._dir.get(reserved.key))
+                            self._dir.pin(held[-1:])
+                except BaseException:
+                    self._abort_slots(hold.tenant, hold.slots[i:])
+                    raise
+                self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
+        finally:
+            self._dir.unpin(held)
         self._dir.touch(self._dir.match_prefix(published), hit=False)
         written = len(published) * hold.ns.spec.block_tokens
         self._count(hold.ns.tenant, puts=1, put_tokens=written)
         return written
+
+    async def _publish(self, hold: ReservationHold, reserved: ReservedSlot, meta: PageMeta,
+                       page: bytes | None, ready_event: bytes) -> int:
+        """Publish one checked slot (making room for its page first); its length, 0 if there
+        was no room (the slot is freed)."""
+        tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
+        if isinstance(tier, DevicePages):
+            return await tier.publish_sections(reserved.slot, reserved.key, meta, hold.ns.spec,
+                                               ready_event)
+        if not await self._placement.make_room(reserved.link, len(page), hold.tenant):
+            tier.abort(reserved.slot)
+            return 0
+        return await tier.publish(reserved.slot, reserved.key, meta, page)
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back without publishing anything."""
@@ -364,7 +380,7 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
     Blocking: run it in a thread.
     """
     key = reserved.key
-    # The writer can still change its slot: check, and have the tier seal, only this copy.
+    # The writer can still change its slot: check, and have the tier publish, only this copy.
     data = bytes(slot[:page_length(slot)])
     page = decode_page(data, expected_key=key)
     meta = page.meta

@@ -178,8 +178,10 @@ class Placement:
                 return True
         return False
 
-    async def make_room(self, link: Link, nbytes: int, tenant: str) -> bool:
-        """Free what ``link``'s tier needs for ``tenant``'s page of ``nbytes``: True if it fits.
+    async def make_room(self, link: Link, nbytes: int, tenant: str, for_slot: bool = False
+                        ) -> bool:
+        """Free what ``link``'s tier needs for ``tenant``'s page of ``nbytes`` (``for_slot``: for
+        a slot its ``allocate_slot`` lends): True if it fits.
 
         Atomic: victims are chosen only if together they free enough, and only blocks whose
         removal frees room for this size; otherwise nothing is evicted. With quotas, a tenant
@@ -197,10 +199,11 @@ class Placement:
             if over > 0 and not await self._evict(link, RoomNeed(over), own):
                 return False
             is_protected = self._fair_game_for(tenant, link.name, quota)
-        need = link.tier.room_for_tenant(nbytes, tenant)
+        room = link.tier.room_for_slot if for_slot else link.tier.room_for_tenant
+        need = room(nbytes, tenant)
         if need is not None and not await self._evict(link, need, is_protected):
             return False
-        return link.tier.room_for_tenant(nbytes, tenant) is None
+        return room(nbytes, tenant) is None
 
     async def _evict(self, link: Link, need: RoomNeed, is_protected: Callable[[BlockKey], bool]
                      ) -> bool:

@@ -1,5 +1,6 @@
-"""The DRAM tier's memory: shared-memory arenas (memfds) and the slab allocator that carves
-each of them, within a growth budget several arenas share."""
+"""The DRAM tier's memory, within a growth budget every tenant's memory shares: staging arenas
+(one writable memfd per tenant, carved by a slab allocator) and published memory (one sealed
+memfd per growth step, ``SealedStep``, carved into one size class by a ``StepPool``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, Unavailable
+from kvstore.page import (
+    F_SEAL_FUTURE_WRITE,
+    PUBLISHED_HEADER_BYTES,
+    PUBLISHED_LIVE,
+    PUBLISHED_MAGIC,
+    PUBLISHED_RETIRED,
+    PUBLISHED_STATE_OFFSET,
+)
 
 PAGE_ALIGN = 4096  # slot sizes, chunk offsets and growth steps are multiples of this
 # madvise(MADV_POPULATE_WRITE) prefaults writable pages (Linux 5.14+); Python 3.11's mmap module
@@ -25,6 +34,12 @@ MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)  # frees a shmem range's pages (a 
 # the descriptor can neither shrink it under the daemon's mapping (which would SIGBUS the
 # daemon on its next touch) nor seal it against the daemon's own writes.
 _ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# F_SEAL_FUTURE_WRITE (Linux 5.1+): added after the owner mapped a memfd
+# writable, it refuses every later way to write it (write, pwrite, a new writable mapping,
+# mprotect to writable, a writable reopen through /proc) while the owner's mapping keeps
+# writing; it also refuses freeing its memory (MADV_REMOVE, hole punching): a sealed memfd
+# goes back whole, when its last descriptor and mapping close.
+_STEP_SEALS = _ARENA_SEALS | F_SEAL_FUTURE_WRITE
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
@@ -528,15 +543,221 @@ class ShmArena:
             raise OSError(err, f"madvise(MADV_REMOVE) on arena {self.name}: {os.strerror(err)}")
 
     def _prefault(self, offset: int, nbytes: int) -> None:
-        # First writes into fresh shmem pages fault at ~0.5 GB/s against ~13 GB/s once mapped;
-        # pay that here, off the request path.
-        if _MADVISE is not None:
-            if _MADVISE(self._base + offset, nbytes, MADV_POPULATE_WRITE) == 0:
-                return
-            err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) on {self.name}: "
-                                   f"{os.strerror(err)}")
-        pages = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
-        pages[::mmap.PAGESIZE] = 0  # one write per page maps it; the new pages are zero anyway
-        del pages
+        _prefault(self._mmap, self._base, offset, nbytes, self.name)
+
+
+def _prefault(mapped: mmap.mmap, base: int, offset: int, nbytes: int, name: str) -> None:
+    # First writes into fresh shmem pages fault at ~0.5 GB/s against ~13 GB/s once mapped;
+    # pay that here, off the request path.
+    if _MADVISE is not None:
+        if _MADVISE(base + offset, nbytes, MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE) on {name}: {os.strerror(err)}")
+    pages = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset)
+    pages[::mmap.PAGESIZE] = 0  # one write per page maps it; the new pages are zero anyway
+    del pages
+
+
+class SealedStep:
+    """One growth step of published memory: a memfd of its own, backed and mapped writable here,
+    then sealed (``_STEP_SEALS``) so that nobody else can ever write it, resize it or free part
+    of it. Its first page is the header clients read (``kvstore.page.is_retired``); slots
+    follow. It goes back whole: ``retire`` marks the header, unmaps and closes it, and the
+    memory is freed once the last client mapping of it is gone too.
+    """
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        if nbytes <= PUBLISHED_HEADER_BYTES or nbytes % PAGE_ALIGN:
+            raise CapacityError(f"a published step of {nbytes} bytes holds no slot")
+        self.name = name
+        self.nbytes = nbytes
+        self._fd = -1
+        self._mmap: mmap.mmap | None = None
+        self._base = 0
+        self.view = memoryview(b"")
+
+    @property
+    def fd(self) -> int:
+        """The memfd (owned by this step: duplicate it to keep it past ``retire``)."""
+        return self._fd
+
+    def base_address(self) -> int:
+        return self._base
+
+    def create(self) -> None:
+        """Make, back, prefault, map and seal the memfd. Blocking (about 0.4 GB/s, the kernel
+        zeroes every page): call it in a thread. CapacityError when shared memory is exhausted,
+        Unavailable when the kernel cannot seal it against future writes (before Linux 5.1)."""
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, self.nbytes)
+            try:
+                os.posix_fallocate(self._fd, 0, self.nbytes)  # touching unbacked pages: SIGBUS
+            except OSError as exc:
+                raise CapacityError(f"shared memory for {self.name} is exhausted: "
+                                    f"{os.strerror(exc.errno)}") from None
+            self._mmap = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            probe = np.frombuffer(self._mmap, dtype=np.uint8, count=1)
+            self._base = probe.ctypes.data
+            del probe
+            _prefault(self._mmap, self._base, 0, self.nbytes, self.name)
+            self._mmap[:PUBLISHED_STATE_OFFSET + 1] = PUBLISHED_MAGIC + bytes([PUBLISHED_LIVE])
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _STEP_SEALS)
+            except OSError as exc:
+                raise Unavailable(f"the DRAM tier needs F_SEAL_FUTURE_WRITE (Linux 5.1 or "
+                                  f"later) to publish pages: {os.strerror(exc.errno)}") from None
+        except BaseException:
+            self.retire()
+            raise
+        self.view = memoryview(self._mmap)
+
+    def retire(self) -> None:
+        """Mark the step given back (clients holding a mapping see it and drop theirs), unmap
+        it (once no view of it is held here) and close the memfd. Blocking: call it in a
+        thread."""
+        self.view.release()
+        self.view = memoryview(b"")
+        if self._mmap is not None:
+            self._mmap[PUBLISHED_STATE_OFFSET] = PUBLISHED_RETIRED
+            with contextlib.suppress(BufferError):  # a reader's page view: goes with the last
+                self._mmap.close()
+            self._mmap = None
+            self._base = 0
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass(slots=True, eq=False)
+class Step:
+    """A step of one tenant's published memory: its region name, its memory and how it is
+    cut (``chunk``: slots of one size class after the header page; None while empty)."""
+
+    region: str
+    memory: SealedStep
+    chunk: Chunk | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+    @property
+    def slots_bytes(self) -> int:
+        return self.memory.nbytes - PUBLISHED_HEADER_BYTES
+
+
+class StepPool:
+    """The steps of one tenant's published memory and their slots; book-keeping only, no I/O.
+
+    A step is cut for one size class when a page first needs it; a step whose slots are all
+    free stays backed and is cut again for whichever class needs it next, until it is given
+    back whole (``take_empty``): steps are the unit of memory published memory gives back.
+    Not thread-safe: the tier calls it from its event loop only.
+    """
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = max(round_down(chunk_bytes), PAGE_ALIGN)
+        self.steps: dict[str, Step] = {}  # by region
+        self.backed_bytes = 0  # every step's bytes
+        self.used_bytes = 0  # slot bytes of pages in use
+        self._partial: dict[int, dict[str, Step]] = {}  # size class -> steps with a free slot
+        self._empty: dict[str, Step] = {}
+
+    @property
+    def releasable_bytes(self) -> int:
+        """Bytes of steps with no page in them (``take_empty`` gives them back)."""
+        return sum(step.nbytes for step in self._empty.values())
+
+    @property
+    def num_classes(self) -> int:
+        return len({step.chunk.slot_bytes for step in self.steps.values() if step.chunk})
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free slots in steps cut for a class."""
+        return sum(s.chunk.num_slots - s.chunk.num_used for s in self.steps.values() if s.chunk)
+
+    def step_bytes_for(self, nbytes: int, room_bytes: int) -> int | None:
+        """Bytes of a new step for pages of ``nbytes`` (a chunk's worth of their slots, fewer
+        if only ``room_bytes`` are left), or None if not even one slot fits in the room."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        want = slot_bytes if slot_bytes >= self.chunk_bytes else \
+            self.chunk_bytes // slot_bytes * slot_bytes
+        room = max(0, room_bytes - PUBLISHED_HEADER_BYTES)
+        slots = min(want, room // slot_bytes * slot_bytes)
+        return None if slots < slot_bytes else PUBLISHED_HEADER_BYTES + slots
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a page of ``nbytes`` fits in a step already made (no growth)."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        return bool(self._partial.get(slot_bytes)) or any(
+            step.slots_bytes >= slot_bytes for step in self._empty.values())
+
+    def add(self, step: Step) -> None:
+        """A new step (empty, uncut)."""
+        self.steps[step.region] = step
+        self._empty[step.region] = step
+        self.backed_bytes += step.nbytes
+
+    def allocate(self, nbytes: int) -> tuple[Step, Slot] | None:
+        """A free slot for a page of ``nbytes``: in a step of its class, else in the smallest
+        empty step that holds one (cut for its class now); None if neither exists."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        partial = self._partial.setdefault(slot_bytes, {})
+        step = next(iter(partial.values()), None)
+        if step is None:
+            step = min((s for s in self._empty.values() if s.slots_bytes >= slot_bytes),
+                       key=lambda s: s.nbytes, default=None)
+            if step is None:
+                return None
+            del self._empty[step.region]
+            num_slots = step.slots_bytes // slot_bytes
+            step.chunk = Chunk(PUBLISHED_HEADER_BYTES, num_slots * slot_bytes, slot_bytes,
+                               num_slots)
+            partial[step.region] = step
+        chunk = step.chunk
+        index = chunk.take()
+        if chunk.num_used == chunk.num_slots:
+            del partial[step.region]
+        self.used_bytes += slot_bytes
+        return step, Slot(chunk, index)
+
+    def release(self, step: Step, slot: Slot) -> None:
+        """Hand a slot back; a step left empty waits to be cut again or given back."""
+        chunk = step.chunk
+        chunk.give(slot.index)
+        self.used_bytes -= chunk.slot_bytes
+        partial = self._partial[chunk.slot_bytes]
+        if chunk.num_used == 0:
+            partial.pop(step.region, None)
+            step.chunk = None
+            self._empty[step.region] = step
+        else:
+            partial[step.region] = step
+
+    def take_empty(self, nbytes: int) -> list[Step]:
+        """Remove empty steps, largest first, until at least ``nbytes`` of them went (or none
+        is left); the caller retires them."""
+        taken, total = [], 0
+        for step in sorted(self._empty.values(), key=lambda s: -s.nbytes):
+            if total >= nbytes:
+                break
+            taken.append(self._drop(step))
+            total += step.nbytes
+        return taken
+
+    def take_all(self) -> list[Step]:
+        """Remove every step (closing the tier)."""
+        return [self._drop(step) for step in list(self.steps.values())]
+
+    def _drop(self, step: Step) -> Step:
+        del self.steps[step.region]
+        self._empty.pop(step.region, None)
+        if step.chunk is not None:
+            self._partial[step.chunk.slot_bytes].pop(step.region, None)
+        self.backed_bytes -= step.nbytes
+        return step

@@ -58,7 +58,9 @@ class Tier(ABC):
       byte before ``verify_page`` accepted the page; when it refuses, the caller reads the key
       again with ``verify=True``, and the tier's own check removes and counts the page (a tier
       is the only judge of its pages: a caller never deletes one for being corrupt). A header
-      or meta that does not parse is handled as in a verified read.
+      or meta that does not parse is handled as in a verified read. A tier that verified a page
+      when it stored it, in memory nobody else can write, returns it trusted
+      (``Page.is_trusted``, which ``verify_page`` accepts as it is) on either kind of read.
     - ``delete`` forgets a key (idempotent). ``close`` flushes what must persist.
     - ``used_bytes`` never exceeds ``capacity_bytes``.
     - Room: ``room_for(n)`` is None when a page of ``n`` bytes fits now; otherwise the space to
@@ -161,20 +163,25 @@ class Slot(Protocol):
 class SlotTier(Tier):
     """A tier of fixed slots in memory other processes on the host map (shared-memory arenas,
     a GPU pool exported over IPC): it lends slots for zero-copy writes and locates pages for
-    pinned zero-copy reads. Each tenant's slots are in a region of their own, which only that
-    tenant's clients are given to map.
+    pinned zero-copy reads. A tenant's memory is in regions of its own (one or several), which
+    only that tenant's clients are given to map.
 
-    - ``allocate_slot(nbytes, tenant)`` gives a writer a free slot in ``tenant``'s region,
-      owned by no key (None: no room; the store makes room first). ``slot_view`` is the slot's
-      memory in this process.
+    - ``allocate_slot(nbytes, tenant)`` gives a writer a free slot in ``tenant``'s region
+      ``region_of(tenant)``, owned by no key (None: no room; the store makes room first, asking
+      ``room_for_slot``). ``slot_view`` is the slot's memory in this process.
     - ``publish`` makes the page a writer put into the slot readable under ``key``, after the
-      store verified ``page``, its private copy of the slot's page: the tier seals that copy's
-      bytes, so a slot changed after the copy is never served. If ``key`` was stored
-      meanwhile, the slot is freed and the stored copy kept. ``abort`` frees a slot never
-      published.
-    - ``region_of(tenant)`` names the region a client maps to reach ``tenant``'s slots (an
-      arena; a pool); ``locate(key)`` is ``(offset, length)`` of a stored page in the region of
-      its tenant: valid while the store keeps the block pinned.
+      store verified ``page``, its private copy of the slot's page: the tier serves that copy's
+      bytes only (it copies them where no client can write, or seals them), so a slot changed
+      after the copy is never served; the slot is free afterwards. It returns the page's
+      length, or 0 when the tier had no room for the page (the store makes room for a page of
+      the slot's size first, ``room_for_tenant``). If ``key`` was stored meanwhile, the stored
+      copy is kept. ``abort`` frees a slot never published.
+    - ``region_of(tenant)`` names the region a client maps to write ``tenant``'s slots (an
+      arena; a pool); ``locate(key)`` is ``(region, offset, length)`` of a stored page: the
+      region of its tenant it is in (not always ``region_of``: a tier may keep stored pages in
+      regions of their own), valid while the store keeps the block pinned.
+    - ``room_for_slot(nbytes, tenant)`` is ``room_for_tenant`` for a slot ``allocate_slot``
+      would lend (a tier whose slots are not where it keeps pages answers for its slots).
     """
 
     @property
@@ -186,6 +193,10 @@ class SlotTier(Tier):
     def region_of(self, tenant: str) -> str:
         """What a client of ``tenant`` maps to reach that tenant's slots."""
 
+    def room_for_slot(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """None if ``allocate_slot(nbytes, tenant)`` can lend a slot now; else what to free."""
+        return self.room_for_tenant(nbytes, tenant)
+
     @abstractmethod
     async def allocate_slot(self, nbytes: int, tenant: str) -> Slot | None: ...
 
@@ -195,13 +206,15 @@ class SlotTier(Tier):
     @abstractmethod
     async def publish(self, slot: Slot, key: BlockKey, meta: PageMeta,
                       page: bytes | memoryview) -> int:
-        """Make the slot's page readable as ``key`` (sealed over ``page``); return its length."""
+        """Make ``page`` (the verified copy of the slot's page) readable as ``key``; return
+        its length (0: no room)."""
 
     @abstractmethod
     def abort(self, slot: Slot) -> None: ...
 
     @abstractmethod
-    def locate(self, key: BlockKey) -> tuple[int, int] | None: ...
+    def locate(self, key: BlockKey) -> tuple[str, int, int] | None:
+        """``(region, offset, length)`` of the stored page of ``key``, or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,8 +315,12 @@ class HostPinning(Protocol):
 class FdRegions(Protocol):
     """A slot tier whose regions are memory files (memfds) with no path: a client maps one
     through a descriptor the daemon sends it, over its Unix socket, once the caller's tenant
-    may have it (``kvstore.server.fdpass``)."""
+    may have it (``kvstore.server.fdpass``). A region that holds stored pages is sealed against
+    every writer but the tier (``F_SEAL_FUTURE_WRITE``) and opens with a header page
+    (``kvstore.page.is_published``); when the tier gives such a region back, its header says
+    so (``kvstore.page.is_retired``) and clients drop their mappings of it."""
 
     def region_fd(self, region: str) -> tuple[str, int] | None:
-        """``(tenant, fd)`` of ``region``, or None if there is no such region. The tier keeps
-        owning the descriptor: callers send or duplicate it, never close it."""
+        """``(tenant, fd)`` of ``region``, or None if there is no such region (or it was given
+        back). The tier keeps owning the descriptor: callers send or duplicate it, never close
+        it."""

@@ -1,28 +1,35 @@
-"""The DRAM tier: encoded pages in fixed slots of shared-memory arenas, one arena per tenant.
+"""The DRAM tier: encoded pages in fixed slots of shared memory, each tenant's memory of its own.
 
-Each tenant's pages live in an arena of its own, a memfd that has no path anyone could open: the
-daemon hands its descriptor only to that tenant's clients (``region_fd``, served by
-``kvstore.server.fdpass``), so a client maps its own tenant's pages and nobody else's. An arena
-is made when its tenant first stores or reserves; all of them grow within the tier's capacity
-(a shared ``GrowthBudget``), and an arena's free tail goes back to the budget when another
-tenant needs the memory.
+A tenant's memory comes in two kinds, both memfds with no path anyone could open, whose
+descriptors the daemon hands only to that tenant's clients (``region_fd``, served by
+``kvstore.server.fdpass``), so a client maps its own tenant's memory and nobody else's:
 
-Clients can write their own arena, so every page here is sealed when the tier writes or publishes
-it: a keyed tag of the page (``kvstore.page.PageSealer``, a secret that lives and dies with this
-tier) kept in the tier's own memory beside the entry, out of every client's reach. A read checks
-the page against its tag: a page a client forged, checksum recomputed, is a corrupt miss, never
-served.
+- published memory holds every stored page: one memfd per growth step (``SealedStep``), each
+  its own region, mapped writable by the daemon and then sealed against every other writer
+  (``F_SEAL_FUTURE_WRITE``). The daemon writes a page there only after it verified it (a plain
+  write copies a page the store built or verified; a commit copies the verified private copy of
+  a writer's slot), and nobody can change it afterwards, so reads serve it in place, trusted
+  (``Page.is_trusted``): no private copy, no second hash. Clients map it read-only; no other
+  mapping is possible.
+- staging memory is today's writable arena (one memfd per tenant, ``ShmArena`` carved by a
+  ``SlabAllocator``): slots lent to zero-copy writers (reservations) and nothing else. No page
+  is ever served from it.
 
-Making room is the store's job: the tier never evicts on its own. Slots come in size classes
-(``SlabAllocator``): when the arenas are full, deleting a page frees room for a page of the same
-class in its tenant's arena, one slot for one slot, so ``room_for(n)`` asks for one slot of the
-class of ``n`` and ``footprint(key)`` reports each page's class. Memory moves between tenants
-as whole chunks: a free chunk anywhere in an arena goes back to the shared budget when another
-arena needs to grow. ``room_for_tenant(n, tenant)`` says whose blocks make room for a page of
-``tenant``: its own (one slot of the class) while its arena is at least as large as every other
-one, else every block of the emptiest chunk of the largest other arena (``RoomNeed.keys``), so
-one tenant filling the tier cannot starve another, and arenas tend to equal sizes among the
-tenants that store.
+All of it grows within the tier's capacity (a shared ``GrowthBudget``). A sealed step cannot
+give part of its memory back (the seal refuses MADV_REMOVE and hole punching): it goes back
+whole once none of its slots holds a page, when another tenant's memory needs to grow (or the
+tier closes); its header then says it is retired, so clients drop their mappings of it.
+
+Making room is the store's job: the tier never evicts on its own. Slots come in size classes:
+when memory is full, deleting a page frees room for a page of the same class in its tenant's
+published memory, one slot for one slot, so ``room_for(n)`` asks for one slot of the class of
+``n`` and ``footprint(key)`` reports each page's class. Memory moves between tenants as whole
+steps. ``room_for_tenant(n, tenant)`` says whose blocks make room for a page of ``tenant``: its
+own (one slot of the class) while its memory is at least as large as every other tenant's, else
+every block of the emptiest step of the largest other one (``RoomNeed.keys``), so one tenant
+filling the tier cannot starve another, and tenants tend to equal sizes among those that store.
+``room_for_slot(n, tenant)`` answers the same for a staging slot: free staging memory, or the
+blocks of a whole step, which then goes back to the budget for staging to grow into.
 """
 
 from __future__ import annotations
@@ -43,21 +50,26 @@ from kvstore.api import Medium
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable, shown
 from kvstore.keys import BlockKey
-from kvstore.page import Page, PageMeta, PageSealer, Seal, decode_page, parse_page
+from kvstore.page import PUBLISHED_HEADER_BYTES, Page, PageMeta, parse_page
 from kvstore.policy.base import Footprint, RoomNeed
-from kvstore.tiers.arena import GrowthBudget, ShmArena, SlabAllocator, Slot, round_up
+from kvstore.tiers.arena import (
+    GrowthBudget,
+    SealedStep,
+    ShmArena,
+    SlabAllocator,
+    Slot,
+    Step,
+    StepPool,
+    round_down,
+    round_up,
+)
 from kvstore.tiers.base import SlotTier, TierStats
 
 log = logging.getLogger(__name__)
 
-# Verification checks the keyed seal (BLAKE3, releases the GIL): on the 2-core box about
-# 3.4 GB/s on one core, ~600 us for a 2 MiB page (measured 2026-12-02), well above a ~100 us
-# thread hop, so pages from 256 KiB up are checked in a thread.
-THREAD_VERIFY_BYTES = 256 << 10
-
-# A write copies the page into its slot and seals it: the seal (~3.4 GB/s) costs more than the
-# copy (~20 GB/s inline). From 256 KiB up both run in the tier's copy thread, with a copy that
-# releases the GIL (a memoryview assignment holds it for the whole copy).
+# A write copies the page into its slot (~20 GB/s inline): from 256 KiB up (over ~13 us of
+# copying, against a ~100 us thread hop only worth paying for the loop's sake) it runs in the
+# tier's copy thread, with a copy that releases the GIL (a memoryview assignment holds it).
 THREAD_COPY_BYTES = 256 << 10
 
 MANY_CORES = (os.cpu_count() or 1) >= 4
@@ -80,19 +92,29 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 @dataclass(slots=True, eq=False)
 class _Arena:
-    """One tenant's memfd, the allocator that carves it and the region name clients ask for."""
+    """One tenant's memory: its staging arena (the memfd, the allocator that carves it and the
+    region name clients ask for) and its published steps."""
 
     tenant: str
-    region: str
+    region: str  # the staging arena's
     memory: ShmArena
     alloc: SlabAllocator
-    pinned: list[int] = field(default_factory=list)  # registered host addresses
-    keys_by_chunk: dict[int, set[BlockKey]] = field(default_factory=dict)  # chunk offset -> keys
+    steps: StepPool
+    pinned: list[int] = field(default_factory=list)  # registered staging addresses
+    keys_by_step: dict[str, set[BlockKey]] = field(default_factory=dict)  # region -> keys
+
+    @property
+    def backed_bytes(self) -> int:
+        return self.alloc.backed_bytes + self.steps.backed_bytes
+
+    @property
+    def releasable_bytes(self) -> int:
+        return self.alloc.releasable_bytes + self.steps.releasable_bytes
 
 
 @dataclass(frozen=True, slots=True)
 class ArenaSlot:
-    """A slot in one tenant's arena: the ``Slot`` this tier lends."""
+    """A slot in one tenant's staging arena: the ``Slot`` this tier lends."""
 
     arena: _Arena
     slot: Slot
@@ -108,14 +130,13 @@ class ArenaSlot:
 
 @dataclass(slots=True)
 class _Entry:
-    slot: ArenaSlot
+    step: Step
+    slot: Slot
     length: int  # page bytes (the slot may be longer)
     meta: PageMeta
-    seal: Seal  # the page's tag when the tier stored it; a page that no longer matches is corrupt
 
-
-def _verified_copy(view: memoryview, key: BlockKey, seal: Seal) -> Page:
-    return decode_page(bytes(view), key, seal)
+    def view(self) -> memoryview:
+        return self.step.memory.view[self.slot.offset : self.slot.offset + self.length]
 
 
 def _copy_large(dst: memoryview, src: memoryview) -> None:
@@ -125,12 +146,21 @@ def _copy_large(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
-class DramTier(SlotTier):
-    """Pages in slab-allocated memfd arenas, one per tenant; reads are views into them.
+def _copy(dst: memoryview, src: memoryview) -> None:
+    if src.nbytes < THREAD_COPY_BYTES:
+        dst[:] = src
+    else:
+        _copy_large(dst, src)
 
-    An arena grows in ``chunk_bytes`` steps, in a thread, one chunk ahead of demand, so the
-    request path rarely waits on page faults. ``region_of(tenant)``, ``region_fd(region)`` and
-    ``locate(key)`` let a client of that tenant map its arena and read a page in place.
+
+class DramTier(SlotTier):
+    """Pages in sealed published steps, one set per tenant, and staging arenas for zero-copy
+    writers; reads are trusted views into published memory.
+
+    Memory grows in ``chunk_bytes`` steps, in a thread, one step ahead of demand, so the
+    request path rarely waits on page faults. ``region_of(tenant)`` (staging), ``locate(key)``
+    (a page's step and place) and ``region_fd(region)`` let a client of that tenant map its
+    memory and read a page in place.
     """
 
     name = "dram"
@@ -140,11 +170,10 @@ class DramTier(SlotTier):
         self.config = config
         self._budget = GrowthBudget(config.capacity_bytes)
         self._arenas: dict[str, _Arena] = {}  # by tenant
-        self._regions: dict[str, _Arena] = {}  # by region name
-        self._sealer = PageSealer()  # a fresh secret per tier: seals die with the process
+        self._regions: dict[str, tuple[_Arena, ShmArena | SealedStep]] = {}  # by region name
         self._entries: dict[BlockKey, _Entry] = {}
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
-        self._grow_lock = asyncio.Lock()  # one for all arenas: they grow within one budget
+        self._grow_lock = asyncio.Lock()  # one for all memory: it grows within one budget
         self._grow_task: asyncio.Task[None] | None = None
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-copy")
         self._pin_cuda = False
@@ -157,7 +186,7 @@ class DramTier(SlotTier):
 
     @property
     def max_page_bytes(self) -> int:
-        return self._budget.capacity_bytes
+        return max(0, self._budget.capacity_bytes - PUBLISHED_HEADER_BYTES)
 
     @property
     def capacity_bytes(self) -> int:
@@ -165,23 +194,35 @@ class DramTier(SlotTier):
 
     @property
     def used_bytes(self) -> int:
-        return sum(arena.alloc.used_bytes for arena in self._arenas.values())
+        """Slot bytes in use: pages in published memory and staging slots lent to writers."""
+        return sum(a.steps.used_bytes + a.alloc.used_bytes for a in self._arenas.values())
 
     def region_of(self, tenant: str) -> str:
-        """The region name of ``tenant``'s arena (made now if the tenant has none yet)."""
+        """The region name of ``tenant``'s staging arena (made now if the tenant has none)."""
         return self._arena(tenant).region
 
     def region_fd(self, region: str) -> tuple[str, int] | None:
-        """``(tenant, memfd)`` of the arena named ``region``, or None if there is none. The
-        descriptor stays the tier's: send or duplicate it, never close it."""
-        arena = self._regions.get(region) if self._is_open else None
-        return None if arena is None else (arena.tenant, arena.memory.fd)
+        """``(tenant, memfd)`` of the staging arena or published step named ``region``, or
+        None if there is none (or it was given back). The descriptor stays the tier's: send or
+        duplicate it, never close it."""
+        found = self._regions.get(region) if self._is_open else None
+        return None if found is None else (found[0].tenant, found[1].fd)
 
     def arena_path(self, tenant: str) -> str | None:
-        """A path through which this process, and only it, can open ``tenant``'s arena
+        """A path through which this process, and only it, can open ``tenant``'s staging arena
         (``/proc/self/fd/N``), or None if the tenant has none: for tests and tools."""
         arena = self._arenas.get(tenant)
         return None if arena is None else f"/proc/self/fd/{arena.memory.fd}"
+
+    def published_regions(self, tenant: str) -> list[str]:
+        """The regions of ``tenant``'s published memory (its steps), for tests and tools."""
+        arena = self._arenas.get(tenant)
+        return [] if arena is None else list(arena.steps.steps)
+
+    def region_path(self, region: str) -> str | None:
+        """The same for any region (a staging arena or a published step), or None."""
+        found = self._regions.get(region)
+        return None if found is None else f"/proc/self/fd/{found[1].fd}"
 
     async def open(self) -> None:
         """Get ready; arenas are made as tenants first store, no memory is grown yet."""
@@ -190,37 +231,41 @@ class DramTier(SlotTier):
         self._is_open = True
 
     async def close(self) -> None:
-        """Wait for growth in flight, unpin and close every arena. Pages are dropped."""
+        """Wait for growth in flight, unpin and close all memory. Pages are dropped."""
         if not self._is_open:
             return
         self._is_open = False
         if self._grow_task is not None:  # it takes the lock itself, then sees the tier closed
             await asyncio.gather(self._grow_task, return_exceptions=True)
-        async with self._grow_lock:  # a write may still be growing an arena
+        async with self._grow_lock:  # a write may still be growing
             self._entries.clear()
             for arena in self._arenas.values():
                 self._unpin(arena)
                 arena.memory.close()
+                for step in arena.steps.take_all():
+                    self._retire(step)
             self._arenas.clear()
             self._regions.clear()
         self._copier.shutdown(wait=False)
 
     async def reserve(self, nbytes: int, tenant: str) -> int:
-        """Grow and prefault ``tenant``'s arena to ``nbytes`` (within the budget) ahead of
-        demand.
+        """Grow ``tenant``'s published memory to ``nbytes`` (within the budget) ahead of demand,
+        in empty steps cut for whichever class comes first.
 
-        Grows one chunk at a time in a thread, so writes interleave and the loop stays free
-        (prefaulting runs at about 0.4 GB/s). Returns the arena's grown size in bytes.
+        Grows one step at a time in a thread, so writes interleave and the loop stays free
+        (prefaulting runs at about 0.4 GB/s). Returns the tenant's published bytes.
         """
         arena = self._arena(tenant)
         target = min(round_up(max(nbytes, 0)), self.capacity_bytes)
-        while self._is_open and arena.alloc.grown_bytes < target:
+        while self._is_open and arena.steps.backed_bytes < target:
             async with self._grow_lock:
-                step = min(arena.alloc.chunk_bytes, target - arena.alloc.grown_bytes,
-                           self._budget.room_bytes)
-                if not self._is_open or step <= 0 or not await self._grow_locked(arena, step):
+                step_bytes = round_down(min(arena.steps.chunk_bytes,
+                                            target - arena.steps.backed_bytes,
+                                            self._budget.room_bytes))
+                if (not self._is_open or step_bytes <= PUBLISHED_HEADER_BYTES
+                        or not await self._grow_step(arena, step_bytes)):
                     break
-        return arena.alloc.grown_bytes
+        return arena.steps.backed_bytes
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -232,25 +277,44 @@ class DramTier(SlotTier):
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
     def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
-        """None if ``tenant``'s page of ``nbytes`` fits now (in its arena, or by taking free
-        chunks back from other arenas); else whose blocks to delete: one slot of the page's
-        class from ``tenant``'s own blocks while its arena is at least as large as every other
-        one, else every block of the emptiest chunk of the largest other arena (larger by more
-        than one slot, so two tenants do not take a chunk back and forth)."""
+        """None if ``tenant``'s page of ``nbytes`` fits now in its published memory (in a free
+        slot, by growing a step, or by taking free memory back from anyone); else whose blocks
+        to delete: one slot of the page's class from ``tenant``'s own blocks while its memory is
+        at least as large as every other tenant's, else every block of the emptiest step of the
+        largest other one (larger by more than one slot, so two tenants do not take a step back
+        and forth)."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         own_need = RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
-        if not self._is_open or slot_bytes > self.capacity_bytes:
+        if not self._is_open or slot_bytes > self.max_page_bytes:
             return own_need
         arena = self._arenas.get(tenant)
         if self._fits_for(arena, nbytes):
             return None
-        own_bytes = arena.alloc.backed_bytes if arena is not None else 0
-        donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_chunk),
-                    key=lambda a: a.alloc.backed_bytes, default=None)
-        if donor is not None and donor.alloc.backed_bytes > own_bytes + slot_bytes:
-            return self._chunk_need(donor)
+        own_bytes = arena.backed_bytes if arena is not None else 0
+        donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_step),
+                    key=lambda a: a.backed_bytes, default=None)
+        if donor is not None and donor.backed_bytes > own_bytes + slot_bytes:
+            return self._step_need(donor)
         # Its own blocks of other classes are not emptied for it: the page goes down the chain.
         return own_need
+
+    def room_for_slot(self, nbytes: int, tenant: str) -> RoomNeed | None:
+        """None if a staging slot of ``nbytes`` for ``tenant`` can be had now (free staging
+        memory, growth within the budget, free memory taken back); else every block of the
+        emptiest step of the largest tenant's memory (its own too): the step then goes back to
+        the budget and staging grows into it."""
+        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
+        any_need = RoomNeed(nbytes=slot_bytes, tenant=tenant)
+        if not self._is_open or slot_bytes > self.capacity_bytes:
+            return any_need
+        arena = self._arenas.get(tenant)
+        if arena is not None and arena.alloc.growth_plan(nbytes) is not None:
+            return None
+        if self._spare_bytes(arena) >= slot_bytes:
+            return None
+        donor = max((a for a in self._arenas.values() if a.keys_by_step),
+                    key=lambda a: a.backed_bytes, default=None)
+        return any_need if donor is None else self._step_need(donor)
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
@@ -259,8 +323,9 @@ class DramTier(SlotTier):
         return Footprint(size_class=entry.slot.slot_bytes, nbytes=entry.slot.slot_bytes)
 
     async def write(self, key: BlockKey, page: bytes | memoryview, meta: PageMeta) -> bool:
-        """Copy ``page`` into a slot of its tenant's arena and seal it there; False (counted
-        ``rejected``) when there is no room."""
+        """Copy ``page`` into a slot of its tenant's published memory; False (counted
+        ``rejected``) when there is no room. The page is the store's (built by it, or verified
+        when it was read from another tier): it is published as it is."""
         self._check_open()
         if key in self._entries:
             return True
@@ -276,41 +341,32 @@ class DramTier(SlotTier):
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending[key] = done
         try:
-            stored = await self._store(key, view, meta)
+            stored = await self._store(key, view, meta) is not None
         finally:
             del self._pending[key]
             done.set_result(key in self._entries)
         return stored
 
     async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
-        """The page of ``key`` checked against its seal; None on a miss.
+        """The page of ``key``, trusted, or None on a miss.
 
-        A verified read returns a private copy, checked after it was copied: the tenant's
-        clients can write the arena, so bytes checked in place could change before the caller
-        uses them. A page that fails is removed and counted in ``corrupt`` and ``misses``.
-        ``verify=False`` only parses the header and meta, on the loop, and returns a view into
-        the arena whose seal ``verify_page`` checks (the Tier contract in
-        ``kvstore.tiers.base``).
+        The page is a view into published memory: the tier verified it when it put it there
+        and nobody can write it since, so no read copies or hashes it (``verify`` changes
+        nothing here; ``verify_page`` accepts the page at once). The view stays valid until the
+        key is deleted. Only a header or meta that does not parse, which would be a fault of
+        this process, is dropped and counted as ``corrupt``.
         """
         self._check_open()
         entry = self._entries.get(key)
         if entry is None:
             self._stats.misses += 1
             return None
-        offset = entry.slot.offset
-        view = entry.slot.arena.memory.view[offset : offset + entry.length]
         try:
-            if not verify:
-                page = parse_page(view, key, entry.seal)
-            elif entry.length >= THREAD_VERIFY_BYTES:
-                page = await asyncio.to_thread(_verified_copy, view, key, entry.seal)
-            else:
-                page = _verified_copy(view, key, entry.seal)
+            page = parse_page(entry.view(), key, is_trusted=True)
         except CorruptPage as exc:
-            log.warning("dram: dropping corrupt page %s at offset %d: %s",
-                        bytes(key).hex(), offset, exc)
-            if self._entries.get(key) is entry:
-                self._remove(key)
+            log.error("dram: dropping unreadable page %s in %s: %s", bytes(key).hex(),
+                      entry.step.region, exc)
+            self._remove(key)
             self._stats.corrupt += 1
             self._stats.misses += 1
             return None
@@ -332,20 +388,20 @@ class DramTier(SlotTier):
         entry = self._entries.get(key)
         return None if entry is None else entry.length
 
-    def locate(self, key: BlockKey) -> tuple[int, int] | None:
-        """``(offset, length)`` of the page of ``key`` in its tenant's arena, or None.
-
-        Offsets are multiples of 4096, so a reader can mmap exactly the page.
-        """
+    def locate(self, key: BlockKey) -> tuple[str, int, int] | None:
+        """``(region, offset, length)`` of the page of ``key``: the published step it is in
+        and where, or None. Offsets are multiples of 4096, so a reader can mmap exactly the
+        page."""
         entry = self._entries.get(key)
-        return None if entry is None else (entry.slot.offset, entry.length)
+        return None if entry is None else (entry.step.region, entry.slot.offset, entry.length)
 
-    # Zero-copy writers (the store's reservations): a slot is handed out, a client of the tenant
-    # writes an encoded page into its mapped arena, then the store verifies and publishes it.
+    # Zero-copy writers (the store's reservations): a staging slot is handed out, a client of
+    # the tenant writes an encoded page into its mapped arena, then the store verifies a private
+    # copy of it, which the tier publishes.
 
     async def allocate_slot(self, nbytes: int, tenant: str) -> ArenaSlot | None:
-        """A free slot of at least ``nbytes`` in ``tenant``'s arena that no key owns yet; None
-        when there is no room."""
+        """A free staging slot of at least ``nbytes`` in ``tenant``'s arena; None when there is
+        no room."""
         self._check_open()
         arena = self._arena(tenant)
         slot = arena.alloc.allocate(nbytes) or await self._allocate_slow(arena, nbytes)
@@ -355,41 +411,36 @@ class DramTier(SlotTier):
         return ArenaSlot(arena, slot)
 
     def slot_view(self, slot: ArenaSlot) -> memoryview:
-        """The whole slot in its arena (writable)."""
+        """The whole staging slot in its arena (writable, by its writer too)."""
         return slot.arena.memory.view[slot.offset : slot.offset + slot.slot_bytes]
 
     async def publish(self, slot: ArenaSlot, key: BlockKey, meta: PageMeta,
                       page: bytes | memoryview) -> int:
-        """Seal the page a writer put into ``slot`` and make it readable as ``key``; return
-        its length.
+        """Copy ``page``, the store's verified private copy of the staging slot's page, into
+        published memory as ``key`` and free the staging slot; return the page's length, 0
+        when published memory has no room (the store makes room first).
 
-        ``page`` is the store's verified private copy of the slot's page: the seal is made over
-        it, so if the writer changed the slot since, the slot fails its seal on every read.
+        Whatever the writer does to its slot afterwards reaches no reader: only the copy is
+        served.
         """
         self._check_open()
         view = memoryview(page).cast("B")
         if meta.key != key or meta.tenant != slot.arena.tenant or view.nbytes > slot.slot_bytes:
             raise InvalidArgument(f"page for key {bytes(key).hex()} does not fit this slot of "
                                   f"tenant {shown(slot.arena.tenant)}'s arena")
-        if view.nbytes >= THREAD_VERIFY_BYTES:
-            seal = await asyncio.to_thread(self._sealer.seal, view)
-        else:
-            seal = self._sealer.seal(view)
-        self._check_open()
-        if key in self._entries:  # stored meanwhile by a plain write: keep that copy
-            slot.arena.alloc.release(slot.slot)
-            return self._entries[key].length
-        self._add_entry(key, _Entry(slot, view.nbytes, meta, seal))
-        self._stats.bytes_written += view.nbytes
-        return view.nbytes
+        entry = self._entries.get(key)  # stored meanwhile by a plain write: keep that copy
+        if entry is None:
+            entry = await self._store(key, view, meta)  # raising, the slot stays the caller's
+        self.abort(slot)
+        return 0 if entry is None else entry.length
 
     def abort(self, slot: ArenaSlot) -> None:
-        """Give back a slot that was never published."""
+        """Give back a staging slot that was never published."""
         slot.arena.alloc.release(slot.slot)
 
     def stats(self) -> TierStats:
         s = self._stats
-        allocs = [arena.alloc for arena in self._arenas.values()]
+        arenas = list(self._arenas.values())
         return TierStats(
             name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
             num_blocks=len(self._entries), hits=s.hits, misses=s.misses,
@@ -397,17 +448,21 @@ class DramTier(SlotTier):
             bytes_written=s.bytes_written,
             extra={
                 "arena_bytes": self._budget.grown_bytes,
-                "arenas": len(allocs),
-                "slot_classes": sum(a.num_classes for a in allocs),
-                "free_slots": sum(a.num_free_slots for a in allocs),
+                "arenas": len(arenas),
+                "published_steps": sum(len(a.steps.steps) for a in arenas),
+                "published_bytes": sum(a.steps.backed_bytes for a in arenas),
+                "staging_bytes": sum(a.alloc.backed_bytes for a in arenas),
+                "slot_classes": sum(a.steps.num_classes for a in arenas),
+                "free_slots": sum(a.steps.num_free_slots for a in arenas),
             },
         )
 
     async def pin_cuda(self) -> bool:
-        """Register the arenas as pinned host memory (cudaHostRegister), now and as they grow.
+        """Register all memory as pinned host memory (cudaHostRegister), now and as it grows.
 
-        Costs about 0.5 s per GiB registered (DESIGN.md), paid in a thread: now for the parts
-        already grown, later inside each growth step. Returns False, doing nothing, without CUDA.
+        Costs about 0.5 s per GiB registered (DESIGN.md), paid in a thread: now for what is
+        already grown, later inside each growth step. Returns False, doing nothing, without
+        CUDA.
         """
         self._check_open()
         if not torch.cuda.is_available():
@@ -416,8 +471,13 @@ class DramTier(SlotTier):
             if not self._pin_cuda:
                 for arena in self._arenas.values():
                     for offset, nbytes in arena.alloc.backed_ranges():  # holes hold no memory
-                        await asyncio.to_thread(self._register, arena, offset, nbytes)
+                        address = arena.memory.base_address() + offset
+                        await asyncio.to_thread(self._register, address, nbytes)
+                        arena.pinned.append(address)
                     arena.alloc.merge_growth = False  # later growth: registrations of their own
+                    for step in list(arena.steps.steps.values()):
+                        await asyncio.to_thread(self._register, step.memory.base_address(),
+                                                step.nbytes)
             self._pin_cuda = True
         return True
 
@@ -428,7 +488,7 @@ class DramTier(SlotTier):
             raise Unavailable("dram tier is not open (call open() first, or it was closed)")
 
     def _arena(self, tenant: str) -> _Arena:
-        """``tenant``'s arena, made on first use (a sealed memfd; nothing grown yet)."""
+        """``tenant``'s memory, made on first use (a sealed staging memfd; nothing grown)."""
         self._check_open()
         arena = self._arenas.get(tenant)
         if arena is not None:
@@ -441,62 +501,89 @@ class DramTier(SlotTier):
         memory.create()
         alloc = SlabAllocator(self.capacity_bytes, self.config.chunk_bytes, self._budget)
         alloc.merge_growth = not self._pin_cuda
-        arena = self._arenas[tenant] = self._regions[region] = _Arena(tenant, region, memory,
-                                                                        alloc)
+        arena = _Arena(tenant, region, memory, alloc, StepPool(self.config.chunk_bytes))
+        self._arenas[tenant] = arena
+        self._regions[region] = (arena, memory)
         log.info("dram: made arena %s for tenant %s", region, shown(tenant))
         return arena
 
+    def _spare_bytes(self, arena: _Arena | None = None) -> int:
+        """Memory the budget has left, with what tenants could give back, for ``arena`` to
+        grow into (None: anyone): all of every other tenant's free memory, and its own empty
+        steps but not its free staging memory. A tenant's staging memory stays its writers'
+        while nobody else needs it: turning it into published memory and back with each
+        zero-copy put would empty a whole step of its blocks every few puts."""
+        spare = self._budget.room_bytes
+        for other in self._arenas.values():
+            spare += other.steps.releasable_bytes if other is arena else other.releasable_bytes
+        return spare
+
     def _fits(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when
-        the budget (with the free chunks it could take back) holds a slot, else when some
-        arena has a free slot or region of its class (its own tenant's page fits)."""
+        the budget (with the free memory it could take back) holds a step of one slot, else
+        when some tenant's published memory has a free slot of its class."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
-        if slot_bytes > self.capacity_bytes:
+        if slot_bytes > self.max_page_bytes:
             return False
-        arenas = self._arenas.values()
-        spare = self._budget.room_bytes + sum(a.alloc.releasable_bytes for a in arenas)
-        return spare >= slot_bytes or any(a.alloc.fits(nbytes) for a in arenas)
+        return self._spare_bytes() >= PUBLISHED_HEADER_BYTES + slot_bytes or any(
+            a.steps.fits(nbytes) for a in self._arenas.values())
 
     def _fits_for(self, arena: _Arena | None, nbytes: int) -> bool:
-        """Whether a page of ``nbytes`` fits in ``arena`` (None: one not made yet) without
-        deleting pages: in its free space, by growing within the budget, or by growing into
-        free chunks other arenas give back."""
-        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
-        if arena is not None and arena.alloc.growth_plan(nbytes) is not None:
+        """Whether a page of ``nbytes`` fits in ``arena``'s published memory (None: a tenant
+        with none yet) without deleting pages."""
+        if arena is not None and arena.steps.fits(nbytes):
             return True
-        others = sum(a.alloc.releasable_bytes for a in self._arenas.values() if a is not arena)
-        return self._budget.room_bytes + others >= slot_bytes
+        return self._spare_bytes(arena) >= PUBLISHED_HEADER_BYTES + \
+            SlabAllocator.slot_bytes_for(nbytes)
 
-    def _chunk_need(self, arena: _Arena) -> RoomNeed:
-        """Every block of ``arena``'s emptiest chunk: deleting them frees the whole chunk,
-        which then goes back to the budget for any arena to grow into."""
-        keys = min(arena.keys_by_chunk.values(), key=len)
+    def _step_need(self, arena: _Arena) -> RoomNeed:
+        """Every block of ``arena``'s emptiest step: deleting them empties the step, which
+        then goes back to the budget for any memory to grow into."""
+        keys = min(arena.keys_by_step.values(), key=len)
         nbytes = sum(self._entries[key].slot.slot_bytes for key in keys)
         return RoomNeed(nbytes=nbytes, tenant=arena.tenant, keys=frozenset(keys))
 
-    def _add_entry(self, key: BlockKey, entry: _Entry) -> None:
-        self._entries[key] = entry
-        arena = entry.slot.arena
-        arena.keys_by_chunk.setdefault(arena.alloc.chunk_of(entry.slot.slot), set()).add(key)
-
-    async def _store(self, key: BlockKey, view: memoryview, meta: PageMeta) -> bool:
+    async def _store(self, key: BlockKey, view: memoryview, meta: PageMeta) -> _Entry | None:
+        """Copy a page into a published slot of its tenant and enter it (None: no room)."""
         arena = self._arena(meta.tenant)
-        slot = arena.alloc.allocate(view.nbytes) or await self._allocate_slow(arena, view.nbytes)
-        if slot is None:
+        found = arena.steps.allocate(view.nbytes) or await self._publish_slow(arena, view.nbytes)
+        if found is None:
             self._stats.rejected += 1
-            return False
-        lent = ArenaSlot(arena, slot)
-        seal = await self._copy_in(lent, view)
-        if key in self._entries:  # a reservation published it meanwhile: keep that copy
-            arena.alloc.release(slot)
-            return True
-        self._add_entry(key, _Entry(lent, view.nbytes, meta, seal))
+            return None
+        step, slot = found
+        try:
+            await self._copy_in(step, slot, view)
+        except BaseException:
+            if step.region in arena.steps.steps:
+                arena.steps.release(step, slot)
+            raise
+        if key in self._entries:  # stored meanwhile by another writer: keep that copy
+            arena.steps.release(step, slot)
+            return self._entries[key]
+        entry = self._entries[key] = _Entry(step, slot, view.nbytes, meta)
+        arena.keys_by_step.setdefault(step.region, set()).add(key)
         self._stats.bytes_written += view.nbytes
-        self._grow_ahead(arena)
-        return True
+        self._grow_ahead(arena, view.nbytes)
+        return entry
+
+    async def _publish_slow(self, arena: _Arena, nbytes: int) -> tuple[Step, Slot] | None:
+        # Growth happens under the lock only, so a plan made under it cannot go stale.
+        async with self._grow_lock:
+            while self._is_open:
+                found = arena.steps.allocate(nbytes)
+                if found is not None:
+                    return found
+                step_bytes = arena.steps.step_bytes_for(nbytes, self._budget.room_bytes)
+                if step_bytes is None:
+                    if not await self._take_back(arena, PUBLISHED_HEADER_BYTES +
+                                                 SlabAllocator.slot_bytes_for(nbytes)):
+                        return None
+                    continue
+                if not await self._grow_step(arena, step_bytes):
+                    return None
+        return None
 
     async def _allocate_slow(self, arena: _Arena, nbytes: int) -> Slot | None:
-        # Growth happens under the lock only, so a plan made under it cannot go stale.
         async with self._grow_lock:
             while self._is_open:
                 slot = arena.alloc.allocate(nbytes)
@@ -504,7 +591,7 @@ class DramTier(SlotTier):
                     return slot
                 plan = arena.alloc.growth_plan(nbytes)
                 if plan is None:
-                    if not await self._take_back(arena, nbytes):
+                    if not await self._take_back(arena, SlabAllocator.slot_bytes_for(nbytes)):
                         return None
                     continue
                 offset, need = plan
@@ -512,61 +599,108 @@ class DramTier(SlotTier):
                     return None
         return None
 
-    async def _take_back(self, arena: _Arena, nbytes: int) -> bool:
-        """Give other arenas' free chunks back to the budget until ``arena`` can grow for a
-        page of ``nbytes``; False (nothing given back) when all of them would not be enough."""
-        short = SlabAllocator.slot_bytes_for(nbytes) - self._budget.room_bytes
-        others = sorted((a for a in self._arenas.values() if a is not arena),
-                        key=lambda a: -a.alloc.releasable_bytes)
-        if short <= 0 or sum(a.alloc.releasable_bytes for a in others) < short:
+    async def _take_back(self, arena: _Arena, need_bytes: int) -> bool:
+        """Give free memory back to the budget for ``arena`` to grow (free staging chunks and
+        empty published steps of other tenants, then its own empty steps: ``_spare_bytes``)
+        until it holds ``need_bytes``; False (nothing given back) when all of it would not be
+        enough."""
+        short = need_bytes - self._budget.room_bytes
+        if short <= 0 or self._spare_bytes(arena) < need_bytes:
             return False
-        for other in others:
-            if short <= 0:
-                break
-            for offset, size in other.alloc.release_free(short):
-                await asyncio.to_thread(other.memory.release, offset, size)
+        donors = sorted(self._arenas.values(),
+                        key=lambda a: (a is arena, -a.releasable_bytes))
+        for donor in donors:
+            staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
+            for offset, size in staging:
+                await asyncio.to_thread(donor.memory.release, offset, size)
                 log.info("dram: took %d free bytes at %d back from arena %s", size, offset,
-                         other.region)
+                         donor.region)
                 short -= size
+            for step in donor.steps.take_empty(short) if short > 0 else ():
+                await asyncio.to_thread(self._retire, step)
+                self._regions.pop(step.region, None)
+                donor.keys_by_step.pop(step.region, None)
+                self._budget.grown_bytes -= step.nbytes
+                log.info("dram: gave back published step %s (%d bytes) of tenant %s",
+                         step.region, step.nbytes, shown(donor.tenant))
+                short -= step.nbytes
         return True
 
-    async def _copy_in(self, slot: ArenaSlot, view: memoryview) -> Seal:
-        """Copy a page into its slot; return its seal, made over the source (which only the
-        daemon can write). On failure the slot goes back once nothing writes to it."""
-        dst = slot.arena.memory.view[slot.offset : slot.offset + view.nbytes]
+    async def _copy_in(self, step: Step, slot: Slot, view: memoryview) -> None:
+        """Copy a page into its published slot (in the copy thread when large)."""
+        dst = step.memory.view[slot.offset : slot.offset + view.nbytes]
         if view.nbytes < THREAD_COPY_BYTES:
-            return self._copy_and_seal(dst, view)
-        copy = asyncio.get_running_loop().run_in_executor(self._copier, self._copy_and_seal,
-                                                          dst, view)
+            dst[:] = view
+            return
+        copy = asyncio.get_running_loop().run_in_executor(self._copier, _copy, dst, view)
         try:
-            return await asyncio.shield(copy)
-        except BaseException:
+            await asyncio.shield(copy)
+        except asyncio.CancelledError:
             # A cancelled wait leaves the thread writing: reuse the slot only after it ends.
-            copy.add_done_callback(lambda _: slot.arena.alloc.release(slot.slot))
+            await asyncio.gather(copy, return_exceptions=True)
             raise
 
-    def _copy_and_seal(self, dst: memoryview, src: memoryview) -> Seal:
-        seal = self._sealer.seal(src)
-        if src.nbytes < THREAD_COPY_BYTES:
-            dst[:] = src
-        else:
-            _copy_large(dst, src)
-        return seal
-
-    def _grow_ahead(self, arena: _Arena) -> None:
+    def _grow_ahead(self, arena: _Arena, nbytes: int) -> None:
         idle = self._grow_task is None or self._grow_task.done()
-        if idle and not self._grow_lock.locked() and arena.alloc.spare_growth():
-            self._grow_task = asyncio.get_running_loop().create_task(self._spare(arena))
+        if idle and not self._grow_lock.locked() and self._spare_step_bytes(arena, nbytes):
+            self._grow_task = asyncio.get_running_loop().create_task(self._spare(arena, nbytes))
 
-    async def _spare(self, arena: _Arena) -> None:
+    def _spare_step_bytes(self, arena: _Arena, nbytes: int) -> int:
+        """Bytes of a whole step for pages of ``nbytes`` to grow ahead, or 0 when ``arena``
+        has an empty step ready or the budget does not hold a whole one."""
+        whole = arena.steps.step_bytes_for(nbytes, self.capacity_bytes) or 0
+        if arena.steps.releasable_bytes or whole > self._budget.room_bytes:
+            return 0
+        return whole
+
+    async def _spare(self, arena: _Arena, nbytes: int) -> None:
         async with self._grow_lock:
-            offset, need = arena.alloc.spare_plan()
-            if need and self._is_open:
-                await self._grow_locked(arena, need, offset)
+            step_bytes = self._spare_step_bytes(arena, nbytes)
+            if self._is_open and step_bytes:
+                await self._grow_step(arena, step_bytes)
+
+    async def _grow_step(self, arena: _Arena, nbytes: int) -> bool:
+        """Make a published step of ``nbytes`` for ``arena`` in a thread (under the grow lock);
+        False if shared memory ran out."""
+        region = f"{self.name}.{secrets.token_hex(8)}"
+        step = Step(region, SealedStep(f"kvstore-{region}", nbytes))
+        try:
+            # Charged once made, like staging growth: until then room checks still see the
+            # budget's room, and a write that counts on it waits on the lock for this step.
+            await asyncio.to_thread(self._make_step, step)
+        except CapacityError as exc:
+            log.warning("dram: cannot grow tenant %s's published memory: %s",
+                        shown(arena.tenant), exc)
+            return False
+        if not self._is_open:
+            await asyncio.to_thread(self._retire, step)
+            return False
+        self._budget.grown_bytes += nbytes
+        arena.steps.add(step)
+        self._regions[region] = (arena, step.memory)
+        return True
+
+    def _make_step(self, step: Step) -> None:
+        step.memory.create()
+        if self._pin_cuda:
+            try:
+                self._register(step.memory.base_address(), step.nbytes)
+            except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
+                log.warning("dram: step %s stays pageable: %s", step.region, exc)
+
+    def _retire(self, step: Step) -> None:
+        if self._pin_cuda and step.memory.base_address():
+            cudart = torch.cuda.cudart()
+            err = int(cudart.cudaHostUnregister(step.memory.base_address()))
+            if err:
+                cudart.cudaGetLastError()  # a refusal must not fail a later CUDA call
+            if err not in (0, 713):  # 713: cudaErrorHostMemoryNotRegistered (it stayed pageable)
+                log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
+        step.memory.retire()
 
     async def _grow_locked(self, arena: _Arena, nbytes: int, offset: int | None = None) -> bool:
-        """Grow ``arena`` by ``nbytes`` at ``offset`` (default: its end) in a thread; False if
-        shared memory ran out."""
+        """Grow ``arena``'s staging memory by ``nbytes`` at ``offset`` (default: its end) in a
+        thread; False if shared memory ran out."""
         offset = arena.alloc.grown_bytes if offset is None else offset
         try:
             offset = await asyncio.to_thread(self._grow_blocking, arena, nbytes, offset)
@@ -579,19 +713,20 @@ class DramTier(SlotTier):
     def _grow_blocking(self, arena: _Arena, nbytes: int, offset: int) -> int:
         offset = arena.memory.grow(nbytes, offset)
         if self._pin_cuda:
+            address = arena.memory.base_address() + offset
             try:
-                self._register(arena, offset, nbytes)
+                self._register(address, nbytes)
+                arena.pinned.append(address)
             except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
                 log.warning("dram: arena %s growth at %d stays pageable: %s", arena.region,
                             offset, exc)
         return offset
 
-    def _register(self, arena: _Arena, offset: int, nbytes: int) -> None:
-        address = arena.memory.base_address() + offset
+    @staticmethod
+    def _register(address: int, nbytes: int) -> None:
         err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_FLAGS))
         if err != 0:
-            raise CapacityError(f"cudaHostRegister of {nbytes} arena bytes failed (cudaError {err})")
-        arena.pinned.append(address)
+            raise CapacityError(f"cudaHostRegister of {nbytes} bytes failed (cudaError {err})")
 
     def _unpin(self, arena: _Arena) -> None:
         for address in arena.pinned:
@@ -602,10 +737,12 @@ class DramTier(SlotTier):
 
     def _remove(self, key: BlockKey) -> None:
         entry = self._entries.pop(key)
-        arena = entry.slot.arena
-        chunk = arena.alloc.chunk_of(entry.slot.slot)
-        keys = arena.keys_by_chunk[chunk]
+        arena = self._arena_of(entry)
+        keys = arena.keys_by_step[entry.step.region]
         keys.discard(key)
         if not keys:
-            del arena.keys_by_chunk[chunk]
-        arena.alloc.release(entry.slot.slot)
+            del arena.keys_by_step[entry.step.region]
+        arena.steps.release(entry.step, entry.slot)
+
+    def _arena_of(self, entry: _Entry) -> _Arena:
+        return self._regions[entry.step.region][0]

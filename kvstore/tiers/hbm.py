@@ -317,9 +317,11 @@ class HbmTier(SlotTier):
     def abort(self, slot: PoolSlot) -> None:
         slot.pool.give(slot.offset, slot.slot_bytes)
 
-    def locate(self, key: BlockKey) -> tuple[int, int] | None:
+    def locate(self, key: BlockKey) -> tuple[str, int, int] | None:
         entry = self._entries.get(key)
-        return None if entry is None else (entry.slot.offset, entry.layout.nbytes)
+        if entry is None:
+            return None
+        return entry.slot.pool.region, entry.slot.offset, entry.layout.nbytes
 
     # --- pages in and out -------------------------------------------------------------------
 

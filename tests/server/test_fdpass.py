@@ -74,12 +74,16 @@ async def test_each_tenant_reads_its_own_arena_zero_copy(tenants_daemon, ns, spe
         assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv_a)
         assert torch.equal(await zeta.get(zeta_ns, tokens, zero_copy=True), kv_z)
         lease_a, lease_z = await acme.acquire(ns, tokens), await zeta.acquire(zeta_ns, tokens)
+        dram = tenants_daemon.store.tiers["dram"]
         regions_a = {b.region for b in lease_a.blocks}
         regions_z = {b.region for b in lease_z.blocks}
         assert len(regions_a) == len(regions_z) == 1 and regions_a != regions_z
-        # each client holds the descriptor of its own tenant's arena and of no other
-        assert set(acme._zero_copy.maps._fds) == regions_a
-        assert set(zeta._zero_copy.maps._fds) == regions_z
+        assert regions_a <= set(dram.published_regions("acme"))
+        assert regions_z <= set(dram.published_regions("zeta"))
+        # each client holds the descriptors of its own tenant's memory (the published step its
+        # blocks are in, the staging arena it wrote them into) and of no other
+        assert set(acme._zero_copy.maps.regions) == regions_a | {dram.region_of("acme")}
+        assert set(zeta._zero_copy.maps.regions) == regions_z | {dram.region_of("zeta")}
         await acme.release(lease_a.lease_id)
         await zeta.release(lease_z.lease_id)
     health = (await _probe_health(tenants_daemon))

@@ -1,74 +1,123 @@
-"""Pages a client could tamper with: forged pages in its own arena are never served (seals),
-and Commit refuses pages that would not decode."""
+"""Pages a client could tamper with: stored pages lie in published memory no client can write
+by any route (and a client lets go of such memory once the daemon gives it back), and Commit
+refuses pages that would not decode."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from kvstore import codecs
 from kvstore.client import NO_RETRY, AsyncClient
-from kvstore.client.arena import ArenaMaps
+from kvstore.client.arena import ArenaMaps, fetch_region_fd
 from kvstore.errors import CorruptPage
-from kvstore.page import PageMeta, decode_page, encode_page
+from kvstore.page import PageMeta, encode_page
 from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens
-from .helpers import small_config
+from ..tiers.published_attacks import all_refused, attack
+from .helpers import MiB, small_config
 
 TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 
 
-def _forge(channel: str, location, kv: torch.Tensor) -> None:
-    """Replace a stored page in the tenant's own arena with a well-formed page of the same key
-    holding ``kv``, its plain checksum recomputed: what a client with the arena mapped can
-    do."""
+def _attack_published(channel: str, location) -> dict[str, str]:
+    """What a client of the tenant can do to a stored page: it asks for the descriptor of the
+    region the page is in (the daemon hands it over) and tries every route to change it."""
     maps = ArenaMaps(token=TOKENS["acme"], channel=channel)
     try:
-        slot = maps.view(location.region, location.offset, location.length, writable=True)
-        meta = decode_page(slot, expected_key=location.key).meta
-        forged = encode_page(meta, codecs.get("raw").encode(kv))
-        assert len(forged) == location.length
-        slot[:] = forged
-        assert decode_page(slot, expected_key=location.key).meta == meta  # checksum holds
-        del slot
+        with pytest.raises(PermissionError):  # the client library's own writable mapping
+            maps.view(location.region, location.offset, location.length, writable=True)
+        maps.view(location.region, location.offset, location.length)
+        assert maps.is_trusted(location.region)
     finally:
         maps.close()
+    fd = fetch_region_fd(channel, location.region, TOKENS["acme"])
+    try:
+        return attack(fd, location.offset + location.length - 100)
+    finally:
+        os.close(fd)
 
 
-async def test_a_page_forged_in_the_arena_is_never_served(root, ns, spec):
-    """A tenant's client overwrites a committed page in its arena with another payload and a
-    recomputed checksum. Gets, streamed or zero-copy, end the prefix before it (a corrupt
-    miss, counted); closing the daemon does not persist it to SSD, so the next daemon does not
-    serve it either; the block can be stored again."""
+async def test_no_client_route_changes_a_stored_page(root, ns, spec):
+    """Regression guard: reads of stored DRAM pages skip the private copy and the second hash,
+    which is safe only while no client can change them. A tenant's client holding the
+    descriptor of the region its pages are in tries every route (write, pwrite, writable and
+    private mappings, mprotect, a writable reopen through /proc, /proc/self/mem, truncating,
+    punching holes, MADV_REMOVE, seals, copy_file_range): none changes a byte, and gets,
+    streamed and zero-copy, return what was put, with nothing counted corrupt."""
     config = small_config(root, tenant_tokens=TOKENS)
     tokens, kv = random_tokens(48), random_kv(spec, 48)
-    evil = random_kv(spec, 16, seed=99)
     daemon = await serve(config)
     try:
         async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
             assert await acme.put(ns, tokens, kv, zero_copy=True) == 48
             lease = await acme.acquire(ns, tokens)
-            await asyncio.to_thread(_forge, fd_socket_path(daemon.socket_path),
-                                    lease.blocks[1], evil)
+            outcomes = await asyncio.to_thread(_attack_published,
+                                               fd_socket_path(daemon.socket_path),
+                                               lease.blocks[1])
+            assert all_refused(outcomes), outcomes
             await acme.release(lease.lease_id)
-            got = await acme.get(ns, tokens, zero_copy=False)
-            assert torch.equal(got, kv[:, :, :16])  # the forged block and what follows: gone
-            assert (await acme.stats()).tiers["dram"].corrupt == 0  # tenants see their blocks
-            assert daemon.store.stats().tiers["dram"].corrupt == 1
-            assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv[:, :, :16])
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=False), kv)
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv)
+            assert daemon.store.stats().tiers["dram"].corrupt == 0
     finally:
-        await daemon.stop(1.0)  # persists DRAM-only blocks to SSD: not the forged one
+        await daemon.stop(1.0)
+
+
+class _UnmapRecorder:
+    def __init__(self) -> None:
+        self.unmapped: list[tuple[int, int]] = []
+
+    def note(self, address: int, nbytes: int) -> None:
+        self.unmapped.append((address, nbytes))
+
+
+def _mapped_memfds() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split("/memfd:")[1].split()[0] for line in maps if "/memfd:" in line}
+
+
+async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec):
+    """acme's client maps the published steps its blocks are in; acme's blocks go and zeta
+    needs the memory, so the daemon gives those steps back. At its next read the client sees
+    their headers say so and closes its mappings and descriptors: nothing in this process
+    maps them any more, so their memory is free (a client that kept them would hold memory
+    the budget has lent to zeta)."""
+    config = small_config(root, dram_bytes=4 * MiB, tenant_tokens=TOKENS)
+    zeta_ns = dataclasses.replace(ns, tenant="zeta")
+    tokens, kv = random_tokens(16 * 200), random_kv(spec, 16 * 200)
     daemon = await serve(config)
     try:
-        async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
-            assert torch.equal(await acme.get(ns, tokens, zero_copy=False), kv[:, :, :16])
-            assert await acme.put(ns, tokens, kv, zero_copy=True) == 16  # only it was lost
+        dram = daemon.store.tiers["dram"]
+        async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme, \
+                AsyncClient(daemon.unix_address, token="tok-zeta", retry=NO_RETRY) as zeta:
+            assert await acme.put(ns, tokens, kv, zero_copy=False) == 16 * 200
             assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv)
+            maps = acme._zero_copy.maps
+            steps = set(dram.published_regions("acme")) & set(maps.regions)  # the ones read
+            assert len(steps) >= 2
+            assert {f"kvstore-{name}" for name in steps} <= _mapped_memfds()
+            assert await daemon.store.evict(tenant="acme") == 200
+            other = random_tokens(16 * 400, seed=5)
+            assert await zeta.put(zeta_ns, other, random_kv(spec, 16 * 400, seed=5),
+                                  zero_copy=False) == 16 * 400
+            given_back = steps - set(dram.published_regions("acme"))
+            assert given_back and all(dram.region_fd(name) is None for name in given_back)
+            assert set(maps.regions) >= given_back  # not read since: still held
+            recorder = _UnmapRecorder()
+            maps.on_unmap(recorder.note)  # what a GPU client unregisters its pinning with
+            small, small_kv = random_tokens(32, seed=9), random_kv(spec, 32, seed=9)
+            assert await acme.put(ns, small, small_kv, zero_copy=False) == 32
+            assert torch.equal(await acme.get(ns, small, zero_copy=True), small_kv)
+            assert not set(maps.regions) & given_back
+            assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
+            assert len(recorder.unmapped) == len(given_back)
     finally:
         await daemon.stop(1.0)
 

@@ -3,9 +3,13 @@ a tenant never deletes another's blocks it does not have to, and quotas give eac
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
+from kvstore import codecs
 from kvstore.config import KVStoreConfig, QuotaConfig, ServerConfig, TierConfig
+from kvstore.page import PageMeta, encode_page
 from kvstore.store import Store
 
 from ..conftest import random_kv, random_tokens
@@ -73,3 +77,50 @@ async def test_with_quotas_each_tenant_gets_its_share():
             assert store.stats(tenant=ns.tenant).num_blocks == share_blocks
             tokens, kv = last[ns.tenant]
             assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def _zero_copy_put(store: Store, ns, tokens: list[int], kv: torch.Tensor) -> int:
+    """Reserve, write each page into its staging slot through a mapping (as a same-host client
+    does), commit."""
+    reservation = await store.reserve(ns, tokens)
+    codec = codecs.get(reservation.codec)
+    bt = ns.spec.block_tokens
+    for grant in reservation.blocks:
+        meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
+                        block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
+                        codec=codec.name, codec_id=codec.codec_id)
+        page = encode_page(meta, codec.encode(kv[:, :, grant.block_index * bt:][:, :, :bt]))
+        with open(store.tiers["mem"].region_path(grant.region), "r+b") as f, \
+                mmap.mmap(f.fileno(), 0) as arena:
+            arena[grant.offset:grant.offset + len(page)] = page
+    return await store.commit(reservation.reservation_id)
+
+
+async def test_zero_copy_puts_into_a_full_tier_keep_their_staging_memory():
+    """Regression: with DRAM full, a plain put took a zero-copy writer's freed staging chunk
+    back to grow a published step, so the next reservation had to empty a whole step (every
+    block of it, whatever their age) to grow staging again: memory went back and forth with
+    every pair of puts. Now a tenant's staging memory is not its own published memory's to
+    take: once the first reservation made staging room, each put, plain or zero-copy, makes
+    room by evicting one block, no step is made or given back and staging keeps its size."""
+    acme = namespace(1, "acme")
+    async with Store(one_tier()) as store:
+        tier = store.tiers["mem"]
+        for i in range(6):  # a full tier
+            tokens = random_tokens(16 * 10, seed=30 + i)
+            assert await store.put(acme, tokens, random_kv(SPEC, 16 * 10, seed=30 + i)) == 160
+        prompts = [(random_tokens(16, seed=200 + i), random_kv(SPEC, 16, seed=200 + i))
+                   for i in range(40)]
+        assert await _zero_copy_put(store, acme, *prompts[0]) == 16
+        staging_bytes = tier.stats().extra["staging_bytes"]
+        steps = set(tier.published_regions("acme"))
+        dropped = store.stats().counters.dropped
+        assert staging_bytes > 0
+        for i, (tokens, kv) in enumerate(prompts[1:]):
+            put = _zero_copy_put(store, acme, tokens, kv) if i % 2 else store.put(acme, tokens, kv)
+            assert await put == 16
+            assert set(tier.published_regions("acme")) == steps, i
+        assert store.stats().counters.dropped - dropped == len(prompts) - 1  # one per put
+        assert tier.stats().extra["staging_bytes"] == staging_bytes
+        for tokens, kv in prompts[-10:]:
+            assert torch.equal(await store.get(acme, tokens), kv)

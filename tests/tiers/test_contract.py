@@ -102,7 +102,8 @@ async def test_concurrent_writers_and_readers(tier):
 def _stored_at(tier: Tier, key: BlockKey, data: bytes) -> tuple[Path, int]:
     """The file holding the stored copy of ``data`` and its offset there."""
     if isinstance(tier, DramTier):
-        return Path(tier.arena_path("t")), tier.locate(key)[0]
+        region, offset, _ = tier.locate(key)
+        return Path(tier.region_path(region)), offset
     for seg in sorted(Path(tier._config.path).glob("seg-*.dat")):
         at = seg.read_bytes().find(data)
         if at >= 0:
@@ -129,7 +130,9 @@ def _damage(tier: Tier, key: BlockKey, data: bytes) -> None:
 
 async def test_unverified_read_leaves_the_checksum_to_the_caller(tier):
     """read(verify=False) parses without checking the sum: verify_page is the caller's check,
-    and a verified re-read is what removes and counts a damaged page."""
+    and a verified re-read is what removes and counts a damaged page. A tier whose pages
+    nobody else can write (DRAM's published memory) returns them trusted, and the damage is
+    refused instead."""
     key, meta, data = make_page(7, 50_000)
     other_key, other_meta, other = make_page(8, 50_000)
     for k, m, d in ((key, meta, data), (other_key, other_meta, other)):
@@ -138,6 +141,12 @@ async def test_unverified_read_leaves_the_checksum_to_the_caller(tier):
     assert bytes(page.data) == data and page.meta == meta
     verify_page(page)
     del page
+    if isinstance(tier, DramTier):
+        with pytest.raises(PermissionError):
+            await asyncio.to_thread(_damage, tier, key, data)
+        page = await tier.read(key, verify=False)
+        assert page.is_trusted and bytes(page.data) == data
+        return
     await asyncio.to_thread(_damage, tier, key, data)
     page = await tier.read(key, verify=False)
     with pytest.raises(CorruptPage, match="checksum mismatch"):

@@ -1,5 +1,6 @@
-"""DramTier: slots in real memfd arenas (one per tenant), capacity, reuse, corruption, seals,
-sharing by descriptor, concurrency."""
+"""DramTier: pages in sealed published steps and staging slots in memfd arenas (per tenant),
+capacity, reuse, steps given back whole, sharing by descriptor, writers that try to change
+published pages, concurrency."""
 
 from __future__ import annotations
 
@@ -18,12 +19,22 @@ import pytest
 import torch
 
 from kvstore.config import DramConfig
-from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.page import PageMeta, decode_page, encode_page, verify_page
+from kvstore.page import (
+    PUBLISHED_HEADER_BYTES,
+    PageMeta,
+    decode_page,
+    encode_page,
+    is_published,
+    is_retired,
+    verify_page,
+)
 from kvstore.policy.base import RoomNeed
-from kvstore.tiers.arena import GrowthBudget, SlabAllocator
-from kvstore.tiers.dram import THREAD_VERIFY_BYTES, DramTier
+from kvstore.tiers.arena import GrowthBudget, SlabAllocator, StepPool
+from kvstore.tiers.dram import THREAD_COPY_BYTES, DramTier
+
+from .published_attacks import all_refused, attack
 
 MiB = 1 << 20
 HAS_SHM = os.path.isdir("/dev/shm")
@@ -39,12 +50,14 @@ def make_page(seed: int, payload_bytes: int, tenant: str = "acme"
     return key, encode_page(meta, payload.tobytes()), meta
 
 
-def _flip_byte(path: str, offset: int) -> None:
-    """Damage one byte through a mapping of our own, as a stray writer would."""
-    with open(path, "r+b") as f:
-        m = mmap.mmap(f.fileno(), offset + 1)
-        m[offset] ^= 0xFF
-        m.close()
+def slots_within(capacity_bytes: int, chunk_bytes: int, page_bytes: int) -> int:
+    """How many pages of ``page_bytes`` fill a tier of ``capacity_bytes``: whole steps of
+    ``chunk_bytes`` (a header page, then slots), the last one smaller."""
+    pool, room, total = StepPool(chunk_bytes), capacity_bytes, 0
+    while (step := pool.step_bytes_for(page_bytes, room)) is not None:
+        total += (step - PUBLISHED_HEADER_BYTES) // SlabAllocator.slot_bytes_for(page_bytes)
+        room -= step
+    return total
 
 
 @pytest.fixture
@@ -88,7 +101,7 @@ async def test_sizes_make_slot_classes_and_used_bytes_counts_slots(tier: DramTie
         key, page, meta = make_page(10 + i, size)
         assert await tier.write(key, page, meta)
         assert tier.footprint(key).size_class == SlabAllocator.slot_bytes_for(len(page))
-        assert tier.locate(key)[0] % 4096 == 0
+        assert tier.locate(key)[1] % 4096 == 0
     stats = tier.stats()
     assert stats.extra["slot_classes"] == 4
     expected = sum(SlabAllocator.slot_bytes_for(len(make_page(10 + i, s)[1]))
@@ -112,11 +125,14 @@ async def test_arena_is_a_memfd_another_process_maps_by_descriptor(tier: DramTie
     descriptor it was given (here inherited; the daemon sends it over its Unix socket)."""
     key, page, meta = make_page(5, 300_000)
     assert await tier.write(key, page, meta)
-    tenant, fd = tier.region_fd(tier.region_of("acme"))
-    assert tenant == "acme" and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    if HAS_SHM:
-        assert not [name for name in os.listdir("/dev/shm") if tier.region_of("acme") in name]
-    offset, length = tier.locate(key)
+    region, offset, length = tier.locate(key)
+    assert region in tier.published_regions("acme") and region != tier.region_of("acme")
+    for name in (region, tier.region_of("acme")):
+        tenant, fd = tier.region_fd(name)
+        assert tenant == "acme" and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        if HAS_SHM:
+            assert not [entry for entry in os.listdir("/dev/shm") if name in entry]
+    tenant, fd = tier.region_fd(region)
     child_fd = os.dup(fd)  # a descriptor of our own to hand over; the tier keeps its own
     script = textwrap.dedent(f"""
         import mmap, hashlib
@@ -142,20 +158,23 @@ async def test_each_tenant_has_an_arena_of_its_own(tier: DramTier) -> None:
     pages = {t: make_page(20 + i, 200_000, tenant=t) for i, t in enumerate(("acme", "globex"))}
     for key, page, meta in pages.values():
         assert await tier.write(key, page, meta)
-    regions = {t: tier.region_of(t) for t in pages}
-    assert len(set(regions.values())) == 2 and tier.stats().extra["arenas"] == 2
-    fds = {t: tier.region_fd(regions[t]) for t in pages}
-    assert {t: fd[0] for t, fd in fds.items()} == {"acme": "acme", "globex": "globex"}
+    regions = {t: [tier.region_of(t), *tier.published_regions(t)] for t in pages}
+    assert not set(regions["acme"]) & set(regions["globex"])
+    assert tier.stats().extra["arenas"] == 2
+    for tenant, names in regions.items():
+        assert {tier.region_fd(name)[0] for name in names} == {tenant}
     assert tier.region_fd("dram.unknown") is None
     for tenant, (key, page, _) in pages.items():
         other = "globex" if tenant == "acme" else "acme"
-        with open(tier.arena_path(tenant), "rb") as f, mmap.mmap(f.fileno(), 0,
-                                                               prot=mmap.PROT_READ) as m:
-            offset, length = tier.locate(key)
+        region, offset, length = tier.locate(key)
+        assert region in regions[tenant]
+        with open(tier.region_path(region), "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                                prot=mmap.PROT_READ) as m:
             assert m[offset:offset + length] == page
-        with open(tier.arena_path(other), "rb") as f, mmap.mmap(f.fileno(), 0,
-                                                              prot=mmap.PROT_READ) as m:
-            assert m.find(page[-4096:]) < 0
+        for name in regions[other]:
+            with open(tier.region_path(name), "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                                  prot=mmap.PROT_READ) as m:
+                assert m.find(page[-4096:]) < 0
 
 
 async def test_a_holder_of_the_descriptor_cannot_resize_or_seal_the_arena(tier: DramTier) -> None:
@@ -241,7 +260,7 @@ async def test_emptied_chunks_are_reassigned_to_another_class(tmp_path) -> None:
         stored_a = [k for k, p, m in class_a if await tier.write(k, p, m)]
         assert 0 < len(stored_a) < len(class_a)  # filled up
         slot_a = tier.footprint(stored_a[0]).size_class
-        assert len(stored_a) == 4 * (MiB // slot_a)
+        assert len(stored_a) == slots_within(4 * MiB, MiB, len(class_a[0][1]))
         # A page of another class does not fit until class A lets a chunk go.
         key_b, page_b, meta_b = make_page(3000, 100_000)
         assert not tier.can_write(len(page_b))
@@ -256,10 +275,12 @@ async def test_emptied_chunks_are_reassigned_to_another_class(tmp_path) -> None:
         assert tier.stats().extra["slot_classes"] == 0
         class_b = [make_page(3000 + i, 100_000) for i in range(60)]
         stored_b = [(k, p) for k, p, m in class_b if await tier.write(k, p, m)]
-        assert len(stored_b) == 4 * (MiB // slot_b)
+        # Re-cut steps of A's size: each holds at most one slot of B fewer than a fresh one.
+        fresh = slots_within(4 * MiB, MiB, len(page_b))
+        assert fresh - tier.stats().extra["published_steps"] <= len(stored_b) <= fresh
         for key, page in stored_b:
             assert bytes((await tier.read(key)).data) == page
-        # Freed chunks merge: after emptying, one page larger than a chunk fits.
+        # Emptied steps go back whole: after emptying, one page larger than a step fits.
         for key, _ in stored_b:
             await tier.delete(key)
         key_c, page_c, meta_c = make_page(4000, 3 * MiB)
@@ -269,53 +290,52 @@ async def test_emptied_chunks_are_reassigned_to_another_class(tmp_path) -> None:
         await tier.close()
 
 
-@pytest.mark.parametrize("payload_bytes", [50_000, THREAD_VERIFY_BYTES])  # inline, in a thread
-async def test_corrupt_page_is_dropped_and_counted(tier: DramTier, payload_bytes: int) -> None:
+@pytest.mark.parametrize("payload_bytes", [50_000, THREAD_COPY_BYTES])  # inline, in a thread
+async def test_no_route_a_descriptor_holder_can_take_changes_a_published_page(
+        tier: DramTier, payload_bytes: int) -> None:
+    """A client holds the descriptor of the step its page is in (what the daemon sends it) and
+    tries every way to change the page: each is refused, or lands in a private copy, and the
+    page reads back as stored. The same routes do change the staging arena, which clients may
+    write: the attacks are real."""
     key, page, meta = make_page(6, payload_bytes)
     assert await tier.write(key, page, meta)
-    offset, length = tier.locate(key)
-    await asyncio.to_thread(_flip_byte, tier.arena_path("acme"), offset + length - 10)
-    assert await tier.read(key) is None
-    stats = tier.stats()
-    assert stats.corrupt == 1 and not tier.contains(key) and stats.used_bytes == 0
-
-
-def _overwrite(path: str, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        m[offset:offset + len(data)] = data
-
-
-@pytest.mark.parametrize("payload_bytes", [50_000, THREAD_VERIFY_BYTES])
-async def test_a_page_forged_in_the_arena_fails_its_seal(tier: DramTier, payload_bytes) -> None:
-    """A writer with the arena mapped replaces a stored page's payload and recomputes the plain
-    checksum: the page still parses and its checksum holds, but it no longer matches the seal
-    the tier keeps, so every read is a corrupt miss."""
-    key, page, meta = make_page(16, payload_bytes)
-    assert await tier.write(key, page, meta)
-    forged = encode_page(meta, bytes(len(decode_page(page).payload)))  # same size, all zeros
-    assert decode_page(forged, expected_key=key).meta == meta
-    offset, _ = tier.locate(key)
-    await asyncio.to_thread(_overwrite, tier.arena_path("acme"), offset, forged)
-    unverified = await tier.read(key, verify=False)
-    assert bytes(unverified.data) == forged
-    with pytest.raises(CorruptPage, match="fails its seal"):
-        verify_page(unverified)
-    del unverified
-    assert await tier.read(key) is None
-    assert tier.stats().corrupt == 1 and not tier.contains(key)
+    region, offset, length = tier.locate(key)
+    fd = os.dup(tier.region_fd(region)[1])
+    try:
+        outcomes = await asyncio.to_thread(attack, fd, offset + length - 10)
+    finally:
+        os.close(fd)
+    assert all_refused(outcomes), outcomes
+    got = await tier.read(key)
+    assert got.is_trusted and bytes(got.data) == page and tier.stats().corrupt == 0
+    del got
+    slot = await tier.allocate_slot(4096, "acme")
+    fd = os.dup(tier.region_fd(tier.region_of("acme"))[1])
+    try:
+        staging = await asyncio.to_thread(attack, fd, slot.offset)
+    finally:
+        os.close(fd)
+        tier.abort(slot)
+    assert staging["pwrite"] == "CHANGED" and staging["a shared writable mapping"] == "CHANGED"
 
 
 async def test_a_slot_changed_after_its_checked_copy_is_never_served(tier: DramTier) -> None:
-    """publish seals the store's checked copy, not the slot: a writer that rewrites its slot
-    after the copy was taken (a forged page, checksum recomputed) gets a corrupt miss."""
+    """publish copies the store's checked copy into published memory, not the slot: a writer
+    that rewrites its slot after the copy was taken (a forged page, checksum recomputed)
+    changes nothing anyone reads; the staging slot is free again."""
     key, page, meta = make_page(17, 400_000)
     slot = await tier.allocate_slot(len(page), "acme")
     tier.slot_view(slot)[:len(page)] = page
     checked = bytes(tier.slot_view(slot)[:len(page)])
     forged = encode_page(meta, bytes(len(decode_page(page).payload)))
     tier.slot_view(slot)[:len(forged)] = forged
+    staged = tier.used_bytes
     assert await tier.publish(slot, key, meta, checked) == len(page)
-    assert await tier.read(key) is None and tier.stats().corrupt == 1
+    assert tier.used_bytes == staged  # the staging slot went, the published one came
+    got = await tier.read(key)
+    assert bytes(got.data) == page and got.is_trusted
+    verify_page(got)
+    assert tier.locate(key)[0] in tier.published_regions("acme")
     key2, page2, meta2 = make_page(18, 400_000)
     slot = await tier.allocate_slot(len(page2), "acme")
     tier.slot_view(slot)[:len(page2)] = page2
@@ -326,16 +346,51 @@ async def test_a_slot_changed_after_its_checked_copy_is_never_served(tier: DramT
         await tier.publish(slot, key2, meta2, page2)
 
 
+async def test_an_emptied_step_goes_back_whole_and_says_so(tmp_path) -> None:
+    """Steps are the unit memory moves between tenants in: acme's emptied steps stay backed
+    until globex needs the memory; then each is marked retired in its header, unmapped and
+    closed, and a client mapping of it (held here) sees the mark and can drop it; the
+    budget never passes capacity."""
+    tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB))
+    await tier.open()
+    try:
+        acme = [make_page(6100 + i, 200_000) for i in range(40)]
+        stored = [k for k, p, m in acme if await tier.write(k, p, m)]
+        steps = tier.published_regions("acme")
+        assert len(steps) == 4
+        fds = [os.dup(tier.region_fd(name)[1]) for name in steps]
+        client_maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]  # read-only
+        assert all(is_published(m) and not is_retired(m) for m in client_maps)
+        for k in stored:
+            await tier.delete(k)
+        assert tier.published_regions("acme") == steps  # empty, still backed
+        key, page, meta = make_page(7100, 3 * MiB, tenant="globex")
+        assert await tier.write(key, page, meta)
+        kept = tier.published_regions("acme")
+        assert len(kept) < len(steps)  # as many as the page needed went back, no more
+        for name, m in zip(steps, client_maps):
+            assert is_retired(m) == (name not in kept)
+            assert (tier.region_fd(name) is None) == (name not in kept)
+        assert tier.stats().extra["arena_bytes"] <= tier.capacity_bytes
+        for m, fd in zip(client_maps, fds):
+            m.close()
+            os.close(fd)
+        assert bytes((await tier.read(key)).data) == page
+    finally:
+        await tier.close()
+
+
 async def test_close_releases_the_arenas(tmp_path) -> None:
     tier = DramTier(DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB, shm_dir=str(tmp_path)))
     await tier.open()
     key, page, meta = make_page(7, 1000)
     assert await tier.write(key, page, meta)
     held = await tier.read(key, verify=False)  # a reader still holding a view must not break close
-    region = tier.region_of("acme")
-    assert tier.region_fd(region) is not None
+    regions = [tier.region_of("acme"), *tier.published_regions("acme")]
+    assert len(regions) == 2 and all(tier.region_fd(name) is not None for name in regions)
     await tier.close()
-    assert tier.region_fd(region) is None and tier.arena_path("acme") is None
+    assert all(tier.region_fd(name) is None for name in regions)
+    assert tier.arena_path("acme") is None
     assert bytes(held.data) == page
     assert os.listdir(tmp_path) == []  # nothing was ever made in shm_dir
     with pytest.raises(Unavailable):
