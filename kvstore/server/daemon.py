@@ -315,11 +315,13 @@ async def serve(config: KVStoreConfig) -> Daemon:
 
 
 async def _run(config: KVStoreConfig) -> int:
-    daemon = await serve(config)
+    # Handlers first: a SIGTERM while the sockets come up (they exist before serve returns)
+    # stops the daemon cleanly once it is up, instead of killing it half-started.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    daemon = await serve(config)
     try:
         await stop.wait()
         _log.info("draining", extra={"grace_s": config.server.shutdown_grace_s})
@@ -372,10 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 class DaemonThread:
     """``serve(config)`` on an event loop of its own in a thread, for a process that also runs
     a blocking client (an engine with the daemon inside it, benchmarks, tests)::
@@ -420,3 +418,7 @@ class DaemonThread:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """The vLLM connector end to end: engine A computes prompts and saves them through a real
 daemon; a fresh engine B, with vLLM's own prefix caching off, loads the prefixes from kvstore
-and produces the same tokens and log-probabilities; a damaged page is recomputed, never served.
+and produces the same tokens and log-probabilities; a page damaged on disk is recomputed, never
+served.
 
 vLLM runs in its own venv (``scripts/services/vllm.sh`` builds ``.venv-vllm`` and exports
 ``KVSTORE_TEST_VLLM_PYTHON``); the daemon runs from this one.
@@ -11,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvstore.client import Client
-from kvstore.client.arena import ArenaMaps
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_keys
 from tests.server.helpers import REPO_ROOT, DaemonProcess, MiB, short_tmpdir, small_config
 
 VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
@@ -53,36 +54,46 @@ def generate(root: Path, model: Path, address: str, name: str) -> dict:
     return json.loads(out.read_text())
 
 
-def damage_block(address: str, ns: Namespace, tokens: list[int], block_index: int) -> None:
-    """Flip bytes in the middle of one stored page, in place in the tenant's DRAM arena (mapped
-    through the descriptor the daemon hands this client)."""
-    with Client(address) as kv:
-        lease = kv.acquire(ns, tokens)
-        maps = ArenaMaps(channel=kv.health().arena_path)
-        try:
-            loc = lease.blocks[block_index]
-            page = maps.view(loc.region, loc.offset, loc.length, writable=True)
-            middle = loc.length // 2
-            page[middle : middle + 8] = bytes(b ^ 0xFF for b in page[middle : middle + 8])
-            del page
-        finally:
-            maps.close()
-            kv.release(lease.lease_id)
+def damage_on_disk(ssd_dir: Path, key: bytes) -> None:
+    """Flip bytes in the middle of the stored page of ``key`` in the SSD tier's segment files,
+    the daemon stopped (DRAM pages sit in memory no client can write: only the disk can rot)."""
+    damaged = 0
+    for segment in sorted(p for p in ssd_dir.rglob("*") if p.is_file()):
+        data = segment.read_bytes()
+        at = data.find(key)
+        while at >= 0:
+            start = at - 28  # the key's place in a page header (kvstore.page)
+            if start >= 0 and data[start:start + 4] == b"KVPG":
+                meta_len = struct.unpack_from("<I", data, start + 60)[0]
+                payload_len = struct.unpack_from("<Q", data, start + 64)[0]
+                middle = start + 80 + meta_len + payload_len // 2
+                with open(segment, "r+b") as f:
+                    f.seek(middle)
+                    f.write(bytes(b ^ 0xFF for b in data[middle:middle + 8]))
+                damaged += 1
+            at = data.find(key, at + 1)
+    assert damaged, f"no page of key {key.hex()} in {ssd_dir}"
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """Engine A on both prompts; then the second prompt's middle block is damaged; then a fresh
-    engine B on both prompts."""
+    """Engine A on both prompts; the daemon stops, writing its blocks to SSD, and the second
+    prompt's middle block is damaged on disk; the daemon restarts warm and a fresh engine B
+    runs both prompts."""
     root = short_tmpdir()
-    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    config = small_config(root, dram_bytes=64 * MiB, ssd={"persist_on_close": True})
+    daemon = DaemonProcess(config, root)
     try:
         daemon.wait_ready()
         model = root / "model"
         run_engine(root, "build", str(model))
         a = generate(root, model, daemon.address, "a")
         ns = Namespace.from_dict(a["namespace"])
-        damage_block(daemon.address, ns, PROMPTS[1][:PREFIX_TOKENS], block_index=1)
+        assert daemon.terminate() == 0
+        key = block_keys(ns, PROMPTS[1][:PREFIX_TOKENS])[1]
+        damage_on_disk(Path(config.ssd.path), bytes(key))
+        daemon = DaemonProcess(config, root)
+        daemon.wait_ready()
         b = generate(root, model, daemon.address, "b")
         with Client(daemon.address) as kv:
             corrupt = sum(t.corrupt for t in kv.stats().tiers.values())
