@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 import time
 from urllib.parse import unquote
 
@@ -43,6 +42,7 @@ from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.datapath import HELLO, TICKET_BYTES, new_ticket, parse_hello
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, TokenTable, authenticate
 from kvstore.server.limits import MIN_PROGRESS_BYTES
+from kvstore.server.sockets import bind_unix
 
 _log = logging.getLogger("kvstore.server.datapath")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
@@ -261,17 +261,7 @@ class DataPathServer:
 
     async def start(self, tcp_host: str | None, tcp_port: int, socket_mode: int) -> None:
         """Listen on the Unix data socket and, with ``tcp_host``, on ``tcp_port`` there."""
-        _clear_stale(self.unix_path)
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # 0600 from its first instant, like the gRPC socket
-        try:
-            unix.bind(self.unix_path)
-        except OSError as exc:
-            unix.close()
-            raise ConfigError(f"cannot bind the data socket {self.unix_path}: {exc}") from None
-        finally:
-            os.umask(old)
-        os.chmod(self.unix_path, socket_mode)
+        unix = bind_unix(self.unix_path, socket_mode, "data socket")
         self._listen(unix, "unix")
         if tcp_host is not None:
             family = socket.AF_INET6 if ":" in tcp_host else socket.AF_INET
@@ -435,15 +425,3 @@ async def _recv_exactly(conn: socket.socket, num_bytes: int) -> bytes:
             raise InvalidArgument("the data connection ended inside its hello")
         data += chunk
     return data
-
-
-def _clear_stale(path: str) -> None:
-    """Remove a socket file a dead daemon left at ``path``; the caller holds the gRPC socket's
-    lock, so no live daemon serves it."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it")
-    os.unlink(path)

@@ -15,12 +15,10 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 import struct
 
 from kvstore.config import ServerConfig
 from kvstore.errors import (
-    ConfigError,
     InvalidArgument,
     KVStoreError,
     NotFound,
@@ -34,6 +32,7 @@ from kvstore.rpc.fdpass import (
     parse_request,
 )
 from kvstore.server.auth import Caller, TokenTable, authenticate
+from kvstore.server.sockets import bind_unix
 from kvstore.tiers.base import FdRegions
 
 _log = logging.getLogger("kvstore.server.fdpass")
@@ -68,17 +67,7 @@ class FdPassServer:
 
     async def start(self) -> None:
         """Bind and listen (replacing a stale socket file of a daemon that died)."""
-        _clear_stale(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # 0600 from the first instant: the bind creates the file
-        try:
-            listener.bind(self.path)
-        except OSError as exc:
-            listener.close()
-            raise ConfigError(f"cannot bind the descriptor socket {self.path}: {exc}") from None
-        finally:
-            os.umask(old)
-        os.chmod(self.path, self._mode)
+        listener = bind_unix(self.path, self._mode, "descriptor socket")
         listener.listen(MAX_CONNECTIONS)
         listener.setblocking(False)
         self._listener = listener
@@ -196,15 +185,3 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
     except OSError:
         return -1, -1
     return pid, uid
-
-
-def _clear_stale(path: str) -> None:
-    """Remove a socket file a dead daemon left at ``path``; the caller holds the socket lock,
-    so no live daemon serves it."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it")
-    os.unlink(path)
