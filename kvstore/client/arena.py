@@ -23,7 +23,6 @@ a torch copy runs on the caller's OpenMP team, whose threads a busy engine host 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
@@ -50,6 +49,7 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import Namespace
+from kvstore.madvise import MADV_HUGEPAGE, MADVISE
 from kvstore.page import (
     F_SEAL_FUTURE_WRITE,
     Page,
@@ -75,20 +75,6 @@ PROBE_RETRY_S = 1.0
 _clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
 HUGE_PAGE_BYTES = 2 << 20
 HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
-MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
 
 
 class ZeroCopy:
@@ -337,11 +323,11 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     out = torch.empty(shape, dtype=dtype)
     nbytes = out.numel() * out.element_size()
-    if nbytes >= HUGE_ADVICE_MIN_BYTES and _MADVISE is not None:
+    if nbytes >= HUGE_ADVICE_MIN_BYTES and MADVISE is not None:
         start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         end = (out.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
         if end > start:
-            _MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
+            MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
     return out
 
 

@@ -10,12 +10,12 @@ import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.errors import CapacityError, Unavailable
+from kvstore.madvise import MADV_POPULATE_WRITE, MADV_REMOVE, MADVISE
 from kvstore.page import (
     F_SEAL_FUTURE_WRITE,
     PUBLISHED_HEADER_BYTES,
@@ -26,10 +26,6 @@ from kvstore.page import (
 )
 
 PAGE_ALIGN = 4096  # slot sizes, chunk offsets and growth steps are multiples of this
-# madvise(MADV_POPULATE_WRITE) prefaults writable pages (Linux 5.14+); Python 3.11's mmap module
-# does not name the constant, so it is given by number.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)  # frees a shmem range's pages (a punched hole)
 # An arena's file never changes size, and nobody can add a seal after these: a client holding
 # the descriptor can neither shrink it under the daemon's mapping (which would SIGBUS the
 # daemon on its next touch) nor seal it against the daemon's own writes.
@@ -40,21 +36,6 @@ _ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # writing; it also refuses freeing its memory (MADV_REMOVE, hole punching): a sealed memfd
 # goes back whole, when its last descriptor and mapping close.
 _STEP_SEALS = _ARENA_SEALS | F_SEAL_FUTURE_WRITE
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    # mmap.madvise holds the GIL through the whole call (measured: a 90 ms stall of the event
-    # loop populating 256 MiB); a ctypes call releases it.
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
 
 
 def round_up(nbytes: int, align: int = PAGE_ALIGN) -> int:
@@ -536,9 +517,9 @@ class ShmArena:
             self._fd = -1
 
     def _release(self, offset: int, nbytes: int) -> None:
-        if nbytes <= 0 or _MADVISE is None or not self._base:
+        if nbytes <= 0 or MADVISE is None or not self._base:
             return
-        if _MADVISE(self._base + offset, nbytes, MADV_REMOVE) != 0:
+        if MADVISE(self._base + offset, nbytes, MADV_REMOVE) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_REMOVE) on arena {self.name}: {os.strerror(err)}")
 
@@ -549,8 +530,8 @@ class ShmArena:
 def _prefault(mapped: mmap.mmap, base: int, offset: int, nbytes: int, name: str) -> None:
     # First writes into fresh shmem pages fault at ~0.5 GB/s against ~13 GB/s once mapped;
     # pay that here, off the request path.
-    if _MADVISE is not None:
-        if _MADVISE(base + offset, nbytes, MADV_POPULATE_WRITE) == 0:
+    if MADVISE is not None:
+        if MADVISE(base + offset, nbytes, MADV_POPULATE_WRITE) == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):

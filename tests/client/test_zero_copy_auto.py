@@ -89,7 +89,7 @@ def test_blocking_client_finds_it_later_too(config, ns, spec, clock):
 
 def test_large_results_are_advised_onto_huge_pages_inside_their_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(arena, "_MADVISE", lambda addr, length, advice: calls.append(
+    monkeypatch.setattr(arena, "MADVISE", lambda addr, length, advice: calls.append(
         (addr, length, advice)) or 0)
     small = arena.fresh_tensor((1024,), torch.bfloat16)
     assert calls == [] and small.shape == (1024,)
