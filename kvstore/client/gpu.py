@@ -99,6 +99,7 @@ class EngineCache:
         self._rings: dict[str, StagingRing] = {}
         self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
         self._unpinnable: set[int] = set()
+        self._last_mapping: object = None  # the mapping _pin looked at last
         weakref.finalize(self, _unregister, self._pinned)
 
     def close(self) -> None:
@@ -296,9 +297,10 @@ class EngineCache:
     def _pin(self, view: memoryview) -> None:
         """Register the arena mapping holding ``view`` as pinned memory, once (DMA at the
         link's rate instead of through a bounce buffer)."""
-        if not self._cuda():
-            return
         mapping = view.obj
+        if not self._cuda() or mapping is self._last_mapping:  # the lease's pages share few
+            return
+        self._last_mapping = mapping
         base, size = _address(memoryview(mapping)), len(mapping)
         if self._pinned.get(base) == size or base in self._unpinnable:
             return
