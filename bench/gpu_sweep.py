@@ -1,6 +1,7 @@
 """Tile sweep of the engine kernels (rows per program x warps) on a CUDA machine, 2 GiB of
 blocks: prints ratios to the device copy and the PCIe link, writes $OUT/sweep.json.
-Run from the repository root: PYTHONPATH=. python3 bench/gpu_sweep.py [blocks]"""
+Run from the repository root: PYTHONPATH=. python3 bench/gpu_sweep.py [blocks]
+(TILES=16x4,32x8 and CODECS=raw,nvfp4 narrow it)."""
 
 import json
 import os
@@ -12,7 +13,8 @@ from kvstore.bench.gpu import Rig, _aligned, _bench, _copy_ms
 from kvstore.codecs.triton.engine import from_engine, to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-tiles = [(16, 4), (32, 4), (64, 4), (128, 8)]
+tiles = [(int(r), int(w)) for r, w in (t.split("x") for t in os.environ.get(
+    "TILES", "16x4,32x4,64x4,32x8,64x8,128x8").split(","))]
 device = torch.device("cuda")
 rig = Rig(n, device)
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device=device)
@@ -22,7 +24,7 @@ h2d = rig.engine_bytes / (_bench(lambda: src.copy_(pinned, non_blocking=True)) *
 d2h = rig.engine_bytes / (_bench(lambda: pinned.copy_(src, non_blocking=True)) * 1e6)
 print(f"copy {copy:.0f} GB/s  h2d {h2d:.1f}  d2h {d2h:.1f}")
 rows = []
-for codec in ("raw", "fp8_e4m3", "nvfp4", "mxfp4"):
+for codec in os.environ.get("CODECS", "raw,fp8_e4m3,nvfp4,mxfp4,int4,int2").split(","):
     dev = rig.layouts[codec]
     pool = rig.addrs(rig.pools[codec], codec)
     host = rig.addrs(rig.hosts[codec], codec)
@@ -32,8 +34,10 @@ for codec in ("raw", "fp8_e4m3", "nvfp4", "mxfp4"):
         r = {"codec": codec, "tile": tile}
         ms = _bench(lambda: to_engine(rig.layout, dev, pool, rig.ids, tile=tile))
         r["hbm_load"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
-        ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile))
+        ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile, host=True))
         r["host_load_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
+        ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile))
+        r["host_load_narrow_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
         if codec in ("raw", "fp8_e4m3"):
             ms = _bench(lambda: from_engine(rig.layout, dev, tgt, rig.ids, tile=tile))
             r["hbm_save"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy

@@ -298,7 +298,7 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
     blocks moved per pass (2 MiB each); ``quick``: 64 blocks, for a smoke run."""
     if not torch.cuda.is_available():
         raise KVStoreError("kvstore bench gpu needs a CUDA device; none is visible here")
-    from kvstore.codecs.triton.engine import HOST_TILES, from_engine, to_engine
+    from kvstore.codecs.triton.engine import from_engine, to_engine
 
     device = torch.device("cuda", torch.cuda.current_device())
     n = 64 if quick else max(16, total_bytes // SPEC.block_bytes)
@@ -380,8 +380,8 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
         to_engine(rig.layout, dev, addrs, rig.ids)
         torch.cuda.synchronize()
         rig.check_loaded(codec)
-        direct = _bench(lambda dev=dev, addrs=addrs, tile=HOST_TILES[codec]: to_engine(
-            rig.layout, dev, addrs, rig.ids, tile=tile))
+        direct = _bench(lambda dev=dev, addrs=addrs: to_engine(
+            rig.layout, dev, addrs, rig.ids, host=True))
         rows.append(_row("pinned DRAM -> engine, kernel reads host", codec, direct,
                          rig.engine_bytes, "H2D", h2d, link_aims[codec]))
         rig.poison()
@@ -415,8 +415,8 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
     for codec in ("raw", "fp8_e4m3"):
         dev = rig.layouts[codec]
         addrs = rig.addrs(rig.hosts[codec], codec)
-        first_layer[codec] = _bench(lambda dev=dev, addrs=addrs, tile=HOST_TILES[codec]: to_engine(
-            rig.layout, dev, addrs, rig.ids, layers=range(1), tile=tile)) / n
+        first_layer[codec] = _bench(lambda dev=dev, addrs=addrs: to_engine(
+            rig.layout, dev, addrs, rig.ids, layers=range(1), host=True)) / n
     for tokens in (8192, 32768):
         blocks = tokens // SPEC.block_tokens
         prefill_ms = _prefill_s(tokens, flops) * 1e3

@@ -108,6 +108,10 @@ def test_round_trip_through_device_pages(name, dtype, codec):
     untouched = [p for p in range(NUM_PAGES) if p not in dst_ids]
     for page in untouched:
         assert torch.isnan(read_block(dst, page)).all(), "other pages are left alone"
+    wide = EngineLayout.of(engine_cache(name, spec, dtype, fused), spec)
+    to_engine(wide, dev, addrs, dst_ids, host=True)  # the wide loads for host pages
+    for page in dst_ids:
+        assert torch.equal(read_block(wide, page), read_block(dst, page))
 
 
 def test_layout_is_read_from_strides_not_assumed():
@@ -162,8 +166,10 @@ def test_bad_inputs_name_what_is_wrong():
 
 
 @pytest.mark.parametrize("codec", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp4_pages_decode_into_the_engine(codec, dtype):
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float16, 64),
+                                                 (torch.bfloat16, 96)])
+@pytest.mark.parametrize("host", [False, True])  # True: the wide loads for host pages
+def test_fp4_pages_decode_into_the_engine(codec, dtype, head_dim, host):
     from kvstore.codecs.fp4 import (
         Fp4Parts,
         dequantize_reference,
@@ -172,12 +178,15 @@ def test_fp4_pages_decode_into_the_engine(codec, dtype):
     )
     from kvstore.codecs.triton.engine import page_tensors, to_engine
 
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=4, dtype=dtype)
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_tokens=4, dtype=dtype)
     dev = device_layout(codec, spec)
     quantize = nvfp4_quantize_reference if codec == "nvfp4" else mxfp4_quantize_reference
     n = 3
     pool, base = aligned_pool(n * dev.nbytes)
-    blocks = [torch.randn(spec.block_shape).to(dtype) for _ in range(n)]
+    # Magnitudes near the top and the bottom of the dtype's range too: block scales there must
+    # neither overflow nor flush in the decode.
+    big, small = (1e37, 1e-30) if dtype == torch.bfloat16 else (8e3, 1e-3)
+    blocks = [(torch.randn(spec.block_shape) * m).to(dtype) for m in (1.0, big, small)]
     for i, block in enumerate(blocks):
         for view, section in zip(page_tensors(pool, dev, i * dev.nbytes),
                                  quantize(block).sections()):
@@ -185,7 +194,7 @@ def test_fp4_pages_decode_into_the_engine(codec, dtype):
     caches = engine_cache("flashinfer", spec, dtype, fused=False)
     layout = EngineLayout.of(caches, spec)
     ids = [4, 0, 7]
-    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids, host=host)
     with pytest.raises(CodecError, match="do not encode"):
         from kvstore.codecs.triton.engine import from_engine
 
@@ -196,8 +205,10 @@ def test_fp4_pages_decode_into_the_engine(codec, dtype):
 
 
 @pytest.mark.parametrize("codec", ["int4", "int2"])
-@pytest.mark.parametrize("block_tokens", [8, 12])  # 12: four K tokens kept whole
-def test_kivi_pages_decode_into_the_engine(codec, block_tokens):
+# 12: four K tokens kept whole; 4: V groups of 4 channels, fewer than a unit of codes
+@pytest.mark.parametrize("block_tokens", [4, 8, 12])
+@pytest.mark.parametrize("host", [False, True])
+def test_kivi_pages_decode_into_the_engine(codec, block_tokens, host):
     from kvstore.codecs import kivi
     from kvstore.codecs.triton.engine import page_tensors, to_engine
 
@@ -216,7 +227,7 @@ def test_kivi_pages_decode_into_the_engine(codec, block_tokens):
     caches = engine_cache("fused_nhd", spec, dtype, fused=False)
     layout = EngineLayout.of(caches, spec)
     ids = [2, 8, 5]
-    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids)
+    to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids, host=host)
     for i, page in enumerate(ids):
         views = [t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)]
         want = kivi.decode_kivi_reference(kivi.KiviParts(bits, dev.group_size, *views), dtype)

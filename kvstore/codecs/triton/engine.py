@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvstore.codecs.device import ENCODABLE, SECTION_ALIGN, DeviceLayout
 from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
-from kvstore.codecs.triton.fp4 import _e2m1_scaled, _e4m3_value, _pack_words
+from kvstore.codecs.triton.fp4 import _e4m3_value
 from kvstore.codecs.triton.fp8 import _quantise_rows
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
@@ -29,24 +29,24 @@ from kvstore.spec import EngineLayout
 RAW, FP8, NVFP4, MXFP4, INT4, INT2 = 0, 1, 2, 3, 4, 5  # DeviceLayout.engine_codec
 ROWS = 32  # rows (one token x one kv head) per program
 WARPS = 4
-# (rows, warps) per codec, from a sweep on an H200 (triton 3.6, 2026-12-01, 2 GiB of 2 MiB
-# blocks, bench/gpu_sweep.py): pages in device memory, and pages read from pinned host memory
-# over the link, where more bytes in flight per program pay. Swept before the pointers carried
-# their alignment (scalar accesses then): with 16-byte vectors the best tiles may differ; int4
-# and int2 were never swept.
-DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (16, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
-                "int4": (32, 4), "int2": (32, 4)}
-HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (64, 4), "nvfp4": (32, 4), "mxfp4": (32, 4),
-              "int4": (32, 4), "int2": (32, 4)}
-
+# (rows, warps) per codec, from sweeps on an H200 (triton 3.6, 2026-12-01, 2 GiB of 2 MiB
+# blocks, bench/gpu_sweep.py, ratios to a device copy or to the link): pages in device memory
+# (loads and saves), and pages read from pinned host memory over the link, where more bytes in
+# flight per program pay.
+DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (64, 8), "nvfp4": (32, 4), "mxfp4": (64, 4),
+                "int4": (64, 4), "int2": (64, 4)}
+HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (128, 4), "nvfp4": (128, 4), "mxfp4": (64, 4),
+              "int4": (128, 4), "int2": (128, 4)}
 
 
 @triton.jit
-def _at(addr, DTYPE: tl.constexpr):
-    """The int64 byte address ``addr`` (16-byte aligned) as a pointer to DTYPE elements. The
-    alignment is promised on the pointer: promised on the integer, it is lost in the cast and
-    every load and store goes scalar (seen in the PTX triton 3.6 makes for sm_90)."""
-    return tl.multiple_of(addr.to(tl.pointer_type(DTYPE)), 16)
+def _at(addr, DTYPE: tl.constexpr, offset=0):
+    """The int64 byte address ``addr`` (16-byte aligned) plus ``offset`` bytes (a multiple of
+    16) as a pointer to DTYPE elements. The alignment is promised on pointers: promised on
+    the integer, or on a pointer cast from a sum of integers, it is lost and every load and
+    store goes scalar (seen in the PTX that triton 3.6 makes for sm_90)."""
+    base = tl.multiple_of(addr.to(tl.pointer_type(tl.uint8)), 16) + offset
+    return tl.multiple_of(base.to(tl.pointer_type(DTYPE), bitcast=True), 16)
 
 
 @triton.jit
@@ -83,84 +83,140 @@ def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, tok
 
 
 @triton.jit
+def _f16_at(bits):
+    """float32 of the fp16 whose bits are the low 16 of int32 ``bits`` (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(layer, eng, x, ok, D: tl.constexpr, D_PAD: tl.constexpr, EXACT: tl.constexpr):
+    """Store float32 rows ``x`` [R, D_PAD] at engine element offsets ``eng`` of ``layer``.
+    EXACT rounds to bf16 with integers (the interpreter's cast truncates)."""
+    cols = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (cols < D)[None, :]
+    ptr = layer + eng[:, None] + cols[None, :]
+    if EXACT and layer.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        tl.store(ptr, half.to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, x.to(layer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _units(src, offset, row_units, unit, live, BITS: tl.constexpr, WIDE: tl.constexpr):
+    """Units of eight codes (int32 for 4-bit codes, int16 for 2-bit ones) ``unit`` of rows
+    starting at unit ``row_units``, as int32. One unit a thread, whose eight outputs are one
+    16-byte store, unless WIDE: from host memory, where the bytes in flight set the pace,
+    16-byte loads pay for the trip through shared memory that meets the stores' layout."""
+    at = row_units[:, None] + unit[None, :]
+    if not WIDE:
+        at = tl.max_contiguous(at, [1, 1])
+    if BITS == 4:
+        return tl.load(_at(src, tl.int32, offset) + at, mask=live, other=0)
+    return tl.load(_at(src, tl.int16, offset) + at, mask=live, other=0).to(tl.int32)
+
+
+@triton.jit
 def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   IS_NV: tl.constexpr, FP16: tl.constexpr, EXACT: tl.constexpr,
-                   ALIGNED: tl.constexpr, R: tl.constexpr):
-    """Decode rows of e2m1 pairs (even element in the low nibble) into engine words."""
-    half = tl.arange(0, D_PAD // 2)
-    mask = ok[:, None] & (half < D // 2)[None, :]
-    packed = tl.load(_at(src, tl.uint8) + r[:, None] * (D // 2) + half[None, :],
-                     mask=mask, other=0).to(tl.int32)
-    scales = _at((src + scales_off), tl.uint8) + r[:, None] * (D // BLOCK)
-    if D == D_PAD:  # one load per scale block, broadcast over its pairs in registers
-        groups = tl.arange(0, D // BLOCK)
-        byte = tl.load(scales + groups[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    else:  # a head_dim that is not a power of two: one (cached) load per pair
-        byte = tl.load(scales + ((2 * half) // BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
+                   IS_NV: tl.constexpr, EXACT: tl.constexpr, R: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """Decode rows of e2m1 codes (even element in the low nibble) into the engine's rows.
+
+    Each int32 of codes holds four pairs. A code's three magnitude bits moved to bits 9-11 of
+    an fp16, its sign to bit 15, make the fp16 of its value times 2^-14 (code 1, 0.5, lands as
+    the subnormal 2^-15): a few bit operations per two codes, an exact conversion, and products
+    that round once, as the reference's do.
+    """
+    W: tl.constexpr = D_PAD // 8  # int32 words of codes per row
+    word = tl.arange(0, W)
+    live = ok[:, None] & (word < D // 8)[None, :]
+    w = _units(src, 0, r * (D // 8), word, live, 4, WIDE)
+    byte = tl.load(_at(src, tl.uint8, scales_off) + r[:, None] * (D // BLOCK)
+                   + ((word * 8) // BLOCK)[None, :], mask=live, other=0).to(tl.int32)
     if IS_NV:
-        ts = tl.load(_at((src + ts_off), tl.float32) + slab)
-        half_scale = _e4m3_value(byte) * ts * 0.5
-    else:  # 2^(byte - 128) as float32 bits, subnormal for bytes 0 and 1
-        half_scale = tl.where(byte >= 2, (byte - 1) << 23,
-                              0x200000 << tl.minimum(byte, 1)).to(tl.float32, bitcast=True)
-    if D == D_PAD:
-        half_scale = tl.reshape(tl.broadcast_to(half_scale[:, :, None],
-                                                (R, D // BLOCK, BLOCK // 2)), (R, D // 2))
-    even = _e2m1_scaled(packed & 0x0F, half_scale)
-    odd = _e2m1_scaled(packed >> 4, half_scale)
-    words = _pack_words(even, odd, 2 if FP16 else 1, EXACT)
-    at = tl.multiple_of(eng // 2, 4) if ALIGNED else eng // 2  # in words of two elements
-    words_ptr = tl.multiple_of(layer.to(tl.pointer_type(tl.int32), bitcast=True), 16)
-    dst = words_ptr + (at[:, None] + half[None, :])
-    tl.store(dst, words.to(tl.int32), mask=mask)
+        ts = tl.load(_at(src, tl.float32, ts_off) + slab)
+        scale = _e4m3_value(byte) * ts
+    else:  # 2^(byte - 127) as float32 bits, subnormal for bytes 0 and 1; 255 is NaN
+        scale = tl.where(byte >= 1, byte << 23, 0x400000).to(tl.float32, bitcast=True)
+        scale = tl.where(byte == 255, float("nan"), scale)
+    scale = scale[:, :, None]
+    sign: tl.constexpr = -(1 << 31) | 0x8000
+    # fp16 pairs (pair k's element in half k // 2) of the even and the odd codes
+    e02 = ((w << 9) & 0x0E000E00) | ((w << 12) & sign)
+    e13 = ((w << 1) & 0x0E000E00) | ((w << 4) & sign)
+    o02 = ((w << 5) & 0x0E000E00) | ((w << 8) & sign)
+    o13 = ((w >> 3) & 0x0E000E00) | (w & sign)
+    even = tl.join(tl.join(_f16_at(e02), _f16_at(e02 >> 16)),
+                   tl.join(_f16_at(e13), _f16_at(e13 >> 16)))
+    odd = tl.join(tl.join(_f16_at(o02), _f16_at(o02 >> 16)),
+                  tl.join(_f16_at(o13), _f16_at(o13 >> 16)))
+    # [R, W, 2, 2] holds pair 2 * a + b at [a, b]; the 2^14 goes back first, exactly
+    even = tl.reshape(even, (R, W, 4)) * 16384.0 * scale
+    odd = tl.reshape(odd, (R, W, 4)) * 16384.0 * scale
+    x = tl.reshape(tl.join(even, odd), (R, D_PAD))
+    _store_rows(layer, eng, x, ok, D, D_PAD, EXACT)
 
 
 @triton.jit
 def _kivi_to_engine(src, slab, rows, ok, layer, eng, D: tl.constexpr, D_PAD: tl.constexpr,
                     H: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                     TQ: tl.constexpr, K_META: tl.constexpr, K_RES: tl.constexpr,
-                    V_CODES: tl.constexpr, V_META: tl.constexpr, FP16: tl.constexpr):
+                    V_CODES: tl.constexpr, V_META: tl.constexpr, FP16: tl.constexpr,
+                    EXACT: tl.constexpr, R: tl.constexpr, WIDE: tl.constexpr):
     """Decode rows of a KIVI page (kvstore.codecs.kivi: K per channel over groups of G tokens,
-    the last BT - TQ tokens of K kept whole; V per token over groups of G channels)."""
+    the last BT - TQ tokens of K kept whole; V per token over groups of G channels), eight
+    channels a unit of codes, low bits first. Per-channel operands are loaded as rows and seen
+    as [R, units, 8], the codes' shape, without moving them."""
+    W: tl.constexpr = D_PAD // 8  # units of codes per row
+    unit = tl.arange(0, W)
     cols = tl.arange(0, D_PAD)
-    mask = ok[:, None] & (cols < D)[None, :]
+    live = ok[:, None] & (unit < D // 8)[None, :]
+    at_cols = ok[:, None] & (cols < D)[None, :]
+    shift = (tl.arange(0, 8) * BITS)[None, None, :]
     layer_i = (slab // 2).to(tl.int64)
     token = (rows // H).to(tl.int64)
     head = (rows % H).to(tl.int64)
-    packed = D * BITS // 8
-    byte = (cols * BITS) // 8
-    shift = (cols % (8 // BITS)) * BITS
-    channel = head[:, None] * D + cols[None, :]  # the channel within the layer's H * D
     if slab % 2 == 0:  # K
         quantised = token < TQ
-        qmask = mask & quantised[:, None]
-        codes = tl.load(_at(src, tl.uint8) + ((layer_i * TQ + token) * H + head)[
-            :, None] * packed + byte[None, :], mask=qmask, other=0).to(tl.int32)
-        meta = _at((src + K_META), tl.float16)
-        at = ((layer_i * (TQ // G) + token // G) * 2)[:, None] * (H * D) + channel
-        scale = tl.load(meta + at, mask=qmask, other=0.0).to(tl.float32)
-        zero = tl.load(meta + at + H * D, mask=qmask, other=0.0).to(tl.float32)
-        x = ((codes >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) * scale + zero
+        w = _units(src, 0, ((layer_i * TQ + token) * H + head) * (D // 8), unit,
+                   live & quantised[:, None], BITS, WIDE)
+        meta = _at(src, tl.float16, K_META)
+        k_at = ((layer_i * (TQ // G) + token // G) * 2 * (H * D) + head * D)[:, None] + cols[
+            None, :]
+        k_live = at_cols & quantised[:, None]
+        k_scale = tl.reshape(tl.load(meta + k_at, mask=k_live, other=0.0), (R, W, 8))
+        k_zero = tl.reshape(tl.load(meta + k_at + H * D, mask=k_live, other=0.0), (R, W, 8))
+        x = ((w[:, :, None] >> shift) & ((1 << BITS) - 1)).to(tl.float32) * k_scale.to(
+            tl.float32) + k_zero.to(tl.float32)
         if BT > TQ:
-            rmask = mask & (token >= TQ)[:, None]
             if FP16:
-                residual = _at((src + K_RES), tl.float16)
+                residual = _at(src, tl.float16, K_RES)
             else:
-                residual = _at((src + K_RES), tl.bfloat16)
-            kept = tl.load(residual + ((layer_i * (BT - TQ) + token - TQ) * H + head)[:, None] * D
-                           + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
-            x = tl.where(quantised[:, None], x, kept)
+                residual = _at(src, tl.bfloat16, K_RES)
+            r_at = (((layer_i * (BT - TQ) + token - TQ) * H + head) * D)[:, None] + cols[None, :]
+            kept = tl.load(residual + r_at, mask=at_cols & (token >= TQ)[:, None], other=0.0)
+            x = tl.where(quantised[:, None, None], x,
+                         tl.reshape(kept, (R, W, 8)).to(tl.float32))
     else:  # V
-        codes = tl.load(_at((src + V_CODES), tl.uint8) + (
-            (layer_i * BT + token) * H + head)[:, None] * packed + byte[None, :], mask=mask,
-            other=0).to(tl.int32)
-        meta = _at((src + V_META), tl.float16)
-        at = ((layer_i * BT + token) * 2)[:, None] * (H * D // G) + channel // G
-        scale = tl.load(meta + at, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(meta + at + H * D // G, mask=mask, other=0.0).to(tl.float32)
-        x = ((codes >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) * scale + zero
-    tl.store(layer + eng[:, None] + cols[None, :], x.to(layer.dtype.element_ty), mask=mask)
+        w = _units(src, V_CODES, ((layer_i * BT + token) * H + head) * (D // 8), unit, live,
+                   BITS, WIDE)
+        meta = _at(src, tl.float16, V_META)
+        base = (layer_i * BT + token) * 2 * (H * D // G) + head * (D // G)
+        if G >= 8:  # a unit's codes share their group: one scale and zero a unit
+            v_at = base[:, None] + ((unit * 8) // G)[None, :]
+            v_scale = tl.load(meta + v_at, mask=live, other=0.0).to(tl.float32)[:, :, None]
+            v_zero = tl.load(meta + v_at + H * D // G, mask=live, other=0.0).to(tl.float32)[
+                :, :, None]
+        else:
+            v_at = base[:, None] + (cols // G)[None, :]
+            v_scale = tl.reshape(tl.load(meta + v_at, mask=at_cols, other=0.0),
+                                 (R, W, 8)).to(tl.float32)
+            v_zero = tl.reshape(tl.load(meta + v_at + H * D // G, mask=at_cols, other=0.0),
+                                (R, W, 8)).to(tl.float32)
+        x = ((w[:, :, None] >> shift) & ((1 << BITS) - 1)).to(tl.float32) * v_scale + v_zero
+    _store_rows(layer, eng, tl.reshape(x, (R, D_PAD)), ok, D, D_PAD, EXACT)
 
 
 @triton.jit
@@ -171,20 +227,21 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                       ALIGNED: tl.constexpr, TS_OFF: tl.constexpr = 0,
                       EXACT: tl.constexpr = False, BITS: tl.constexpr = 4, G: tl.constexpr = 1,
                       TQ: tl.constexpr = 0, K_META: tl.constexpr = 0, K_RES: tl.constexpr = 0,
-                      V_CODES: tl.constexpr = 0, V_META: tl.constexpr = 0):
+                      V_CODES: tl.constexpr = 0, V_META: tl.constexpr = 0,
+                      WIDE: tl.constexpr = False):
     b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride,
                                           block_stride, token_stride, head_stride, H, BT, R,
                                           FP16, ALIGNED)
     if CODEC >= 4:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         _kivi_to_engine(src, slab, rows, ok, layer, eng, D, D_PAD, H, BT, BITS, G, TQ, K_META,
-                        K_RES, V_CODES, V_META, FP16)
+                        K_RES, V_CODES, V_META, FP16, EXACT, R, WIDE)
         return
     if CODEC >= 2:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
         _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
-                       16 if CODEC == 2 else 32, CODEC == 2, FP16, EXACT, ALIGNED, R)
+                       16 if CODEC == 2 else 32, CODEC == 2, EXACT, R, WIDE)
         return
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
@@ -197,9 +254,13 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
             base = _at(src, tl.bfloat16)
         x = tl.load(base + r[:, None] * D + cols[None, :], mask=mask, other=0.0)
     else:
-        codes = tl.load(_at(src, tl.uint8) + r[:, None] * D + cols[None, :],
-                        mask=mask, other=0)
-        scale = tl.load(_at((src + scales_off), tl.bfloat16) + r, mask=ok,
+        # Eight codes a thread, as many as its 16-byte store of outputs holds, unless WIDE
+        # (see _units).
+        at = r[:, None] * D + cols[None, :]
+        if not WIDE:
+            at = tl.max_contiguous(at, [1, 8])
+        codes = tl.load(_at(src, tl.uint8) + at, mask=mask, other=0)
+        scale = tl.load(_at(src, tl.bfloat16, scales_off) + r, mask=ok,
                         other=0.0).to(tl.float32)
         x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
     tl.store(layer + eng[:, None] + cols[None, :], x.to(layer.dtype.element_ty), mask=mask)
@@ -227,9 +288,9 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
         tl.store(base + r[:, None] * D + cols[None, :], x, mask=mask)
     else:
         codes, scale = _quantise_rows(x.to(tl.float32), HW_ROUND)
-        tl.store(_at(dst, tl.uint8) + r[:, None] * D + cols[None, :], codes,
-                 mask=mask)
-        tl.store(_at((dst + scales_off), tl.bfloat16) + r,
+        at = tl.max_contiguous(r[:, None] * D + cols[None, :], [1, 8])  # as the loads above
+        tl.store(_at(dst, tl.uint8) + at, codes, mask=mask)
+        tl.store(_at(dst, tl.bfloat16, scales_off) + r,
                  scale.to(tl.bfloat16), mask=ok)
 
 
@@ -306,19 +367,24 @@ def _on_stream(layout: EngineLayout, stream: torch.cuda.Stream | None):
 
 def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[int],
               block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
-              layers: range | None = None, tile: tuple[int, int] | None = None) -> None:
+              layers: range | None = None, tile: tuple[int, int] | None = None,
+              host: bool = False) -> None:
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
-    layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current)."""
-    extra = {}
+    layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current).
+    ``host``: the pages lie in pinned host memory, read over the link (other tiles, wider
+    loads); ``tile`` (rows, warps) overrides the tile of either."""
+    extra = {"WIDE": host}
     if dev.engine_codec >= INT4:
         k_codes, _, _, _, _ = dev.sections
-        extra = {"BITS": 4 if dev.codec == "int4" else 2, "G": dev.group_size,
+        extra |= {"BITS": 4 if dev.codec == "int4" else 2, "G": dev.group_size,
                  "TQ": k_codes.shape[1], "K_META": dev.sections[1].offset,
                  "K_RES": dev.sections[2].offset, "V_CODES": dev.sections[3].offset,
-                 "V_META": dev.sections[4].offset, "enable_fp_fusion": False}
+                 "V_META": dev.sections[4].offset, "EXACT": interpreter_enabled(),
+                 "enable_fp_fusion": False}
     elif dev.engine_codec >= NVFP4:
-        extra = {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
+        extra |= {"TS_OFF": dev.sections[2].offset if dev.engine_codec == NVFP4 else 0,
                  "EXACT": interpreter_enabled()}
+    tile = tile or (HOST_TILES if host else DEVICE_TILES).get(dev.codec)
     _launch(_to_engine_kernel, layout, dev, src, block_ids, stream, layers, tile, **extra)
 
 

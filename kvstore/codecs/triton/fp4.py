@@ -60,12 +60,17 @@ _TWICE_E2M1 = tl.constexpr(0xC8643210 - (1 << 32))
 
 
 @triton.jit
-def _slice_amax_kernel(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
-    """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf."""
+def _slice_amax_kernel(x_ptr, amax_ptr, flags_ptr, slice_numel, chunks_per_slice,
+                       ELEMENTS: tl.constexpr, FLAGGED: tl.constexpr):
+    """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf.
+    FLAGGED: only the slices whose int32 flag is set (the others' loads are masked off)."""
     pid = tl.program_id(0)
     slice_id = pid // chunks_per_slice
     offs = (pid % chunks_per_slice).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
-    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=offs < slice_numel,
+    live = offs < slice_numel
+    if FLAGGED:  # (the flag broadcast first: the interpreter takes no scalar in a mask)
+        live = live & (tl.zeros([ELEMENTS], tl.int32) + tl.load(flags_ptr + slice_id) != 0)
+    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=live,
                 other=0.0).to(tl.float32)
     # |x| as int32 bits: non-negative floats order like their bits, so an integer max and an
     # integer atomic max are exact (and NaN wins, which flags the slice).
@@ -184,14 +189,19 @@ def _pack_words(even, odd, KIND: tl.constexpr, EXACT: tl.constexpr):
         return low | (_half_bits(odd, KIND, EXACT) << 16)
 
 
+FROM_AMAX, CALIBRATED, REDO = 0, 1, 2  # _encode_kernel's modes
+
+
 @triton.jit
-def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, groups_per_slice,
-                   chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
-                   IS_NV: tl.constexpr, KIND: tl.constexpr):
+def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                   groups_per_slice, chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                   IS_NV: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr = 0):
     """One program quantises GROUPS scale blocks (2 * HALF elements each) of one slice.
 
-    nvfp4: amax_ptr holds the float32 amax of each slice; the slice's first program stores
-    its tensor scale to ts_ptr.
+    nvfp4 MODE FROM_AMAX: amax_ptr holds the float32 amax of each slice; the slice's first
+    program stores its tensor scale to ts_ptr. CALIBRATED: ts_ptr holds the tensor scales
+    already, and a slice with a block beyond them (its e4m3 block scale would saturate) or a
+    non-finite value gets its int32 flag set; REDO: FROM_AMAX for the flagged slices only.
     """
     pid = tl.program_id(0)
     slice_id = pid // chunks_per_slice
@@ -200,18 +210,36 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, groups_p
     first = slice_id.to(tl.int64) * groups_per_slice + chunk * GROUPS
     rows = tl.arange(0, GROUPS)
     live = rows < groups_per_slice - chunk * GROUPS
+    if MODE == 2:
+        live = live & (tl.zeros([GROUPS], tl.int32) + tl.load(flags_ptr + slice_id) != 0)
     offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
     words = tl.load(words_ptr + first * HALF + offs, mask=live[:, None], other=0)
     even, odd = _unpack_words(words, KIND)
     if IS_NV:
-        # A NaN here may be dropped by max: the slice amax pass has flagged its slice already.
-        block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
-        amax = tl.load(amax_ptr + slice_id)
-        ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; a NaN amax stays NaN
-        ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
-        if chunk == 0:
-            tl.store(ts_ptr + slice_id, ts)
-        byte, inv_scale = _nv_scales(block_amax, ts, tl.math.div_rn(1.0, ts * _E2M1_MAX))
+        if MODE == 1:
+            ts = tl.load(ts_ptr + slice_id)
+            # |x| as int32 bits (as mxfp4 does below): exact, and NaN or Inf shows.
+            amax_bits = tl.max(tl.maximum(even.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                                          odd.to(tl.int32, bitcast=True) & 0x7FFFFFFF), axis=1)
+            block_amax = amax_bits.to(tl.float32, bitcast=True)
+            inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
+            bad = (amax_bits >= 0x7F800000) | (block_amax * inv_six_ts > _SCALE_MAX)
+            tl.atomic_max(flags_ptr + slice_id, tl.max(bad.to(tl.int32), axis=0))
+        else:
+            # A NaN here may be dropped by max: the slice amax pass has flagged its slice.
+            block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
+            amax = tl.load(amax_ptr + slice_id)
+            ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; NaN stays NaN
+            ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
+            if chunk == 0:
+                if MODE == 2:  # the calibrated scale stays where the slice is not redone
+                    ts_out = tl.where(tl.load(flags_ptr + slice_id) != 0, ts,
+                                      tl.load(ts_ptr + slice_id))
+                else:
+                    ts_out = ts
+                tl.store(ts_ptr + slice_id, ts_out)
+            inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
+        byte, inv_scale = _nv_scales(block_amax, ts, inv_six_ts)
     else:
         # |x| as int32 bits: they order like the floats, and NaN above Inf flags the block.
         amax_bits = tl.max(tl.maximum(even.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
@@ -266,15 +294,23 @@ def _check_input(x: torch.Tensor, block: int, name: str) -> tuple[int, int, int,
     return tuple(x.shape)
 
 
-def _encode(x: torch.Tensor, block: int, name: str) -> Fp4Parts:
+def _encode(x: torch.Tensor, block: int, name: str,
+            tensor_scales: torch.Tensor | None = None) -> Fp4Parts:
     num_layers, _, _, _, head_dim = _check_input(x, block, name)
     lead, device, is_nv = x.shape[:-1], x.device, block == NV_BLOCK
     packed = torch.empty((*lead, head_dim // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((*lead, head_dim // block), dtype=torch.uint8, device=device)
-    ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
+    if tensor_scales is not None:
+        check_tensor(tensor_scales, f"{name} tensor_scales", (torch.float32,), (num_layers, 2))
+        check_same_device(x=x, tensor_scales=tensor_scales)
+        if not bool(torch.isfinite(tensor_scales).all()) or bool((tensor_scales <= 0).any()):
+            raise CodecError(f"{name}: tensor scales must be positive finite numbers")
+        ts = tensor_scales.clone()
+    else:
+        ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
     num_slices = 2 * num_layers
     if x.numel() == 0:  # an empty run: all-zero slices, as the reference scales them
-        if ts is not None:
+        if ts is not None and tensor_scales is None:
             ts.fill_(TENSOR_SCALE_MIN)
         return Fp4Parts(packed, scales, ts)
     slice_numel = x.numel() // num_slices
@@ -282,30 +318,52 @@ def _encode(x: torch.Tensor, block: int, name: str) -> Fp4Parts:
     groups, warps = ENCODE_CONFIG[block]
     chunks = triton.cdiv(groups_per_slice, groups)
     amax = torch.zeros(num_slices, dtype=torch.int32, device=device) if is_nv else scales
-    with on_device(device):
-        if is_nv:
-            amax_chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
-            _slice_amax_kernel[(num_slices * amax_chunks,)](
-                x, amax, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS, num_warps=AMAX_WARPS)
+    flags = torch.zeros(num_slices, dtype=torch.int32, device=device) if is_nv else scales
+    words = x.view(_WORDS[x.dtype])
+    amax_chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
+
+    def encode(mode: int) -> None:
         _encode_kernel[(num_slices * chunks,)](
-            x.view(_WORDS[x.dtype]), amax.view(torch.float32) if is_nv else amax,
-            ts if is_nv else scales, packed, scales, groups_per_slice, chunks, HALF=block // 2,
-            GROUPS=groups, IS_NV=is_nv, KIND=_KINDS[x.dtype], num_warps=warps)
+            words, amax.view(torch.float32) if is_nv else amax, ts if is_nv else scales,
+            packed, scales, flags, groups_per_slice, chunks, HALF=block // 2, GROUPS=groups,
+            IS_NV=is_nv, KIND=_KINDS[x.dtype], MODE=mode, num_warps=warps)
+
+    def slice_amax(flagged: bool) -> None:
+        _slice_amax_kernel[(num_slices * amax_chunks,)](
+            x, amax, flags, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS, FLAGGED=flagged,
+            num_warps=AMAX_WARPS)
+
+    with on_device(device):
+        if tensor_scales is None:
+            if is_nv:
+                slice_amax(False)
+            encode(FROM_AMAX)
+        else:
+            # One pass; slices the scales do not cover are encoded again from their own amax,
+            # on the device, without a host sync (the other slices' programs load nothing).
+            encode(CALIBRATED)
+            slice_amax(True)
+            encode(REDO)
     return Fp4Parts(packed, scales, ts)
 
 
-def nvfp4_encode(x: torch.Tensor) -> Fp4Parts:
+def nvfp4_encode(x: torch.Tensor, tensor_scales: torch.Tensor | None = None) -> Fp4Parts:
     """Quantise a canonical K/V tensor to nvfp4 parts on its device.
 
     Args:
         x: contiguous ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` bf16/fp16/fp32,
             head_dim a multiple of 16, on CUDA (or the CPU under TRITON_INTERPRET=1).
+        tensor_scales: calibrated float32 ``[num_layers, 2]`` scales on x's device (for
+            instance from ``nvfp4_tensor_scales`` of earlier blocks of the same model), which
+            make the encode one pass over x instead of two. A slice holding a block they do not
+            cover (its block scale would pass 448) or a non-finite value is encoded from its own
+            amax instead, as without them; the parts carry the scales each slice used.
 
     Returns:
         Parts on x's device. A slice holding NaN/Inf gets a non-finite tensor scale (its
         values are then meaningless); ``NvFp4Codec`` checks for that and raises.
     """
-    return _encode(x, NV_BLOCK, "nvfp4_encode")
+    return _encode(x, NV_BLOCK, "nvfp4_encode", tensor_scales)
 
 
 def mxfp4_encode(x: torch.Tensor) -> Fp4Parts:
@@ -423,6 +481,8 @@ def _bench_codec(name: str, x: torch.Tensor, copy: float) -> list[dict]:
     table = torch.randperm(num_blocks, device=x.device).to(torch.int32)
     ops = {"encode": lambda: encode(x), "decode": lambda: decode(parts, out),
            "decode_paged": lambda: paged(parts, cache, table)}
+    if name == "nvfp4":  # one pass with the tensor scales calibrated on this very tensor
+        ops["encode_calibrated"] = lambda: encode(x, tensor_scales=parts.tensor_scales)
     rows = []
     for op, fn in ops.items():
         gbps = moved / (do_bench(fn, return_mode="median") * 1e6)
