@@ -64,13 +64,20 @@ def _slice_amax_kernel(x_ptr, amax_ptr, flags_ptr, slice_numel, chunks_per_slice
                        ELEMENTS: tl.constexpr, FLAGGED: tl.constexpr):
     """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf.
     FLAGGED: only the slices whose int32 flag is set (the others' loads are masked off)."""
+    slice_id = tl.program_id(0) // chunks_per_slice
+    if FLAGGED:
+        if tl.load(flags_ptr + slice_id) != 0:
+            _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS)
+    else:
+        _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS)
+
+
+@triton.jit
+def _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
     pid = tl.program_id(0)
     slice_id = pid // chunks_per_slice
     offs = (pid % chunks_per_slice).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
-    live = offs < slice_numel
-    if FLAGGED:  # (the flag broadcast first: the interpreter takes no scalar in a mask)
-        live = live & (tl.zeros([ELEMENTS], tl.int32) + tl.load(flags_ptr + slice_id) != 0)
-    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=live,
+    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=offs < slice_numel,
                 other=0.0).to(tl.float32)
     # |x| as int32 bits: non-negative floats order like their bits, so an integer max and an
     # integer atomic max are exact (and NaN wins, which flags the slice).
@@ -201,8 +208,22 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
     nvfp4 MODE FROM_AMAX: amax_ptr holds the float32 amax of each slice; the slice's first
     program stores its tensor scale to ts_ptr. CALIBRATED: ts_ptr holds the tensor scales
     already, and a slice with a block beyond them (its e4m3 block scale would saturate) or a
-    non-finite value gets its int32 flag set; REDO: FROM_AMAX for the flagged slices only.
+    non-finite value gets its int32 flag set; REDO: FROM_AMAX for the flagged slices only (the
+    others' programs end at once).
     """
+    if MODE == 2:
+        if tl.load(flags_ptr + tl.program_id(0) // chunks_per_slice) != 0:
+            _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                           groups_per_slice, chunks_per_slice, HALF, GROUPS, IS_NV, KIND, 0)
+    else:
+        _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                       groups_per_slice, chunks_per_slice, HALF, GROUPS, IS_NV, KIND, MODE)
+
+
+@triton.jit
+def _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                   groups_per_slice, chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                   IS_NV: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr):
     pid = tl.program_id(0)
     slice_id = pid // chunks_per_slice
     chunk = pid % chunks_per_slice
@@ -210,8 +231,6 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
     first = slice_id.to(tl.int64) * groups_per_slice + chunk * GROUPS
     rows = tl.arange(0, GROUPS)
     live = rows < groups_per_slice - chunk * GROUPS
-    if MODE == 2:
-        live = live & (tl.zeros([GROUPS], tl.int32) + tl.load(flags_ptr + slice_id) != 0)
     offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
     words = tl.load(words_ptr + first * HALF + offs, mask=live[:, None], other=0)
     even, odd = _unpack_words(words, KIND)
@@ -224,7 +243,8 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
             block_amax = amax_bits.to(tl.float32, bitcast=True)
             inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
             bad = (amax_bits >= 0x7F800000) | (block_amax * inv_six_ts > _SCALE_MAX)
-            tl.atomic_max(flags_ptr + slice_id, tl.max(bad.to(tl.int32), axis=0))
+            if tl.max(bad.to(tl.int32), axis=0) != 0:
+                tl.store(flags_ptr + slice_id, 1)
         else:
             # A NaN here may be dropped by max: the slice amax pass has flagged its slice.
             block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
@@ -232,12 +252,7 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
             ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; NaN stays NaN
             ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
             if chunk == 0:
-                if MODE == 2:  # the calibrated scale stays where the slice is not redone
-                    ts_out = tl.where(tl.load(flags_ptr + slice_id) != 0, ts,
-                                      tl.load(ts_ptr + slice_id))
-                else:
-                    ts_out = ts
-                tl.store(ts_ptr + slice_id, ts_out)
+                tl.store(ts_ptr + slice_id, ts)
             inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
         byte, inv_scale = _nv_scales(block_amax, ts, inv_six_ts)
     else:
