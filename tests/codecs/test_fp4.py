@@ -156,6 +156,8 @@ def test_kernel_nvfp4_encode_with_calibrated_tensor_scales(dtype, seed, monkeypa
     """Given tensor scales, one pass gives the reference's bytes under those scales; a slice
     with a block beyond them, or a non-finite value, is encoded from its own amax instead."""
     monkeypatch.setitem(kernels().ENCODE_CONFIG, fp4.NV_BLOCK, (16, 4))  # several programs
+    monkeypatch.setattr(kernels(), "REDO_PROGRAMS", 2)  # the redo strides over its chunks
+    monkeypatch.setattr(kernels(), "AMAX_ELEMENTS", 256)
     x = make_kv(seed, shape=(3, 2, 5, 3, 64), dtype=dtype)
     # Scales calibrated on larger data cover every slice but (1, K), which goes far past its.
     calibrated = fp4.nvfp4_tensor_scales(fp4.slice_amax(x)) * (1.5 + torch.rand(3, 2))

@@ -46,6 +46,7 @@ AMAX_WARPS = 4
 # (scale blocks per program, warps): encode nvfp4 1.89 TB/s (both passes), mxfp4 3.06 TB/s;
 # decode nvfp4 3.38 TB/s, mxfp4 3.59 TB/s.
 ENCODE_CONFIG = {NV_BLOCK: (128, 1), MX_BLOCK: (64, 1)}
+REDO_PROGRAMS = 528  # programs that re-encode the slices calibrated scales do not cover
 DECODE_CONFIG = {NV_BLOCK: (256, 2), MX_BLOCK: (128, 1)}
 # jit functions may only read module globals that are constexpr.
 _SCALE_MIN = tl.constexpr(E4M3_MIN_SCALE)
@@ -60,29 +61,34 @@ _TWICE_E2M1 = tl.constexpr(0xC8643210 - (1 << 32))
 
 
 @triton.jit
-def _slice_amax_kernel(x_ptr, amax_ptr, flags_ptr, slice_numel, chunks_per_slice,
-                       ELEMENTS: tl.constexpr, FLAGGED: tl.constexpr):
-    """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf.
-    FLAGGED: only the slices whose int32 flag is set (the others' loads are masked off)."""
-    slice_id = tl.program_id(0) // chunks_per_slice
-    if FLAGGED:
-        if tl.load(flags_ptr + slice_id) != 0:
-            _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS)
-    else:
-        _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS)
+def _slice_amax_kernel(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
+    """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf."""
+    pid = tl.program_id(0)
+    _slice_amax(x_ptr, amax_ptr, pid // chunks_per_slice, pid % chunks_per_slice, slice_numel,
+                ELEMENTS)
 
 
 @triton.jit
-def _slice_amax(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
-    pid = tl.program_id(0)
-    slice_id = pid // chunks_per_slice
-    offs = (pid % chunks_per_slice).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
-    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=offs < slice_numel,
-                other=0.0).to(tl.float32)
+def _slice_amax(x_ptr, amax_ptr, slice_id, chunk, slice_numel, ELEMENTS: tl.constexpr):
+    offs = tl.cast(chunk, tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
+    x = tl.load(x_ptr + tl.cast(slice_id, tl.int64) * slice_numel + offs,
+                mask=offs < slice_numel, other=0.0).to(tl.float32)
     # |x| as int32 bits: non-negative floats order like their bits, so an integer max and an
     # integer atomic max are exact (and NaN wins, which flags the slice).
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     tl.atomic_max(amax_ptr + slice_id, tl.max(bits, axis=0))
+
+
+@triton.jit
+def _flagged_amax_kernel(x_ptr, amax_ptr, flags_ptr, num_slices, slice_numel,
+                         chunks_per_slice, ELEMENTS: tl.constexpr):
+    """_slice_amax_kernel over the slices whose int32 flag is set, by a few programs that
+    stride through them: with no slice flagged it costs one small launch."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for slice_id in range(num_slices):
+        if tl.load(flags_ptr + slice_id) != 0:
+            for chunk in range(pid, chunks_per_slice, programs):
+                _slice_amax(x_ptr, amax_ptr, slice_id, chunk, slice_numel, ELEMENTS)
 
 
 @triton.jit
@@ -196,7 +202,7 @@ def _pack_words(even, odd, KIND: tl.constexpr, EXACT: tl.constexpr):
         return low | (_half_bits(odd, KIND, EXACT) << 16)
 
 
-FROM_AMAX, CALIBRATED, REDO = 0, 1, 2  # _encode_kernel's modes
+FROM_AMAX, CALIBRATED = 0, 1  # _encode_kernel's modes
 
 
 @triton.jit
@@ -208,27 +214,33 @@ def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
     nvfp4 MODE FROM_AMAX: amax_ptr holds the float32 amax of each slice; the slice's first
     program stores its tensor scale to ts_ptr. CALIBRATED: ts_ptr holds the tensor scales
     already, and a slice with a block beyond them (its e4m3 block scale would saturate) or a
-    non-finite value gets its int32 flag set; REDO: FROM_AMAX for the flagged slices only (the
-    others' programs end at once).
+    non-finite value gets its int32 flag set (``_flagged_encode_kernel`` redoes those).
     """
-    if MODE == 2:
-        if tl.load(flags_ptr + tl.program_id(0) // chunks_per_slice) != 0:
-            _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                           groups_per_slice, chunks_per_slice, HALF, GROUPS, IS_NV, KIND, 0)
-    else:
-        _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                       groups_per_slice, chunks_per_slice, HALF, GROUPS, IS_NV, KIND, MODE)
+    pid = tl.program_id(0)
+    _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                   groups_per_slice, pid // chunks_per_slice, pid % chunks_per_slice, HALF,
+                   GROUPS, IS_NV, KIND, MODE)
+
+
+@triton.jit
+def _flagged_encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                           num_slices, groups_per_slice, chunks_per_slice, HALF: tl.constexpr,
+                           GROUPS: tl.constexpr, KIND: tl.constexpr):
+    """nvfp4 FROM_AMAX over the flagged slices only, striding as _flagged_amax_kernel."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for slice_id in range(num_slices):
+        if tl.load(flags_ptr + slice_id) != 0:
+            for chunk in range(pid, chunks_per_slice, programs):
+                _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
+                               groups_per_slice, slice_id, chunk, HALF, GROUPS, True, KIND, 0)
 
 
 @triton.jit
 def _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                   groups_per_slice, chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                   groups_per_slice, slice_id, chunk, HALF: tl.constexpr, GROUPS: tl.constexpr,
                    IS_NV: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr):
-    pid = tl.program_id(0)
-    slice_id = pid // chunks_per_slice
-    chunk = pid % chunks_per_slice
     # Scalar int64 bases and int32 offsets inside the program: no 64-bit math per element.
-    first = slice_id.to(tl.int64) * groups_per_slice + chunk * GROUPS
+    first = tl.cast(slice_id, tl.int64) * groups_per_slice + chunk * GROUPS
     rows = tl.arange(0, GROUPS)
     live = rows < groups_per_slice - chunk * GROUPS
     offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
@@ -343,22 +355,25 @@ def _encode(x: torch.Tensor, block: int, name: str,
             packed, scales, flags, groups_per_slice, chunks, HALF=block // 2, GROUPS=groups,
             IS_NV=is_nv, KIND=_KINDS[x.dtype], MODE=mode, num_warps=warps)
 
-    def slice_amax(flagged: bool) -> None:
-        _slice_amax_kernel[(num_slices * amax_chunks,)](
-            x, amax, flags, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS, FLAGGED=flagged,
-            num_warps=AMAX_WARPS)
-
     with on_device(device):
         if tensor_scales is None:
             if is_nv:
-                slice_amax(False)
+                _slice_amax_kernel[(num_slices * amax_chunks,)](
+                    x, amax, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS,
+                    num_warps=AMAX_WARPS)
             encode(FROM_AMAX)
         else:
             # One pass; slices the scales do not cover are encoded again from their own amax,
-            # on the device, without a host sync (the other slices' programs load nothing).
+            # on the device, without a host sync, by a few programs that skip the others.
             encode(CALIBRATED)
-            slice_amax(True)
-            encode(REDO)
+            programs = min(REDO_PROGRAMS, num_slices * chunks)
+            _flagged_amax_kernel[(programs,)](
+                x, amax, flags, num_slices, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS,
+                num_warps=AMAX_WARPS)
+            _flagged_encode_kernel[(programs,)](
+                words, amax.view(torch.float32), ts, packed, scales, flags, num_slices,
+                groups_per_slice, chunks, HALF=block // 2, GROUPS=groups, KIND=_KINDS[x.dtype],
+                num_warps=warps)
     return Fp4Parts(packed, scales, ts)
 
 
