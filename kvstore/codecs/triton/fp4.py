@@ -254,7 +254,10 @@ def _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_pt
                                           odd.to(tl.int32, bitcast=True) & 0x7FFFFFFF), axis=1)
             block_amax = amax_bits.to(tl.float32, bitcast=True)
             inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
-            bad = (amax_bits >= 0x7F800000) | (block_amax * inv_six_ts > _SCALE_MAX)
+            # (a tensor scale that is not a positive finite number flags its slice too)
+            unusable = tl.zeros([GROUPS], tl.int32) + ((ts > 0.0) & (ts < float("inf"))).to(
+                tl.int32) == 0  # (broadcast first: the interpreter mixes no scalar in)
+            bad = (amax_bits >= 0x7F800000) | (block_amax * inv_six_ts > _SCALE_MAX) | unusable
             if tl.max(bad.to(tl.int32), axis=0) != 0:
                 tl.store(flags_ptr + slice_id, 1)
         else:
@@ -328,10 +331,10 @@ def _encode(x: torch.Tensor, block: int, name: str,
     packed = torch.empty((*lead, head_dim // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((*lead, head_dim // block), dtype=torch.uint8, device=device)
     if tensor_scales is not None:
+        # Values are not checked here (a sync): a slice whose scale is not a positive finite
+        # number is encoded from its own amax, as one its scale does not cover.
         check_tensor(tensor_scales, f"{name} tensor_scales", (torch.float32,), (num_layers, 2))
         check_same_device(x=x, tensor_scales=tensor_scales)
-        if not bool(torch.isfinite(tensor_scales).all()) or bool((tensor_scales <= 0).any()):
-            raise CodecError(f"{name}: tensor scales must be positive finite numbers")
         ts = tensor_scales.clone()
     else:
         ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
@@ -386,8 +389,9 @@ def nvfp4_encode(x: torch.Tensor, tensor_scales: torch.Tensor | None = None) -> 
         tensor_scales: calibrated float32 ``[num_layers, 2]`` scales on x's device (for
             instance from ``nvfp4_tensor_scales`` of earlier blocks of the same model), which
             make the encode one pass over x instead of two. A slice holding a block they do not
-            cover (its block scale would pass 448) or a non-finite value is encoded from its own
-            amax instead, as without them; the parts carry the scales each slice used.
+            cover (its block scale would pass 448) or a non-finite value, or whose scale is not
+            a positive finite number, is encoded from its own amax instead, as without them;
+            the parts carry the scales each slice used.
 
     Returns:
         Parts on x's device. A slice holding NaN/Inf gets a non-finite tensor scale (its
