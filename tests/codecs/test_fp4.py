@@ -150,41 +150,6 @@ def test_kernel_encode_in_chunks_matches_reference(name, seed, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter's NaN math
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_nvfp4_encode_with_calibrated_tensor_scales(dtype, seed, monkeypatch):
-    """Given tensor scales, one pass gives the reference's bytes under those scales; a slice
-    with a block beyond them, or a non-finite value, is encoded from its own amax instead."""
-    monkeypatch.setitem(kernels().ENCODE_CONFIG, fp4.NV_BLOCK, (16, 4))  # several programs
-    monkeypatch.setattr(kernels(), "REDO_PROGRAMS", 2)  # the redo strides over its chunks
-    monkeypatch.setattr(kernels(), "AMAX_ELEMENTS", 256)
-    x = make_kv(seed, shape=(3, 2, 5, 3, 64), dtype=dtype)
-    # Scales calibrated on larger data cover every slice but (1, K), which goes far past its.
-    calibrated = fp4.nvfp4_tensor_scales(fp4.slice_amax(x)) * (1.5 + torch.rand(3, 2))
-    calibrated[1, 0] = fp4.slice_amax(x)[1, 0] / (448 * 6 * 40)
-    got = kernels().nvfp4_encode(x.to(DEVICE), tensor_scales=calibrated.to(DEVICE))
-    own = fp4.nvfp4_tensor_scales(fp4.slice_amax(x))
-    want_ts = calibrated.clone()
-    want_ts[1, 0] = own[1, 0]
-    assert torch.equal(got.tensor_scales.cpu(), want_ts), f"seed {seed}"
-    ref = fp4.nvfp4_quantize_reference(x, want_ts)
-    for want, have in zip(ref.sections(), got.sections(), strict=True):
-        assert torch.equal(want, have.cpu()), f"seed {seed}"
-    bad = x.float().clone()
-    bad[0, 1, 2, 1, 7] = float("nan")
-    parts = kernels().nvfp4_encode(bad.to(DEVICE), tensor_scales=calibrated.to(DEVICE))
-    assert not bool(torch.isfinite(parts.tensor_scales.cpu()[0, 1]))
-    unusable = torch.tensor([[0.0, -1.0], [float("nan"), float("inf")], [1e-30, 1.0]])
-    got = kernels().nvfp4_encode(x.to(DEVICE), tensor_scales=unusable.to(DEVICE))
-    want_ts = unusable.clone()
-    want_ts[:2] = own[:2]  # the unusable four are the slices' own; 1e-30 is covered by nothing
-    want_ts[2, 0] = own[2, 0]
-    assert torch.equal(got.tensor_scales.cpu(), want_ts), f"seed {seed}"
-    with pytest.raises(CodecError, match="tensor_scales"):
-        kernels().nvfp4_encode(x.to(DEVICE), tensor_scales=torch.ones(2, 2, device=DEVICE))
-
-
-@needs_kernels
 def test_kernel_nvfp4_scale_rounding_matches_torch_cast():
     x = nvfp4_scale_probe()
     got = kernels().nvfp4_encode(x.to(DEVICE))

@@ -46,7 +46,6 @@ AMAX_WARPS = 4
 # (scale blocks per program, warps): encode nvfp4 1.89 TB/s (both passes), mxfp4 3.06 TB/s;
 # decode nvfp4 3.38 TB/s, mxfp4 3.59 TB/s.
 ENCODE_CONFIG = {NV_BLOCK: (128, 1), MX_BLOCK: (64, 1)}
-REDO_PROGRAMS = 528  # programs that re-encode the slices calibrated scales do not cover
 DECODE_CONFIG = {NV_BLOCK: (256, 2), MX_BLOCK: (128, 1)}
 # jit functions may only read module globals that are constexpr.
 _SCALE_MIN = tl.constexpr(E4M3_MIN_SCALE)
@@ -64,31 +63,14 @@ _TWICE_E2M1 = tl.constexpr(0xC8643210 - (1 << 32))
 def _slice_amax_kernel(x_ptr, amax_ptr, slice_numel, chunks_per_slice, ELEMENTS: tl.constexpr):
     """amax_ptr: int32 bits of float32 [num_slices], zeroed. NaN bits order above +inf."""
     pid = tl.program_id(0)
-    _slice_amax(x_ptr, amax_ptr, pid // chunks_per_slice, pid % chunks_per_slice, slice_numel,
-                ELEMENTS)
-
-
-@triton.jit
-def _slice_amax(x_ptr, amax_ptr, slice_id, chunk, slice_numel, ELEMENTS: tl.constexpr):
-    offs = tl.cast(chunk, tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
-    x = tl.load(x_ptr + tl.cast(slice_id, tl.int64) * slice_numel + offs,
-                mask=offs < slice_numel, other=0.0).to(tl.float32)
+    slice_id = pid // chunks_per_slice
+    offs = (pid % chunks_per_slice).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
+    x = tl.load(x_ptr + slice_id.to(tl.int64) * slice_numel + offs, mask=offs < slice_numel,
+                other=0.0).to(tl.float32)
     # |x| as int32 bits: non-negative floats order like their bits, so an integer max and an
     # integer atomic max are exact (and NaN wins, which flags the slice).
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     tl.atomic_max(amax_ptr + slice_id, tl.max(bits, axis=0))
-
-
-@triton.jit
-def _flagged_amax_kernel(x_ptr, amax_ptr, flags_ptr, num_slices, slice_numel,
-                         chunks_per_slice, ELEMENTS: tl.constexpr):
-    """_slice_amax_kernel over the slices whose int32 flag is set, by a few programs that
-    stride through them: with no slice flagged it costs one small launch."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    for slice_id in range(num_slices):
-        if tl.load(flags_ptr + slice_id) != 0:
-            for chunk in range(pid, chunks_per_slice, programs):
-                _slice_amax(x_ptr, amax_ptr, slice_id, chunk, slice_numel, ELEMENTS)
 
 
 @triton.jit
@@ -202,74 +184,34 @@ def _pack_words(even, odd, KIND: tl.constexpr, EXACT: tl.constexpr):
         return low | (_half_bits(odd, KIND, EXACT) << 16)
 
 
-FROM_AMAX, CALIBRATED = 0, 1  # _encode_kernel's modes
-
-
 @triton.jit
-def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                   groups_per_slice, chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
-                   IS_NV: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr = 0):
+def _encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, groups_per_slice,
+                   chunks_per_slice, HALF: tl.constexpr, GROUPS: tl.constexpr,
+                   IS_NV: tl.constexpr, KIND: tl.constexpr):
     """One program quantises GROUPS scale blocks (2 * HALF elements each) of one slice.
 
-    nvfp4 MODE FROM_AMAX: amax_ptr holds the float32 amax of each slice; the slice's first
-    program stores its tensor scale to ts_ptr. CALIBRATED: ts_ptr holds the tensor scales
-    already, and a slice with a block beyond them (its e4m3 block scale would saturate) or a
-    non-finite value gets its int32 flag set (``_flagged_encode_kernel`` redoes those).
+    nvfp4: amax_ptr holds the float32 amax of each slice; the slice's first program stores
+    its tensor scale to ts_ptr.
     """
     pid = tl.program_id(0)
-    _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                   groups_per_slice, pid // chunks_per_slice, pid % chunks_per_slice, HALF,
-                   GROUPS, IS_NV, KIND, MODE)
-
-
-@triton.jit
-def _flagged_encode_kernel(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                           num_slices, groups_per_slice, chunks_per_slice, HALF: tl.constexpr,
-                           GROUPS: tl.constexpr, KIND: tl.constexpr):
-    """nvfp4 FROM_AMAX over the flagged slices only, striding as _flagged_amax_kernel."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    for slice_id in range(num_slices):
-        if tl.load(flags_ptr + slice_id) != 0:
-            for chunk in range(pid, chunks_per_slice, programs):
-                _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                               groups_per_slice, slice_id, chunk, HALF, GROUPS, True, KIND, 0)
-
-
-@triton.jit
-def _encode_groups(words_ptr, amax_ptr, ts_ptr, packed_ptr, scales_ptr, flags_ptr,
-                   groups_per_slice, slice_id, chunk, HALF: tl.constexpr, GROUPS: tl.constexpr,
-                   IS_NV: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr):
+    slice_id = pid // chunks_per_slice
+    chunk = pid % chunks_per_slice
     # Scalar int64 bases and int32 offsets inside the program: no 64-bit math per element.
-    first = tl.cast(slice_id, tl.int64) * groups_per_slice + chunk * GROUPS
+    first = slice_id.to(tl.int64) * groups_per_slice + chunk * GROUPS
     rows = tl.arange(0, GROUPS)
     live = rows < groups_per_slice - chunk * GROUPS
     offs = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
     words = tl.load(words_ptr + first * HALF + offs, mask=live[:, None], other=0)
     even, odd = _unpack_words(words, KIND)
     if IS_NV:
-        if MODE == 1:
-            ts = tl.load(ts_ptr + slice_id)
-            # |x| as int32 bits (as mxfp4 does below): exact, and NaN or Inf shows.
-            amax_bits = tl.max(tl.maximum(even.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                                          odd.to(tl.int32, bitcast=True) & 0x7FFFFFFF), axis=1)
-            block_amax = amax_bits.to(tl.float32, bitcast=True)
-            inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
-            # (a tensor scale that is not a positive finite number flags its slice too)
-            unusable = tl.zeros([GROUPS], tl.int32) + ((ts > 0.0) & (ts < float("inf"))).to(
-                tl.int32) == 0  # (broadcast first: the interpreter mixes no scalar in)
-            bad = (amax_bits >= 0x7F800000) | (block_amax * inv_six_ts > _SCALE_MAX) | unusable
-            if tl.max(bad.to(tl.int32), axis=0) != 0:
-                tl.store(flags_ptr + slice_id, 1)
-        else:
-            # A NaN here may be dropped by max: the slice amax pass has flagged its slice.
-            block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
-            amax = tl.load(amax_ptr + slice_id)
-            ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; NaN stays NaN
-            ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
-            if chunk == 0:
-                tl.store(ts_ptr + slice_id, ts)
-            inv_six_ts = tl.math.div_rn(1.0, ts * _E2M1_MAX)
-        byte, inv_scale = _nv_scales(block_amax, ts, inv_six_ts)
+        # A NaN here may be dropped by max: the slice amax pass has flagged its slice already.
+        block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
+        amax = tl.load(amax_ptr + slice_id)
+        ts = tl.math.div_rn(amax, _AMAX_TO_SCALE)  # nvfp4_tensor_scales; a NaN amax stays NaN
+        ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
+        if chunk == 0:
+            tl.store(ts_ptr + slice_id, ts)
+        byte, inv_scale = _nv_scales(block_amax, ts, tl.math.div_rn(1.0, ts * _E2M1_MAX))
     else:
         # |x| as int32 bits: they order like the floats, and NaN above Inf flags the block.
         amax_bits = tl.max(tl.maximum(even.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
@@ -324,23 +266,15 @@ def _check_input(x: torch.Tensor, block: int, name: str) -> tuple[int, int, int,
     return tuple(x.shape)
 
 
-def _encode(x: torch.Tensor, block: int, name: str,
-            tensor_scales: torch.Tensor | None = None) -> Fp4Parts:
+def _encode(x: torch.Tensor, block: int, name: str) -> Fp4Parts:
     num_layers, _, _, _, head_dim = _check_input(x, block, name)
     lead, device, is_nv = x.shape[:-1], x.device, block == NV_BLOCK
     packed = torch.empty((*lead, head_dim // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((*lead, head_dim // block), dtype=torch.uint8, device=device)
-    if tensor_scales is not None:
-        # Values are not checked here (a sync): a slice whose scale is not a positive finite
-        # number is encoded from its own amax, as one its scale does not cover.
-        check_tensor(tensor_scales, f"{name} tensor_scales", (torch.float32,), (num_layers, 2))
-        check_same_device(x=x, tensor_scales=tensor_scales)
-        ts = tensor_scales.clone()
-    else:
-        ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
+    ts = torch.empty((num_layers, 2), dtype=torch.float32, device=device) if is_nv else None
     num_slices = 2 * num_layers
     if x.numel() == 0:  # an empty run: all-zero slices, as the reference scales them
-        if ts is not None and tensor_scales is None:
+        if ts is not None:
             ts.fill_(TENSOR_SCALE_MIN)
         return Fp4Parts(packed, scales, ts)
     slice_numel = x.numel() // num_slices
@@ -348,56 +282,30 @@ def _encode(x: torch.Tensor, block: int, name: str,
     groups, warps = ENCODE_CONFIG[block]
     chunks = triton.cdiv(groups_per_slice, groups)
     amax = torch.zeros(num_slices, dtype=torch.int32, device=device) if is_nv else scales
-    flags = torch.zeros(num_slices, dtype=torch.int32, device=device) if is_nv else scales
-    words = x.view(_WORDS[x.dtype])
-    amax_chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
-
-    def encode(mode: int) -> None:
-        _encode_kernel[(num_slices * chunks,)](
-            words, amax.view(torch.float32) if is_nv else amax, ts if is_nv else scales,
-            packed, scales, flags, groups_per_slice, chunks, HALF=block // 2, GROUPS=groups,
-            IS_NV=is_nv, KIND=_KINDS[x.dtype], MODE=mode, num_warps=warps)
-
     with on_device(device):
-        if tensor_scales is None:
-            if is_nv:
-                _slice_amax_kernel[(num_slices * amax_chunks,)](
-                    x, amax, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS,
-                    num_warps=AMAX_WARPS)
-            encode(FROM_AMAX)
-        else:
-            # One pass; slices the scales do not cover are encoded again from their own amax,
-            # on the device, without a host sync, by a few programs that skip the others.
-            encode(CALIBRATED)
-            programs = min(REDO_PROGRAMS, num_slices * chunks)
-            _flagged_amax_kernel[(programs,)](
-                x, amax, flags, num_slices, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS,
-                num_warps=AMAX_WARPS)
-            _flagged_encode_kernel[(programs,)](
-                words, amax.view(torch.float32), ts, packed, scales, flags, num_slices,
-                groups_per_slice, chunks, HALF=block // 2, GROUPS=groups, KIND=_KINDS[x.dtype],
-                num_warps=warps)
+        if is_nv:
+            amax_chunks = triton.cdiv(slice_numel, AMAX_ELEMENTS)
+            _slice_amax_kernel[(num_slices * amax_chunks,)](
+                x, amax, slice_numel, amax_chunks, ELEMENTS=AMAX_ELEMENTS, num_warps=AMAX_WARPS)
+        _encode_kernel[(num_slices * chunks,)](
+            x.view(_WORDS[x.dtype]), amax.view(torch.float32) if is_nv else amax,
+            ts if is_nv else scales, packed, scales, groups_per_slice, chunks, HALF=block // 2,
+            GROUPS=groups, IS_NV=is_nv, KIND=_KINDS[x.dtype], num_warps=warps)
     return Fp4Parts(packed, scales, ts)
 
 
-def nvfp4_encode(x: torch.Tensor, tensor_scales: torch.Tensor | None = None) -> Fp4Parts:
+def nvfp4_encode(x: torch.Tensor) -> Fp4Parts:
     """Quantise a canonical K/V tensor to nvfp4 parts on its device.
 
     Args:
         x: contiguous ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` bf16/fp16/fp32,
             head_dim a multiple of 16, on CUDA (or the CPU under TRITON_INTERPRET=1).
-        tensor_scales: calibrated float32 ``[num_layers, 2]`` scales on x's device (for
-            instance from ``nvfp4_tensor_scales`` of earlier blocks of the same model), which
-            make the encode one pass over x instead of two. A slice holding a block they do not
-            cover (its block scale would pass 448) or a non-finite value, or whose scale is not
-            a positive finite number, is encoded from its own amax instead, as without them;
-            the parts carry the scales each slice used.
 
     Returns:
         Parts on x's device. A slice holding NaN/Inf gets a non-finite tensor scale (its
         values are then meaningless); ``NvFp4Codec`` checks for that and raises.
     """
-    return _encode(x, NV_BLOCK, "nvfp4_encode", tensor_scales)
+    return _encode(x, NV_BLOCK, "nvfp4_encode")
 
 
 def mxfp4_encode(x: torch.Tensor) -> Fp4Parts:
@@ -515,8 +423,6 @@ def _bench_codec(name: str, x: torch.Tensor, copy: float) -> list[dict]:
     table = torch.randperm(num_blocks, device=x.device).to(torch.int32)
     ops = {"encode": lambda: encode(x), "decode": lambda: decode(parts, out),
            "decode_paged": lambda: paged(parts, cache, table)}
-    if name == "nvfp4":  # one pass with the tensor scales calibrated on this very tensor
-        ops["encode_calibrated"] = lambda: encode(x, tensor_scales=parts.tensor_scales)
     rows = []
     for op, fn in ops.items():
         gbps = moved / (do_bench(fn, return_mode="median") * 1e6)
