@@ -185,7 +185,7 @@ class Simulator:
         else:
             order = build_order(self.policy.order, self._saving(index, path), self.clock,
                                 self.history, index)
-        admission = admission_for(profile.admit_after_accesses, 1 << 16)
+        admission = admission_for(profile.admit_after_accesses, 1 << 16, self.policy.order)
         return SimTier(profile, capacity, order, admission, path)
 
     def _saving(self, index: int, path: PathModel) -> Callable[[Footprint, int | None], float]:
@@ -248,12 +248,21 @@ class Simulator:
                 self._write(0, key)
         for tier in self.tiers:
             tier.admission.note(keys)
-        for key in keys:
-            is_new = not any(key in tier.held for tier in self.tiers) and self._keeps(key)
+        holders = [self._holder(key) for key in keys]
+        for key, holder in zip(keys, holders):
+            is_new = holder is None and self._keeps(key)
             if is_new and not any(self._write(t, key) for t in range(len(self.tiers))):
                 break  # the blocks after this one could never be matched
+        for key, holder in zip(keys, holders):  # the put's copies of blocks held further down
+            if holder:
+                any(self._write(t, key) for t in range(holder)
+                    if self.tiers[t].admission.lifts(key))
         self._pinned = set()
         self._touch(keys[:len(self._match(keys))])
+
+    def _holder(self, key: BlockKey) -> int | None:
+        """The fastest tier holding ``key``, if any."""
+        return next((t for t, tier in enumerate(self.tiers) if key in tier.held), None)
 
     def _match(self, keys: list[BlockKey]) -> list[int]:
         """The fastest tier holding each block of the longest stored prefix."""
@@ -339,11 +348,14 @@ class Simulator:
         return True
 
     def _give_up(self, index: int, key: BlockKey) -> None:
-        """Remove ``key`` from tier ``index``, first moving it down if no other tier holds it."""
-        elsewhere = any(key in t.held for i, t in enumerate(self.tiers) if i != index)
-        if not elsewhere and self._keeps(key):
+        """Remove ``key`` from tier ``index``, first moving it down to the next tier that
+        admits it unless a faster tier holds it or a lower one is reached that does."""
+        faster = any(key in t.held for t in self.tiers[:index])
+        if not faster and self._keeps(key):
             self._pinned.add(key)  # the page outlives its copy down the chain
             for lower in range(index + 1, len(self.tiers)):
+                if key in self.tiers[lower].held:
+                    break
                 if self.tiers[lower].admission.admits(key) and self._write(lower, key):
                     break
             self._pinned.discard(key)
