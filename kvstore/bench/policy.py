@@ -5,8 +5,10 @@ The simulator keeps a clock (the trace's arrival times) and a chain of tiers of 
 capacities (HBM-like, DRAM, SSD) under the store's rules (kvstore/store/placement.py): a new
 block goes to the fastest tier that can make room, making room is atomic (the tier's
 ``EvictionOrder.evict``), a victim moves to the next tier down that admits it
-(``AdmissionPolicy``) or is dropped, blocks fetched from below the first tier are copied into
-it, a put writes only blocks not stored yet, and only full blocks are stored. Each request is a
+(``AdmissionPolicy``) unless a faster tier holds it or the walk reaches a tier that does, or is
+dropped; blocks fetched from below the first tier are copied into it; a put writes the blocks
+not stored yet and then, into faster tiers whose admission ``lifts`` them, its copies of blocks
+held only further down; only full blocks are stored. Each request is a
 lookup (touching its matched chain in every tier), a fetch of the prefix its policy chooses
 (``advise`` over ``PathModel``s and a ``PrefillModel``), a put and the put's touch.
 
@@ -41,7 +43,7 @@ class TierProfile:
     name: str
     read_bytes_per_s: float
     read_fixed_s: float
-    admit_after_accesses: int = 0  # the store's frequency filter for blocks moving down
+    admit_after_accesses: int = 0  # the frequency filter for blocks moving down (LRU, ARC)
 
 
 # DESIGN.md "Measured ceilings" (H200 host): device copy ~4000 GB/s, pinned host -> device
