@@ -215,7 +215,9 @@ class Store:
         """Store the full blocks of ``kv`` for ``tokens``; return the tokens newly written.
 
         ``kv`` is in the canonical layout with exactly ``len(tokens)`` tokens; blocks already
-        stored are not rewritten and a trailing partial block is ignored. Every block written is
+        stored are not rewritten (but a block held only below a tier whose admission lifts it,
+        as under the value order, is copied up from ``kv``: the engine recomputed it) and a
+        trailing partial block is ignored. Every block written is
         reachable by a following lookup: blocks the put holds are pinned until it returns, so
         making room for later blocks never evicts earlier ones, and when a block finds no room
         anywhere the put stops there (CapacityError if that is the first block to write).
