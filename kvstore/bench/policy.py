@@ -5,8 +5,10 @@ The simulator keeps a clock (the trace's arrival times) and a chain of tiers of 
 capacities (HBM-like, DRAM, SSD) under the store's rules (kvstore/store/placement.py): a new
 block goes to the fastest tier that can make room, making room is atomic (the tier's
 ``EvictionOrder.evict``), a victim moves to the next tier down that admits it
-(``AdmissionPolicy``) or is dropped, blocks fetched from below the first tier are copied into
-it, a put writes only blocks not stored yet, and only full blocks are stored. Each request is a
+(``AdmissionPolicy``) unless a faster tier holds it or the walk reaches a tier that does, or is
+dropped; blocks fetched from below the first tier are copied into it; a put writes the blocks
+not stored yet and then, into faster tiers whose admission ``lifts`` them, its copies of blocks
+held only further down; only full blocks are stored. Each request is a
 lookup (touching its matched chain in every tier), a fetch of the prefix its policy chooses
 (``advise`` over ``PathModel``s and a ``PrefillModel``), a put and the put's touch.
 
@@ -41,7 +43,7 @@ class TierProfile:
     name: str
     read_bytes_per_s: float
     read_fixed_s: float
-    admit_after_accesses: int = 0  # the store's frequency filter for blocks moving down
+    admit_after_accesses: int = 0  # the frequency filter for blocks moving down (LRU, ARC)
 
 
 # DESIGN.md "Measured ceilings" (H200 host): device copy ~4000 GB/s, pinned host -> device
@@ -185,7 +187,7 @@ class Simulator:
         else:
             order = build_order(self.policy.order, self._saving(index, path), self.clock,
                                 self.history, index)
-        admission = admission_for(profile.admit_after_accesses, 1 << 16)
+        admission = admission_for(profile.admit_after_accesses, 1 << 16, self.policy.order)
         return SimTier(profile, capacity, order, admission, path)
 
     def _saving(self, index: int, path: PathModel) -> Callable[[Footprint, int | None], float]:
@@ -248,12 +250,21 @@ class Simulator:
                 self._write(0, key)
         for tier in self.tiers:
             tier.admission.note(keys)
-        for key in keys:
-            is_new = not any(key in tier.held for tier in self.tiers) and self._keeps(key)
+        holders = [self._holder(key) for key in keys]
+        for key, holder in zip(keys, holders):
+            is_new = holder is None and self._keeps(key)
             if is_new and not any(self._write(t, key) for t in range(len(self.tiers))):
                 break  # the blocks after this one could never be matched
+        for key, holder in zip(keys, holders):  # the put's copies of blocks held further down
+            if holder:
+                any(self._write(t, key) for t in range(holder)
+                    if self.tiers[t].admission.lifts(key))
         self._pinned = set()
         self._touch(keys[:len(self._match(keys))])
+
+    def _holder(self, key: BlockKey) -> int | None:
+        """The fastest tier holding ``key``, if any."""
+        return next((t for t, tier in enumerate(self.tiers) if key in tier.held), None)
 
     def _match(self, keys: list[BlockKey]) -> list[int]:
         """The fastest tier holding each block of the longest stored prefix."""
@@ -339,11 +350,14 @@ class Simulator:
         return True
 
     def _give_up(self, index: int, key: BlockKey) -> None:
-        """Remove ``key`` from tier ``index``, first moving it down if no other tier holds it."""
-        elsewhere = any(key in t.held for i, t in enumerate(self.tiers) if i != index)
-        if not elsewhere and self._keeps(key):
+        """Remove ``key`` from tier ``index``, first moving it down to the next tier that
+        admits it unless a faster tier holds it or a lower one is reached that does."""
+        faster = any(key in t.held for t in self.tiers[:index])
+        if not faster and self._keeps(key):
             self._pinned.add(key)  # the page outlives its copy down the chain
             for lower in range(index + 1, len(self.tiers)):
+                if key in self.tiers[lower].held:
+                    break
                 if self.tiers[lower].admission.admits(key) and self._write(lower, key):
                     break
             self._pinned.discard(key)

@@ -1,7 +1,8 @@
 """Admission for cold tiers: a TinyLFU-style count-min frequency sketch with aging.
 
 ``FrequencyAdmission`` admits a block once the sketch saw it ``threshold`` times; ``AdmitAll``
-admits everything (a tier without a filter).
+admits everything (a tier without a filter); ``ValueAdmission`` is the admission of tiers ranked
+by the value order.
 
 A block earns a place on SSD by being seen often enough; one-off blocks would only wear the
 device. The sketch answers "about how often was this key seen lately" in constant memory: four
@@ -156,6 +157,32 @@ class FrequencyAdmission(AdmissionPolicy):
         return self.sketch.estimate(key) >= self.threshold
 
 
-def admission_for(threshold: int, expected_keys: int) -> AdmissionPolicy:
-    """The policy a tier's settings ask for: a threshold of 0 admits everything."""
+class ValueAdmission(AdmissionPolicy):
+    """Admission for a tier ranked by the value order (kvstore/policy/value.py).
+
+    - Every block moving down may enter: what the tier gives up for it is its least valuable
+      block by the same value, so a filter in front only loses hits. (The frequency filter kept
+      a chat turn's new blocks, seen once when evicted from DRAM, out of the SSD: 2-3 points of
+      token hit rate below LRU's once the learned time constant was long, 2026-12-01.)
+    - A put's copy of a block that only slower tiers hold enters like a new block
+      (``lifts``): the engine recomputed the block because fetching it from below was slower,
+      and without a faster copy it would be recomputed again at every use (a document or a
+      system prompt left on a disk slower than prefill, never fetched, so never promoted).
+    """
+
+    def note(self, keys: Iterable[BlockKey]) -> None:
+        return None
+
+    def admits(self, key: BlockKey) -> bool:
+        return True
+
+    def lifts(self, key: BlockKey) -> bool:
+        return True
+
+
+def admission_for(threshold: int, expected_keys: int, eviction: str = "lru") -> AdmissionPolicy:
+    """The policy a tier's settings ask for: ``ValueAdmission`` for a tier under the value
+    order; otherwise the frequency filter, or everything with a threshold of 0."""
+    if eviction == "value":
+        return ValueAdmission()
     return AdmitAll() if threshold == 0 else FrequencyAdmission(threshold, expected_keys)

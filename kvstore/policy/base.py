@@ -102,3 +102,9 @@ class AdmissionPolicy(ABC):
     @abstractmethod
     def admits(self, key: BlockKey) -> bool:
         """Whether ``key`` may enter the tier now."""
+
+    def lifts(self, key: BlockKey) -> bool:
+        """Whether a put's copy of ``key``, a block only slower tiers hold, may be written into
+        this tier (the engine recomputed it rather than fetch it from below). Default: no, a
+        put writes only blocks not stored yet."""
+        return False

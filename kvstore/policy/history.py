@@ -11,9 +11,10 @@ chains in the middle). What it learns:
 - per use class (namespace, log2 prefix-depth bucket, tail of its chain or not): of the uses
   that settled, how many were followed by another use while some tier held the block or its
   ghost was remembered (``GHOST_TAUS`` time constants after it left the last tier);
-- the time constant ``tau`` itself: the mean gap between a block's uses, the maximum-likelihood
-  fit of exponential reuse gaps, so ``-age / tau`` is the log-chance a block is still to be
-  used. It starts from a prior and is refitted every ``REFIT_GAPS`` observed gaps.
+- the time constant ``tau`` itself: of a grid of candidates, the one under which the reuses
+  seen were most likely (``tau.TauLikelihood``: each use adds ``e^(-age / tau)`` to a block's
+  reuse intensity, as in the score). It starts from a prior; the fit is looked at every
+  ``REFIT_GAPS`` observed reuses, and tau moves at most once per as many reuses as blocks held.
 
 Chain order is kept in the history, not in each tier: at every use of a chain, a block's reuse
 score (its moment plus ``tau`` times the log-odds of its class) and its reach (the deepest chain
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
+from kvstore.policy.tau import TauLikelihood
 
 # The time constant before any reuse gap is known: half-life 15 s, the value the bench picked
 # by hand before tau was learned (2026-12-01).
@@ -42,10 +44,7 @@ PRIOR_TAU_S = 15.0 / math.log(2.0)
 # tau stays within these bounds (seconds): a burst of one request's re-reads, or a trace of
 # rare revisits, must not make the order pure LRU or pure LFU.
 MIN_TAU_S, MAX_TAU_S = 2.0, 3600.0
-REFIT_GAPS = 256  # observed gaps between two fits of tau (or as many as blocks held)
-# tau moves only when the fit differs by more than this factor: every move re-scores the held
-# blocks of each tier (O(n)), so it must be rare.
-REFIT_FACTOR = 1.25
+REFIT_GAPS = 64  # observed reuses between two looks at the fit of tau
 # A request's lookup, get and put of one block fall within its prefill (about a second for a
 # 32k-token prompt on an 8B model at 4e14 FLOP/s): uses closer than this count once.
 COALESCE_S = 1.0
@@ -111,6 +110,7 @@ class BlockUses:
     klass: int = UNKNOWN_CLASS  # where its last use placed it
     num_holders: int = 0  # tiers holding it
     ranks: int = 0  # bit r set: the tier at chain position r holds it (orders given a rank)
+    tau_counts: list[float] | None = None  # its decayed use counts per candidate tau (fitting)
 
 
 class UseHistory:
@@ -137,8 +137,8 @@ class UseHistory:
         self._ghosts: OrderedDict[BlockKey, BlockUses] = OrderedDict()  # oldest first
         self._refresh: dict[int, Callable[[BlockKey], None]] = {}  # by chain position
         self._groups: dict[bytes, int] = {}
-        self._gap_sum_s = self._num_gaps = 0.0
-        self._num_since_fit = 0
+        self.tau_fit = TauLikelihood()
+        self._num_since_fit = self._num_since_move = 0
 
     def __len__(self) -> int:
         return len(self._uses)
@@ -157,8 +157,8 @@ class UseHistory:
 
     def is_backup(self, uses: BlockUses, rank: int | None) -> bool:
         """Whether a faster tier than ``rank`` also holds the block: a hit would be served
-        there, and when that copy goes it is dropped, not moved down (this one serves), so
-        this copy saves nothing until then."""
+        there, and when that copy goes it moves down no further than this one, so this copy
+        saves nothing until then."""
         return rank is not None and bool(uses.ranks & ((1 << rank) - 1))
 
     def hold(self, key: BlockKey, now: float, rank: int | None = None) -> BlockUses:
@@ -170,6 +170,8 @@ class UseHistory:
             if uses is None:
                 uses = BlockUses(now, now, now + self.tau_s * math.log(
                     self.stats.ratio(UNKNOWN_CLASS)))
+                if self._learn_tau:
+                    self.tau_fit.use(now)
             self._uses[key] = uses
         uses.num_holders += 1
         if rank is not None:
@@ -249,8 +251,8 @@ class UseHistory:
             self.stats.settle(uses.klass, was_reused=True)
             tau = self.tau_s
             uses.use_s = tau * _log_add(uses.use_s / tau, now / tau)
+            self._observe_reuse(uses, now)
             uses.last_use_s = now
-            self._observe_gap(gap_s)
         uses.klass = klass
 
     def _reuse_s(self, uses: BlockUses) -> float:
@@ -266,22 +268,28 @@ class UseHistory:
                 self._groups[group] = index
         return index
 
-    def _observe_gap(self, gap_s: float) -> None:
+    def _observe_reuse(self, uses: BlockUses, now: float) -> None:
         if not self._learn_tau:
             return
-        decay = 1.0 - 1.0 / STATS_AGE_USES
-        self._gap_sum_s = self._gap_sum_s * decay + gap_s
-        self._num_gaps = self._num_gaps * decay + 1.0
+        if uses.tau_counts is None:
+            uses.tau_counts = self.tau_fit.new_counts()
+        self.tau_fit.reuse(uses.tau_counts, now - uses.last_use_s)
+        self.tau_fit.use(now)
         self._num_since_fit += 1
-        # At least as many gaps as blocks held between fits: a move re-scores every held block,
-        # so its cost stays O(log n) per use, amortized.
-        if self._num_since_fit < max(REFIT_GAPS, len(self._uses)):
+        self._num_since_move += 1
+        if self._num_since_fit < REFIT_GAPS:
             return
         self._num_since_fit = 0
-        fitted = min(MAX_TAU_S, max(MIN_TAU_S, self._gap_sum_s / self._num_gaps))
-        if not self.tau_s / REFIT_FACTOR <= fitted <= self.tau_s * REFIT_FACTOR:
+        # At least as many reuses as blocks held between two moves: a move re-scores every
+        # held block, so its cost stays O(1) per use, amortized.
+        if self._num_since_move < len(self._uses):
+            return
+        fitted = self.tau_fit.best_s(self.tau_s) or self.tau_s
+        fitted = min(MAX_TAU_S, max(MIN_TAU_S, fitted))
+        if fitted != self.tau_s:
             self.tau_s = fitted
             self.epoch += 1
+            self._num_since_move = 0
 
 
 def _log_add(a: float, b: float) -> float:

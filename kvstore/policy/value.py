@@ -18,7 +18,7 @@ against the next tier down or recompute) / (bytes it takes), the cost model's sc
   score and reach to its child's at every use of the chain, and a touched chain is also filed
   from its tail up with a running maximum (pages of a chain may differ in size).
 - A copy that a faster tier also holds saves nothing while that copy is there (a hit is served
-  above, and when the faster copy goes it is dropped, not moved down): it ranks with blocks
+  above, and when the faster copy goes it moves down no further than this one): it ranks with blocks
   whose hit saves nothing, by its uses, and back by its value once it is the fastest copy.
 """
 
@@ -164,8 +164,8 @@ class ValueOrder(EvictionOrder):
             heap.update(key, self._score(held))
 
     def _rescore_if_stale(self) -> None:
-        """The learned time constant moved: every held score is re-made with it (rare: see
-        history.REFIT_FACTOR)."""
+        """The learned time constant moved: every held score is re-made with it (rare: at most
+        once per as many reuses as blocks held, see ``UseHistory``)."""
         if self._epoch == self.history.epoch:
             return
         self._epoch = self.history.epoch

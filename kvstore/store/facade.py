@@ -215,7 +215,9 @@ class Store:
         """Store the full blocks of ``kv`` for ``tokens``; return the tokens newly written.
 
         ``kv`` is in the canonical layout with exactly ``len(tokens)`` tokens; blocks already
-        stored are not rewritten and a trailing partial block is ignored. Every block written is
+        stored are not rewritten (but a block held only below a tier whose admission lifts it,
+        as under the value order, is copied up from ``kv``: the engine recomputed it) and a
+        trailing partial block is ignored. Every block written is
         reachable by a following lookup: blocks the put holds are pinned until it returns, so
         making room for later blocks never evicts earlier ones, and when a block finds no room
         anywhere the put stops there (CapacityError if that is the first block to write).
@@ -229,6 +231,8 @@ class Store:
         in_flight = [self._writing[k] for k in keys if k in self._writing]
         held = [e for e in map(self._dir.get, keys) if e is not None]
         todo = [i for i, k in enumerate(keys) if k not in self._dir and k not in self._writing]
+        lifts = [i for i, e in enumerate(map(self._dir.get, keys))
+                 if e is not None and self._placement.lift_target(e) is not None]
         claimed = self._claim_writes(keys[i] for i in todo)
         self._dir.pin(held)
         written = 0
@@ -248,6 +252,8 @@ class Store:
                     written += 1
                 del encoded, block  # the views into the buffer, before it can be reused
                 self._buffers.give(buffer)  # every write has returned: no tier holds a view
+            if lifts:  # blocks held only further down: the engine's copy goes up (lift)
+                await self._lift(ns, keys, kv, lifts)
         finally:
             self._release_writes(claimed)
             self._dir.unpin(held)
@@ -502,6 +508,17 @@ class Store:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    async def _lift(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
+                    lifts: list[int]) -> None:
+        """Write the put's pages of blocks held only further down into faster tiers."""
+        encoded, buffer = await asyncio.to_thread(self._encode_blocks, ns, keys, kv, lifts)
+        for block in encoded:
+            entry = self._dir.get(block.meta.key)
+            if entry is not None:
+                await self._placement.lift(entry, block.data)
+        del encoded
+        self._buffers.give(buffer)
 
     def _encode_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
                        todo: list[int]) -> tuple[list[_Encoded], bytearray]:

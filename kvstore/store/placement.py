@@ -10,11 +10,14 @@ watermarks. The rules:
   the tier's eviction order names victims that free exactly that, or nothing changes. Pinned blocks are
   never victims; a put pins the blocks it holds so it never evicts its own.
 - A victim is demoted to the next tier down that admits it (``AdmissionPolicy``) and can make
-  room for it; a block that no lower tier takes is dropped.
+  room for it, unless a faster tier still holds the block or the walk down reaches a tier that
+  does (a copy further down does not serve as fast as the tier in between); a block that no
+  lower tier takes is dropped.
 - A tier above its high watermark demotes its coldest blocks until it is below its low one.
 - Promotion copies a block into a faster tier (after a get served it from further down, for a
   lease, or for a hint); a tier with ``write_through`` set also gets a copy of every new block,
-  in the background.
+  in the background. A put's copy of a block held only further down is written into a faster
+  tier whose admission ``lifts`` it (``lift``: the engine recomputed it instead of fetching it).
 - A shared tier (``SharedTier``, last in the chain) is written like any other, by demotion or
   write-through; blocks other hosts put there are found by the store's prefix probe, not the
   directory (the store does not own what a shared tier holds).
@@ -69,7 +72,7 @@ class Link:
         return cls(index=index, name=config.name, tier=build_tier(config),
                    codec=codecs.get(settings.codec), settings=settings,
                    admission=admission_for(settings.admit_after_accesses,
-                                           settings.admit_expected_keys),
+                                           settings.admit_expected_keys, settings.eviction),
                    path=PathModel(settings.read_bytes_per_s, settings.read_fixed_s))
 
     def is_above_high_watermark(self) -> bool:
@@ -248,7 +251,7 @@ class Placement:
         entry = self._dir.get(key)
         if entry is None or entry.pins or link.name not in entry.sizes:
             return
-        if len(entry.sizes) == 1:
+        if not any(faster.name in entry.sizes for faster in self.links[:link.index]):
             self._dir.pin([entry])  # the page must outlive its copy down the chain
             try:
                 if await self.demote(link, entry):
@@ -279,6 +282,26 @@ class Placement:
                     return False
             data = await self.transcode(entry.meta, page.data, lower)
             if data is not None and await self.write(lower, entry.meta, data):
+                return True
+        return False
+
+    def lift_target(self, entry: BlockEntry) -> Link | None:
+        """The fastest tier above the block's fastest holder whose admission takes a put's copy
+        of it (``AdmissionPolicy.lifts``), or None."""
+        holder = self.fastest_holder(entry)
+        return next((link for link in self.links[:holder.index]
+                     if link.admission.lifts(entry.meta.key)), None)
+
+    async def lift(self, entry: BlockEntry, data: bytes | memoryview) -> bool:
+        """Write a put's page of a block held only further down (encoded with the first tier's
+        codec) into the faster tiers that lift it, fastest first; True once one holds it."""
+        holder = self.fastest_holder(entry)
+        for link in self.links[:holder.index]:
+            if not link.admission.lifts(entry.meta.key):
+                continue
+            page = await self.transcode(entry.meta, data, link)
+            if page is not None and await self.write(link, entry.meta, page):
+                self._count(entry.meta.tenant, promotions=1)
                 return True
         return False
 

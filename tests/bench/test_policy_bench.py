@@ -85,3 +85,27 @@ def test_block_tokens_must_divide_the_trace_unit() -> None:
     with pytest.raises(InvalidArgument):
         Simulator(SimConfig(capacities_bytes=(1, 1, 1), block_tokens=300), POLICIES[0],
                   traces.no_reuse(num_requests=2))
+
+
+def test_a_recomputed_block_left_on_ssd_is_lifted_and_then_moves_down_one_tier() -> None:
+    """Regression: a block only the SSD held was never fetched (one block reads slower from
+    this SSD than it prefills), so it was never promoted, and every later use recomputed it;
+    and a copy evicted from the first tier while the SSD held another was dropped, not moved to
+    DRAM. Now the put's copy goes up (the value policy's ``lifts``) and comes down one tier."""
+    one_block = 512 * SimConfig(capacities_bytes=(0,)).kv_bytes_per_token
+
+    def request(t: float, unit: int) -> traces.Request:
+        return traces.Request(t, 512, 10, (unit,))
+
+    # 1 goes down to the SSD behind 2 and 3, comes back (recomputed), then 4 pushes it out of
+    # the first tier again.
+    trace = traces.Trace("lift", tuple(request(float(t), u) for t, u in
+                                       enumerate((1, 2, 3, 1, 4))))
+    config = SimConfig(capacities_bytes=(one_block, one_block, 10 * one_block))
+    kvstore = next(p for p in POLICIES if p.name == "kvstore")
+    sim = Simulator(config, kvstore, trace)
+    summary = sim.run()
+    block = traces.block_keys(trace.requests[0], 512)[0]
+    assert summary["hit_rate_ssd"] == pytest.approx(1 / 5)  # the fourth request matched it
+    assert summary["fetched_rate"] == 0  # ... and recomputed it
+    assert block in sim.tiers[1].held and block in sim.tiers[2].held  # lifted, moved down

@@ -1,4 +1,4 @@
-"""FrequencySketch: count-min bounds, saturation and TinyLFU aging."""
+"""FrequencySketch: count-min bounds, saturation and TinyLFU aging; the admission per order."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import random
 import pytest
 
 from kvstore.errors import InvalidArgument
+from kvstore.keys import BlockKey
 from kvstore.policy.admission import (
     MAX_COUNT,
     AdmitAll,
     FrequencyAdmission,
     FrequencySketch,
+    ValueAdmission,
     admission_for,
 )
 
@@ -111,3 +113,17 @@ def test_frequency_admission_admits_blocks_seen_twice():
     assert isinstance(admission_for(0, 1024), AdmitAll) and AdmitAll().admits(once)
     with pytest.raises(InvalidArgument):
         FrequencyAdmission(threshold=0, expected_keys=16)
+
+
+def test_value_admission_takes_every_block_down_and_the_puts_copy_up():
+    """Under the value order a tier takes what moves down (its order gives up the least
+    valuable block for it) and a put's copy of a block held only further down; the baselines'
+    admissions take no such copy (a put writes only blocks not stored yet)."""
+    block = BlockKey(b"\x07" * 16)
+    value = admission_for(2, 1024, "value")
+    assert isinstance(value, ValueAdmission)
+    assert value.admits(block) and value.lifts(block)  # never seen: still taken
+    for baseline in (admission_for(0, 1024), admission_for(2, 1024, "lru"),
+                     admission_for(2, 1024, "arc")):
+        assert not baseline.lifts(block)
+    assert isinstance(admission_for(2, 1024, "lru"), FrequencyAdmission)

@@ -1,7 +1,9 @@
-"""UseHistory: one access history for the value orders of a chain, tau learned from reuse gaps,
+"""UseHistory: one access history for the value orders of a chain, tau learned from reuses,
 statistics per namespace."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -45,20 +47,37 @@ def test_a_block_moved_down_keeps_its_history():
     assert lower.coldest(3, never) == [child, parent, other]
 
 
-def test_tau_is_learned_from_the_gaps_between_uses():
+def test_tau_is_learned_from_the_reuses_it_saw():
+    """Reuse that follows quickly on a block's last use and then stops (agentic steps) gives a
+    short time constant; steady reuse at rates of their own per block (documents of a stable
+    popularity) a long one, under which the more popular block ranks higher."""
     clock = Clock()
-    history = UseHistory()
-    order = ValueOrder(uniform, clock, history)
-    blocks = [key(i) for i in range(8)]
+    bursty = UseHistory()
+    order = ValueOrder(uniform, clock, bursty)
+    assert bursty.tau_s == PRIOR_TAU_S
+    for i in range(4 * REFIT_GAPS):
+        k = key(i)
+        order.add(k, Footprint(0, 1))
+        order.touch_chain([k])
+        clock.tick(2.0)
+        order.touch_chain([k])  # used once more, 2 s later, then never
+        clock.tick(6.0)
+        order.remove(k)
+    assert bursty.tau_s <= 4.0 and bursty.epoch >= 1
+
+    clock = Clock()
+    steady = UseHistory()
+    order = ValueOrder(uniform, clock, steady)
+    rng = random.Random(5)
+    blocks = [key(1000 + j) for j in range(8)]
     for k in blocks:
         order.add(k, Footprint(0, 1))
-    assert history.tau_s == PRIOR_TAU_S
-    for _ in range(REFIT_GAPS // len(blocks) + 1):
-        clock.tick(3.0)
-        for k in blocks:
-            order.touch_chain([k])
-    assert history.tau_s == pytest.approx(3.0) and history.epoch == 1
-    assert order.value_score(blocks[0]) < order.value_score(blocks[-1])
+    weights = [1.0 / (j + 1) for j in range(len(blocks))]
+    for _ in range(40 * REFIT_GAPS):
+        clock.tick(rng.expovariate(1.0))
+        order.touch_chain([rng.choices(blocks, weights)[0]])
+    assert steady.tau_s >= 64.0
+    assert order.value_score(blocks[0]) > order.value_score(blocks[-1])
     fixed = UseHistory(tau_s=MIN_TAU_S * 4, learn_tau=False)
     assert fixed.tau_s == MIN_TAU_S * 4
 
