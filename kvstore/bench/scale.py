@@ -93,7 +93,7 @@ def store_config(config: ScaleConfig, root: Path) -> KVStoreConfig:
     (admitting every block it is offered, so the store holds every block put)."""
     page_bytes = config.spec.block_bytes + 1024
     most = config.sizes[-1] + 4 * config.repeats * config.prompt_blocks + 1024
-    dram_bytes = max(1 << 20, config.dram_blocks * _SLOT_BYTES_GUESS)
+    dram_bytes = max(2 << 20, config.dram_blocks * _SLOT_BYTES_GUESS)  # staging needs a chunk
     return KVStoreConfig(
         dram=DramConfig(capacity_bytes=dram_bytes, chunk_bytes=1 << 20,
                         eviction=config.eviction),
@@ -201,15 +201,19 @@ class _Run:
         for i in range(self.config.repeats):
             fresh, reserved = self.prompts.new(), self.prompts.new()
             times["put"].append(await _ms(store.put(ns, fresh, kv)))
-            times["reserve_commit"].append(await _ms(self._reserve_commit(reserved)))
+            times["reserve_commit"].append(await _ms(self.reserve_commit(reserved)))
             times["lookup"].append(await _ms(store.lookup(ns, self.rng.choice(self.stored))))
             times["get_dram"].append(await _ms(store.get(ns, fresh)))
             if i < len(old):
                 times["get_ssd"].append(await _ms(store.get(ns, old[i])))
         return times
 
-    async def _reserve_commit(self, tokens: list[int]) -> None:
+    async def reserve_commit(self, tokens: list[int]) -> None:
         reservation = await self.store.reserve(self.ns, tokens)
+        if len(reservation.blocks) != self.config.prompt_blocks:
+            await self.store.abort(reservation.reservation_id)
+            raise KVStoreError(f"scale bench: a reservation got {len(reservation.blocks)} of "
+                               f"{self.config.prompt_blocks} slots")
         self._slots.write(self.ns, reservation, self.prompts.kv)
         written = await self.store.commit(reservation.reservation_id)
         if written != self.config.prompt_tokens:
@@ -306,6 +310,10 @@ def run_scale_bench(config: ScaleConfig | None = None, work_dir: str | None = No
         with thread as daemon, Client(daemon.unix_address, retry=NO_RETRY) as client:
             run = _Run(daemon.store, config, ns)
             try:
+                # A zero-copy writer from the start, as on a serving host: its staging memory
+                # is taken while the tier has room (a tier whose memory is all published pages
+                # lends no slots, 2026-12-01).
+                thread.call(run.reserve_commit(run.prompts.new()))
                 for size in config.sizes:
                     before = len(run.stretches)
                     thread.call(run.fill(size))

@@ -268,9 +268,9 @@ class Store:
         self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
         entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
-        per_tier = self._placement.tokens_per_tier(entries, bt)
-        self._dir.touch(entries)
-        keys = tuple([e.meta.key for e in entries])
+        per_tier = self._dir.tokens_per_tier(entries, bt)
+        keys = tuple(all_keys[:len(entries)])
+        self._dir.touch(entries, keys=keys)
         shared_keys, cluster_tokens = await self._probe_shared(ns, all_keys, len(keys))
         if shared_keys:
             name = self._placement.shared_link().name
