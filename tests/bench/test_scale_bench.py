@@ -37,6 +37,9 @@ def test_scale_bench_cli_writes_json_and_png(tmp_path):
     assert [r["blocks"] for r in fill] == [48, 160]
     assert all(r["fill_s_per_10k"] > 0 for r in fill) and fill[0]["fill_vs_first"] == 1.0
     assert set(doc["raw"]["sizes"]) == {"48", "160"}
+    stretches = doc["raw"]["fill_stretches"]
+    assert [s["blocks"] for s in stretches] == [48, 160]  # the warm-up (24 blocks) untimed
+    assert all(s["fill_s_per_10k"] > 0 for s in stretches)
     assert len(doc["raw"]["sizes"]["160"]["latency_ms"]["lookup_daemon"]) == 3
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
