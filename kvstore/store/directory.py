@@ -30,7 +30,6 @@ class BlockEntry:
     pins: int = 0  # readers, writers and leases holding it; a pinned block is never evicted
     hits: int = 0
     created_s: float = field(default_factory=time.time)
-    last_access_s: float = field(default_factory=time.time)
     fastest: str = ""  # the first tier of the chain that holds it (kept by the directory)
 
     @property
@@ -140,14 +139,9 @@ class BlockDirectory:
 
         ``keys``, when the caller has them, are the entries' keys in the same order.
         """
-        now = time.time()
         if hit:
             for entry in entries:
-                entry.last_access_s = now
                 entry.hits += 1
-        else:
-            for entry in entries:
-                entry.last_access_s = now
         if keys is None:
             keys = [e.meta.key for e in entries]
         group = entries[0].meta.namespace if entries else None
