@@ -2,12 +2,17 @@
 tier.
 
 The directory is the store's single source of truth about which tier holds which block. It is
-touched only from the store's event loop, so it needs no locks. Tiers are names here, as the
+touched only from the store's event loop, so it needs no locks. A touch (a chain was used) is
+applied to the eviction orders on the loop's next turn, after the request that made it has
+answered, or before anything that reads or changes an order, whichever comes first: no decision
+ever sees an order without it, and a 32k-token lookup does not wait for 2048 re-rankings per
+tier. Tiers are names here, as the
 chain gave them: the directory never knows what a tier is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -59,6 +64,8 @@ class BlockDirectory:
         self._rank = {name: i for i, name in enumerate(tier_names)}  # chain position
         # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
         self._usage: dict[str, dict[str, int]] = {name: {} for name in tier_names}
+        # Chains used and not yet applied to the orders, oldest first (see the module doc).
+        self._touches: list[tuple[Sequence[BlockKey], bytes | None]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -77,6 +84,7 @@ class BlockDirectory:
         entry = self._entries.get(meta.key)
         if entry is None:
             entry = self._entries[meta.key] = BlockEntry(meta=meta)
+        self.apply_touches()
         entry.sizes[tier] = nbytes
         if not entry.fastest or self._rank[tier] < self._rank[entry.fastest]:
             entry.fastest = tier
@@ -91,6 +99,7 @@ class BlockDirectory:
         """The tier moved a block it holds: file it under its new footprint, keeping its rank."""
         entry = self._entries.get(key)
         if footprint is not None and entry is not None:
+            self.apply_touches()
             order = self._orders[tier]
             self.charge(tier, entry.meta.tenant, footprint.nbytes - order.charge(key))
             order.refile(key, footprint)
@@ -100,6 +109,7 @@ class BlockDirectory:
 
         Returns the entry if the block is still held somewhere, else None.
         """
+        self.apply_touches()
         entry = self._entries.get(key)
         order = self._orders[tier]
         if entry is not None:
@@ -142,11 +152,25 @@ class BlockDirectory:
         if hit:
             for entry in entries:
                 entry.hits += 1
+        if not entries:
+            return
         if keys is None:
             keys = [e.meta.key for e in entries]
-        group = entries[0].meta.namespace if entries else None
-        for order in self._orders.values():
-            order.touch_chain(keys, group)
+        self._touches.append((keys, entries[0].meta.namespace))
+        if len(self._touches) > 1:
+            return  # already scheduled
+        try:
+            asyncio.get_running_loop().call_soon(self.apply_touches)
+        except RuntimeError:  # no loop (a tool, a test): now
+            self.apply_touches()
+
+    def apply_touches(self) -> None:
+        """Apply the touches not applied yet to every order, in the order they were made."""
+        while self._touches:
+            touches, self._touches = self._touches, []
+            for keys, group in touches:
+                for order in self._orders.values():
+                    order.touch_chain(keys, group)
 
     def pin(self, entries: Iterable[BlockEntry]) -> None:
         for entry in entries:
@@ -180,11 +204,13 @@ class BlockDirectory:
                 is_protected: Callable[[BlockKey], bool] | None = None) -> list[BlockKey] | None:
         """Unprotected blocks of ``tier`` (default: unpinned) whose removal frees ``need``,
         least valuable first, or None when no such set exists (nothing is evicted then)."""
+        self.apply_touches()
         return self._orders[tier].evict(need, is_protected or self.is_protected)
 
     def coldest(self, tier: str, nbytes: int) -> list[BlockKey]:
         """The least valuable unpinned blocks of ``tier`` worth about ``nbytes`` (fewer if the
         tier holds less), for background demotion."""
+        self.apply_touches()
         return self._orders[tier].coldest(nbytes, self.is_protected)
 
     def info(self, entry: BlockEntry, now: float | None = None) -> BlockInfo:

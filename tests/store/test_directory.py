@@ -3,9 +3,11 @@ fastest holder kept as tiers gain and lose a block in any order."""
 
 from __future__ import annotations
 
+import asyncio
+
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
-from kvstore.policy.base import Footprint
+from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.store.directory import BlockDirectory
 
 TIERS = ("hot", "warm", "cold")
@@ -20,6 +22,10 @@ def meta(i: int) -> PageMeta:
 
 def key(i: int) -> BlockKey:
     return meta(i).key
+
+
+def never(_: BlockKey) -> bool:
+    return False
 
 
 def test_fastest_follows_the_chain_order_whatever_the_placement_order():
@@ -71,3 +77,22 @@ def test_touch_counts_hits_only_for_hits_and_takes_the_callers_keys():
     assert [e.hits for e in entries] == [1, 1, 1]
     # The chain was touched parents last: the oldest block of the tier is the tail.
     assert d.coldest("hot", 10) == [key(2)]
+
+
+async def test_touches_on_a_loop_apply_on_its_next_turn_or_before_any_order_is_read():
+    d = BlockDirectory(["hot"])
+    for i in range(3):
+        d.place(meta(i), "hot", 10, SLOT)
+    order = d._orders["hot"]
+    d.touch(d.match_prefix([key(0)]))
+    d.touch(d.match_prefix([key(1)]))
+    assert order.coldest(10, never) == [key(0)]  # not applied yet: the oldest is block 0
+    await asyncio.sleep(0)
+    assert order.coldest(10, never) == [key(2)]  # applied in the order they were made
+    d.touch(d.match_prefix([key(2)]))
+    assert d.coldest("hot", 10) == [key(0)]  # reading through the directory applies them
+    d.touch(d.match_prefix([key(0)]))
+    assert d.victims("hot", RoomNeed(nbytes=10)) == [key(1)]
+    d.touch(d.match_prefix([key(1)]))
+    d.place(meta(3), "hot", 10, SLOT)  # a change to an order applies them first
+    assert order.coldest(10, never) == [key(2)]
