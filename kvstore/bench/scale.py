@@ -75,6 +75,9 @@ class ScaleConfig:
     prompt_blocks: int = PROMPT_BLOCKS
     dram_blocks: int = DRAM_BLOCKS
     eviction: str = "lru"  # both tiers' eviction order
+    # 128 pages of 8 KiB (a 4 KiB block's page, aligned) per SSD segment, as a 256 MiB segment
+    # holds 2 MiB blocks: 300k blocks are about 2300 segment files, as 600 GB of them would be.
+    segment_bytes: int = 1 << 20
     spec: KVSpec = SCALE_SPEC
 
     def __post_init__(self) -> None:
@@ -98,7 +101,7 @@ def store_config(config: ScaleConfig, root: Path) -> KVStoreConfig:
         dram=DramConfig(capacity_bytes=dram_bytes, chunk_bytes=1 << 20,
                         eviction=config.eviction),
         ssd=SsdConfig(path=str(root / "ssd"), capacity_bytes=2 * most * page_bytes + (64 << 20),
-                      segment_bytes=64 << 20, fsync="never", admit_after_accesses=0,
+                      segment_bytes=config.segment_bytes, fsync="never", admit_after_accesses=0,
                       eviction=config.eviction, persist_on_close=False),
         server=ServerConfig(socket_path=str(root / "kv.sock"), log_level="WARNING"),
     )
@@ -346,7 +349,8 @@ def _report(config: ScaleConfig, rows: list[dict[str, Any]]) -> BenchReport:
     notes = ((f"Blocks of {spec.block_bytes} bytes ({spec.num_layers} layer x "
               f"{spec.num_kv_heads} kv heads x {spec.head_dim} x {spec.block_tokens} tokens); "
               f"every call moves a {config.prompt_blocks}-block prompt. DRAM holds about "
-              f"{config.dram_blocks} blocks, the SSD the rest (eviction {config.eviction})."),
+              f"{config.dram_blocks} blocks, the SSD the rest in {config.segment_bytes >> 10} KiB "
+              f"segments (eviction {config.eviction})."),
              ("'/ first' is the ratio to the smallest size's figure (aim: within 1.3x); "
               "lookup_daemon goes through the daemon's Unix socket, the rest run on its loop."))
     return BenchReport(name="scale", title="Latency as the store grows (DRAM + SSD)",
@@ -354,6 +358,7 @@ def _report(config: ScaleConfig, rows: list[dict[str, Any]]) -> BenchReport:
                        params={"sizes": list(config.sizes), "repeats": config.repeats,
                                "prompt_blocks": config.prompt_blocks,
                                "dram_blocks": config.dram_blocks, "eviction": config.eviction,
+                               "segment_bytes": config.segment_bytes,
                                "spec": spec.to_dict()})
 
 
