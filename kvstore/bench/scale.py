@@ -379,14 +379,15 @@ def write_scale_report(report: BenchReport, raw: Mapping[str, Any], path: Any = 
 
 def plot(rows: Sequence[Mapping[str, Any]], stretches: Sequence[Mapping[str, Any]],
          path: Any) -> Any:
-    """Two panels over blocks stored (log scale): p50 and p99 latency per operation, and the
-    fill time per 10k blocks of each stretch of the fill. Returns the path."""
+    """Two panels over blocks stored: p50 and p99 latency per operation (log scales), and the
+    fill time per 10k blocks of each stretch of the fill (linear: a linear fill is flat).
+    Returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    fig, (lat, fill) = plt.subplots(2, 1, figsize=(7.0, 7.0), sharex=True)
+    fig, (lat, fill) = plt.subplots(2, 1, figsize=(7.0, 7.0))
     for op in OPS:
         mine = [r for r in rows if r.get("operation") == op and r.get("p50_ms") is not None]
         if mine:
@@ -397,6 +398,7 @@ def plot(rows: Sequence[Mapping[str, Any]], stretches: Sequence[Mapping[str, Any
     lat.set_xscale("log")
     lat.set_yscale("log")
     lat.set_ylabel("latency ms (p50 solid, p99 dashed)")
+    lat.set_xlabel("blocks stored")
     lat.legend(fontsize=7)
     fill.plot([r["blocks"] for r in stretches], [r["fill_s_per_10k"] for r in stretches],
               marker=".")
