@@ -148,7 +148,7 @@ def chain_keys(parent: bytes, data: memoryview, block_bytes: int) -> list[BlockK
         h.update(parent)
         h.update(data[start:start + block_bytes])
         parent = h.digest()
-        append(parent)  # type: ignore[arg-type] - a BlockKey is its 16 bytes
+        append(parent)  # type: ignore[arg-type]  # a BlockKey is its 16 bytes
     return keys
 
 

@@ -2,12 +2,13 @@
 tier.
 
 The directory is the store's single source of truth about which tier holds which block. It is
-touched only from the store's event loop, so it needs no locks. A touch (a chain was used) is
-applied to the eviction orders on the loop's next turn, after the request that made it has
-answered, or before anything that reads or changes an order, whichever comes first: no decision
-ever sees an order without it, and a 32k-token lookup does not wait for 2048 re-rankings per
-tier. Tiers are names here, as the
+touched only from the store's event loop, so it needs no locks. Tiers are names here, as the
 chain gave them: the directory never knows what a tier is.
+
+A touch (a chain was used) reaches the eviction orders on the loop's next turn, after the
+request that made it has answered, or before anything reads or changes an order, whichever
+comes first: no decision ever sees an order without it, and a 32k-token lookup does not wait for
+2048 re-rankings per tier.
 """
 
 from __future__ import annotations
