@@ -1,4 +1,5 @@
 import dataclasses
+import hashlib
 import subprocess
 import sys
 
@@ -7,10 +8,14 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace, block_keys, parse_key
+from kvstore.keys import Namespace, block_keys, chain_keys, parse_key
 from kvstore.spec import KVSpec
 
 from .conftest import random_tokens
+
+# block_keys(ns, range(100, 116))[0] for the conftest namespace, computed by the scheme's first
+# implementation (kvstore 2026-11).
+PINNED_FIRST_KEY = "fd9740a123111b3fd84c624d97cd4080"
 
 
 def test_keys_only_cover_full_blocks(ns):
@@ -114,3 +119,53 @@ def test_parse_key():
     assert parse_key(k.hex()) == k
     with pytest.raises(InvalidArgument, match="hex"):
         parse_key("xyz")
+
+
+def _reference_keys(ns: Namespace, tokens) -> list[bytes]:
+    """The key scheme as first written (one blake2b built with its parameters per block over
+    a copy of each block's bytes): what every stored page and SSD index is keyed by."""
+    data = np.asarray(tokens, dtype=np.int64).astype("<u4").tobytes()
+    step = ns.spec.block_tokens * 4
+    keys, parent = [], ns.fingerprint
+    for start in range(0, len(data) // step * step, step):
+        h = hashlib.blake2b(parent, digest_size=16, person=b"kvstore.key.v1")
+        h.update(data[start:start + step])
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, 16, 32, 256])
+def test_keys_equal_the_reference_scheme(ns, block_tokens):
+    """Keys stay byte-identical to the scheme stored pages were written under, over random
+    tokens of every length around block boundaries (a partial last block included) and every
+    token form an edge passes in."""
+    spec = dataclasses.replace(ns.spec, block_tokens=block_tokens)
+    ns = dataclasses.replace(ns, spec=spec)
+    rng = np.random.default_rng(block_tokens)
+    for num_tokens in (1, block_tokens - 1, block_tokens, block_tokens + 1, 5 * block_tokens + 2,
+                       int(rng.integers(1, 40 * block_tokens))):
+        if num_tokens < 1:
+            continue
+        tokens = rng.integers(0, 2**32, num_tokens, dtype=np.uint64)
+        expected = _reference_keys(ns, tokens)
+        assert len(expected) == num_tokens // block_tokens
+        assert block_keys(ns, tokens.tolist()) == expected
+        assert block_keys(ns, tokens.astype("<u4")) == expected
+        assert block_keys(ns, tokens.astype(np.int64)) == expected
+        strided = np.repeat(tokens.astype(np.int64), 2)[::2]  # not contiguous
+        assert block_keys(ns, strided) == expected
+        assert block_keys(ns, torch.from_numpy(tokens.astype(np.int64))) == expected
+
+
+def test_keys_are_pinned_digests(ns):
+    """The first keys of a fixed prompt, as hex: a change to the scheme would orphan every
+    stored page, so it fails here before it ships."""
+    assert [k.hex() for k in block_keys(ns, list(range(100, 148)))] == [
+        k.hex() for k in _reference_keys(ns, list(range(100, 148)))]
+    assert block_keys(ns, list(range(100, 116)))[0].hex() == PINNED_FIRST_KEY
+
+
+def test_chain_keys_rejects_a_bad_block_size():
+    with pytest.raises(InvalidArgument, match="block_bytes"):
+        chain_keys(bytes(16), memoryview(bytes(64)), 0)

@@ -198,3 +198,54 @@ def bench_lmcache(
     run = load_runner("kvstore.bench.lmcache", "run_lmcache_bench", "kvstore bench lmcache")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), repeat=repeat,
                  quick=quick, python=lmcache_python), json_path)
+
+
+@bench_app.command("scale")
+@boundary
+def bench_scale(
+    sizes: Annotated[str, typer.Option(
+        help="Blocks stored at each measurement, ascending, e.g. 1k,10k.")
+    ] = "1k,10k,100k,300k",
+    max_blocks: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Drop the sizes above this many blocks.")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed calls per operation and size.")
+                       ] = 100,
+    prompt_blocks: Annotated[int, typer.Option(
+        min=1, help="Blocks per put, reservation, lookup and get.")] = 16,
+    dram_blocks: Annotated[int, typer.Option(
+        min=1, help="The DRAM tier's capacity, in blocks (the SSD holds the rest).")] = 512,
+    eviction: Annotated[str, typer.Option(help="Both tiers' eviction order: lru, arc or value.")
+                        ] = "lru",
+    quick: Annotated[bool, typer.Option(help="64 and 256 blocks, 5 repeats (seconds).")
+                     ] = False,
+    work_dir: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Where the SSD tier's files go (a temp dir inside) [default: the temp dir]")
+    ] = None,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """Put, reserve+commit, lookup and get latency with 1k to 300k small blocks stored in a
+    DRAM + SSD store, and the fill time per 10k blocks (kvstore.bench.scale); a PNG beside the
+    JSON."""
+    from kvstore.bench.scale import (
+        QUICK_SIZES,
+        ScaleConfig,
+        parse_sizes,
+        run_scale_bench,
+        write_scale_report,
+    )
+    from kvstore.config import EVICTION_ORDERS
+
+    if eviction not in EVICTION_ORDERS:
+        usage_error(f"--eviction must be one of {', '.join(EVICTION_ORDERS)}, got {eviction!r}")
+    chosen = QUICK_SIZES if quick else parse_sizes(sizes)
+    if max_blocks is not None:
+        chosen = tuple(s for s in chosen if s <= max_blocks) or (max_blocks,)
+    config = ScaleConfig(sizes=chosen, repeats=5 if quick else repeats,
+                         prompt_blocks=prompt_blocks, dram_blocks=dram_blocks, eviction=eviction)
+    report, raw = run_scale_bench(config, None if work_dir is None else str(work_dir))
+    try:
+        write_scale_report(report, raw, json_path, console=console)
+    except OSError as exc:
+        raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
+                           ) from None

@@ -114,7 +114,7 @@ def lookup_to_proto(result: LookupResult) -> pb.LookupResponse:
 def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
     return LookupResult(num_tokens=msg.num_tokens, matched_tokens=msg.matched_tokens,
                         tokens_per_tier=dict(msg.tokens_per_tier),
-                        keys=tuple(BlockKey(k) for k in msg.keys),
+                        keys=tuple(msg.keys),  # BlockKey is bytes: no call per key
                         advised_tokens=(msg.advised_tokens if msg.HasField("advised_tokens")
                                         else None),
                         cluster_tokens=dict(msg.cluster_tokens))

@@ -24,8 +24,9 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import grpc
 
@@ -43,6 +44,7 @@ from kvstore.server.service import KVStoreService, add_to_server, max_put_bytes
 from kvstore.store import Store
 
 _log = logging.getLogger("kvstore.server.daemon")
+T = TypeVar("T")
 _PROBE_TIMEOUT_S = 1.0  # how long a connect to an existing socket may take to count as live
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -413,6 +415,14 @@ class DaemonThread:
         if self.daemon is None:
             raise KVStoreError("the daemon did not start within 60 s")
         return self.daemon
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the daemon's event loop (its store's) and wait for its result; from
+        another thread, while the daemon runs."""
+        if self._loop is None:
+            coro.close()
+            raise KVStoreError("the daemon is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __exit__(self, *exc_info: object) -> None:
         if self._loop is not None and self._stop is not None:

@@ -46,9 +46,11 @@ log = logging.getLogger("kvstore.store")
 Tokens = Sequence[int] | torch.Tensor
 
 # Prefixes longer than this are hashed on a worker thread, so one long request never stalls the
-# loop: block keys cost about 2 ms per 32k tokens on the 2-core box (2026-11-29), so this
-# bounds the inline cost near 1 ms (a thread hop is ~0.1 ms).
-INLINE_HASH_TOKENS = 16384
+# loop: block keys cost about 1 ms per 32k tokens on the 2-core box (2026-12-01, one pass over
+# the token buffer), so this bounds the inline cost near 1 ms. The hop itself is not free: a
+# 32k-token Lookup through the daemon spent about a fifth of its time handing the hashing to a
+# thread and back (py-spy, 2026-12-01).
+INLINE_HASH_TOKENS = 32768
 
 
 async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
@@ -274,9 +276,9 @@ class Store:
         self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
         entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
-        per_tier = self._placement.tokens_per_tier(entries, bt)
-        self._dir.touch(entries)
-        keys = tuple([e.meta.key for e in entries])
+        per_tier = self._dir.tokens_per_tier(entries, bt)
+        keys = tuple(all_keys[:len(entries)])
+        self._dir.touch(entries, keys=keys)
         shared_keys, cluster_tokens = await self._probe_shared(ns, all_keys, len(keys))
         if shared_keys:
             name = self._placement.shared_link().name

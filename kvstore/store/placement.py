@@ -105,20 +105,6 @@ class Placement:
                 return link
         raise KeyError(f"block {entry.meta.key.hex()} is in no tier of the chain")
 
-    def tokens_per_tier(self, entries: Sequence[BlockEntry], block_tokens: int
-                        ) -> dict[str, int]:
-        """Tokens of ``entries`` by the fastest tier holding each (one pass, no per-block
-        generator: a 32k-token lookup walks 2048 entries)."""
-        names = [link.name for link in self.links]
-        counts = dict.fromkeys(names, 0)
-        for entry in entries:
-            sizes = entry.sizes
-            for name in names:
-                if name in sizes:
-                    counts[name] += block_tokens
-                    break
-        return {name: n for name, n in counts.items() if n}
-
     def slot_link(self, medium: Medium = Medium.HOST) -> Link | None:
         """The fastest tier that lends slots of ``medium`` (zero-copy writes and pinned reads),
         if any."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.bench.rpc import redis_available, run_rpc_bench
+from kvstore.bench.rpc import python_lookup_floor, redis_available, run_rpc_bench
 from kvstore.errors import InvalidArgument
 
 
@@ -17,6 +17,9 @@ def test_rpc_bench_smoke():
                  "put 2 MiB blocks, socket", "get 2 MiB blocks, shared memory"):
         assert rows[name]["value"] > 0 and rows[name]["echo"] > 0
         assert rows[name]["vs_echo"] == pytest.approx(rows[name]["value"] / rows[name]["echo"])
+    for name in ("Lookup 8k-token prefix p50", "Lookup 32k-token prefix p99"):
+        assert rows[name]["floor"] > 0
+        assert rows[name]["vs_floor"] == pytest.approx(rows[name]["value"] / rows[name]["floor"])
     assert report.as_dict()["params"]["total_bytes"] == 32 << 20
     if redis_available():
         for transport in ("unix", "tcp"):
@@ -34,3 +37,13 @@ def test_rpc_bench_rejects_bad_parameters():
         run_rpc_bench(total_bytes=0)
     with pytest.raises(InvalidArgument, match="redis_repeats"):
         run_rpc_bench(redis_repeats=-1)
+
+
+def test_python_lookup_floor_walks_the_recorded_prefix():
+    """The floor matches what it recorded and stops at the first block it did not."""
+    tokens = list(range(16 * 5 + 3))
+    index: dict[bytes, None] = {}
+    assert python_lookup_floor(bytes(16), tokens[:48], index, 16, record=True) == 3
+    assert len(index) == 3
+    assert python_lookup_floor(bytes(16), tokens, index, 16) == 3
+    assert python_lookup_floor(bytes(16), [7] + tokens[1:], index, 16) == 0

@@ -39,7 +39,7 @@ def test_help_lists_the_commands_in_order() -> None:
     assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version",
                                     "bench"]
     assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "gpu",
-                                                      "policy", "remote", "lmcache"]
+                                                      "policy", "remote", "lmcache", "scale"]
 
 
 def test_usage_error_exits_2() -> None:

@@ -127,3 +127,17 @@ def test_sigterm_during_puts_drains_and_keeps_acknowledged_puts(root, ns, spec):
     with DaemonThread(config) as daemon, Client(daemon.unix_address, zero_copy=False) as client:
         for tokens, kv in acked:
             assert torch.equal(client.get(ns, tokens), kv)
+
+
+def test_daemon_thread_runs_a_coroutine_on_the_daemons_loop(tmp_path, spec):
+    """What a benchmark or an embedding engine uses to reach the store beside a client."""
+    config = small_config(tmp_path)
+    ns = Namespace(model_id="m", spec=spec, tenant="default")
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    thread = DaemonThread(config)
+    with thread as daemon, Client(daemon.unix_address, zero_copy=False) as client:
+        assert thread.call(daemon.store.put(ns, tokens, kv)) == 32
+        assert client.lookup(ns, tokens).matched_tokens == 32
+    coro = daemon.store.lookup(ns, tokens)
+    with pytest.raises(KVStoreError, match="not running"):
+        DaemonThread(config).call(coro)  # never started
