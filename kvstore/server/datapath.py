@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from urllib.parse import unquote
 
 import torch
@@ -46,6 +47,7 @@ from kvstore.server.sockets import bind_unix
 
 _log = logging.getLogger("kvstore.server.datapath")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
+MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
 
 
@@ -90,16 +92,18 @@ class Transfer:
     """One ticket: who may present it, over what, the bytes it moves and how that ended."""
 
     __slots__ = ("_timer", "buffer", "caller", "claimed", "context", "deadline", "error",
-                 "finished", "is_put", "presented", "storage", "task", "ticket", "total_bytes",
-                 "transport")
+                 "finished", "is_put", "pieces", "presented", "storage", "task", "ticket",
+                 "total_bytes", "transport")
 
-    def __init__(self, caller: Caller, transport: str, buffer: memoryview, is_put: bool,
-                 deadline: float, context: object, storage: torch.Tensor | None = None) -> None:
+    def __init__(self, caller: Caller, transport: str, buffer: memoryview | None, is_put: bool,
+                 deadline: float, context: object, storage: torch.Tensor | None = None,
+                 pieces: Sequence[memoryview] = ()) -> None:
         self.ticket = new_ticket()
         self.caller, self.transport, self.is_put = caller, transport, is_put
-        self.buffer: memoryview | None = buffer
+        self.buffer: memoryview | None = buffer  # a Put's bytes
+        self.pieces: Sequence[memoryview] | None = pieces  # a Get's bytes, in order
         self.storage = storage  # a Put's pooled buffer, which ``buffer`` views
-        self.total_bytes = len(buffer)
+        self.total_bytes = len(buffer) if buffer is not None else sum(map(len, pieces))
         self.context = context  # what the handler needs afterwards (a Put's namespace, tokens)
         self.deadline = deadline  # loop time by which the ticket must be presented
         self.presented = False  # a data connection took it (single use)
@@ -114,7 +118,7 @@ class Transfer:
             self.error = error
             self.finished.set()
             if error is not None:  # a failed transfer gives its bytes back at once
-                self.buffer = self.storage = None
+                self.buffer = self.storage = self.pieces = None
 
 
 class DataPathServer:
@@ -167,15 +171,18 @@ class DataPathServer:
         return self._add(Transfer(caller, transport_of(peer), memoryview(buffer.numpy()), True,
                                   self._deadline(), context, buffer))
 
-    def open_get(self, caller: Caller, peer: str, data: memoryview) -> Transfer | None:
-        """A ticket for sending ``data``, claimed by the calling handler; None when the
-        tickets or their budget are spent (the handler then streams chunks instead)."""
+    def open_get(self, caller: Caller, peer: str, pieces: Sequence[memoryview]
+                 ) -> Transfer | None:
+        """A ticket for sending ``pieces`` one after another (a tensor's bytes, or pages in
+        place, in the tensor's order), claimed by the calling handler; None when the tickets
+        or their budget are spent (the handler then streams chunks instead). The pieces must
+        stay valid until the handler discards the transfer."""
         try:
-            self._check_room(len(data))
+            self._check_room(sum(map(len, pieces)))
         except CapacityError:
             return None
-        transfer = self._add(Transfer(caller, transport_of(peer), data, False,
-                                      self._deadline(), None))
+        transfer = self._add(Transfer(caller, transport_of(peer), None, False,
+                                      self._deadline(), None, pieces=pieces))
         transfer.claimed = True
         return transfer
 
@@ -197,12 +204,12 @@ class DataPathServer:
         transfer.claimed = True
         return transfer
 
-    async def wait(self, transfer: Transfer) -> memoryview:
-        """The transfer's buffer once its bytes have moved; its error if they did not."""
+    async def wait(self, transfer: Transfer) -> memoryview | None:
+        """Once the transfer's bytes have moved: a Put's buffer (None for a Get); its error if
+        they did not."""
         await transfer.finished.wait()
         if transfer.error is not None:
             raise transfer.error
-        assert transfer.buffer is not None
         return transfer.buffer
 
     def discard(self, transfer: Transfer, reuse: bool = False) -> None:
@@ -223,7 +230,7 @@ class DataPathServer:
                 transfer._timer.cancel()
         transfer.presented = True  # a connection arriving now finds nothing to take
         transfer.finish(Unavailable("the transfer was abandoned"))
-        transfer.buffer = None
+        transfer.buffer = transfer.pieces = None
         if transfer.task is not None and transfer.task is not asyncio.current_task():
             transfer.task.cancel()  # its caller has gone: stop moving bytes for nobody
 
@@ -394,11 +401,56 @@ class DataPathServer:
 
     async def _send(self, conn: socket.socket, transfer: Transfer) -> None:
         loop = asyncio.get_running_loop()
-        view = transfer.buffer
-        for start in range(0, transfer.total_bytes, SEND_SLICE_BYTES):
+        for batch in _slices(transfer.pieces or (), SEND_SLICE_BYTES):
             # each slice must leave within the idle bound: a reader that stalls is dropped
             async with asyncio.timeout(self._idle_s):
-                await loop.sock_sendall(conn, view[start : start + SEND_SLICE_BYTES])
+                await _send_all(loop, conn, batch)
+
+
+def _slices(pieces: Sequence[memoryview], slice_bytes: int) -> Iterator[list[memoryview]]:
+    """``pieces`` in batches of about ``slice_bytes`` (a piece is never split) and at most
+    ``MAX_IOV`` pieces, one ``sendmsg`` each while the socket takes them."""
+    batch: list[memoryview] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= slice_bytes or len(batch) == MAX_IOV:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+async def _send_all(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                    buffers: list[memoryview]) -> None:
+    """Send ``buffers`` in order on the non-blocking ``conn``: gathered (``sendmsg``, one
+    system call for many pages) until the socket is full, then waiting until it drains."""
+    first = 0
+    while first < len(buffers):
+        try:
+            sent = conn.sendmsg(buffers[first:first + MAX_IOV])
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, conn)
+            continue
+        while sent and first < len(buffers):
+            size = len(buffers[first])
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                buffers[first] = buffers[first][sent:]
+                sent = 0
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+    fd = conn.fileno()
+    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
 
 
 class _Progress:
