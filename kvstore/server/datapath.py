@@ -38,6 +38,7 @@ from kvstore.errors import (
     LeaseNotFound,
     PermissionDenied,
     Unavailable,
+    shown,
 )
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.datapath import HELLO, TICKET_BYTES, new_ticket, parse_hello
@@ -141,6 +142,7 @@ class DataPathServer:
         self._pending_bytes = 0
         self.bytes_moved = 0  # by transfers that completed, either way
         self._transfers: dict[bytes, Transfer] = {}
+        self._held: dict[str | None, list[int]] = {}  # tenant -> [tickets, bytes] it holds
         self._pool = BufferPool(min(POOL_MAX_BYTES, max_pending_bytes))
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
@@ -166,7 +168,7 @@ class DataPathServer:
 
     def open_put(self, caller: Caller, peer: str, total_bytes: int, context: object) -> Transfer:
         """A ticket for a Put of ``total_bytes``, its buffer set aside (not zero-filled)."""
-        self._check_room(total_bytes)
+        self._check_room(caller, total_bytes)
         buffer = self._pool.take(total_bytes)
         return self._add(Transfer(caller, transport_of(peer), memoryview(buffer.numpy()), True,
                                   self._deadline(), context, buffer))
@@ -178,7 +180,7 @@ class DataPathServer:
         or their budget are spent (the handler then streams chunks instead). The pieces must
         stay valid until the handler discards the transfer."""
         try:
-            self._check_room(sum(map(len, pieces)))
+            self._check_room(caller, sum(map(len, pieces)))
         except CapacityError:
             return None
         transfer = self._add(Transfer(caller, transport_of(peer), None, False,
@@ -226,6 +228,11 @@ class DataPathServer:
         transfer.storage = None
         if self._transfers.pop(transfer.ticket, None) is transfer:
             self._pending_bytes -= transfer.total_bytes
+            held = self._held[transfer.caller.tenant]
+            held[0] -= 1
+            held[1] -= transfer.total_bytes
+            if not held[0]:
+                del self._held[transfer.caller.tenant]
             if transfer._timer is not None:
                 transfer._timer.cancel()
         transfer.presented = True  # a connection arriving now finds nothing to take
@@ -234,14 +241,29 @@ class DataPathServer:
         if transfer.task is not None and transfer.task is not asyncio.current_task():
             transfer.task.cancel()  # its caller has gone: stop moving bytes for nobody
 
-    def _check_room(self, total_bytes: int) -> None:
-        if len(self._transfers) >= self._max_transfers:
+    def _check_room(self, caller: Caller, total_bytes: int) -> None:
+        """CapacityError unless a transfer of ``total_bytes`` for ``caller`` fits: within the
+        tickets and bytes of all transfers, and within its tenant's fair share of them.
+
+        A tenant may take another while it holds fewer tickets, and fewer bytes, than are
+        left free: one tenant alone can hold at most about half of them, each tenant after it
+        half of what is left, so a tenant that holds none always finds some free while
+        another hogs them (like ``sessions.py`` bounds each tenant's sessions).
+        """
+        free = self._max_transfers - len(self._transfers)
+        if free <= 0:
             raise CapacityError(f"{len(self._transfers)} data transfers are open, the most "
                                 f"this daemon allows (server.max_data_transfers)")
-        if self._pending_bytes + total_bytes > self._max_pending_bytes:
+        free_bytes = self._max_pending_bytes - self._pending_bytes
+        if total_bytes > free_bytes:
             raise CapacityError(f"data transfers hold {self._pending_bytes} bytes; "
                                 f"{total_bytes} more would pass the "
                                 f"{self._max_pending_bytes}-byte budget")
+        count, nbytes = self._held.get(caller.tenant, (0, 0))
+        if count >= free or (count and nbytes >= free_bytes):
+            raise CapacityError(f"tenant {shown(caller.tenant)} holds {count} data transfers "
+                                f"({nbytes} bytes), its share while {free} "
+                                f"({free_bytes} bytes) are left for others; stream this one")
 
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._idle_s
@@ -249,6 +271,9 @@ class DataPathServer:
     def _add(self, transfer: Transfer) -> Transfer:
         self._transfers[transfer.ticket] = transfer
         self._pending_bytes += transfer.total_bytes
+        held = self._held.setdefault(transfer.caller.tenant, [0, 0])
+        held[0] += 1
+        held[1] += transfer.total_bytes
         transfer._timer = asyncio.get_running_loop().call_at(transfer.deadline, self._expire,
                                                              transfer)
         return transfer
