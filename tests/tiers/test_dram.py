@@ -378,7 +378,7 @@ async def test_a_claim_that_fails_its_check_publishes_nothing(tier: DramTier) ->
         await tier.claim(slot, key, slot.slot_bytes + 1, refuse)
     claim = await tier.claim(slot, key, len(page), _checking([]))
     assert await tier.checked(claim) == meta and tier.publish(claim) == len(page)
-    other_key, other_page, other_meta = make_page(19, 400_000, tenant="globex")
+    other_key, other_page, _ = make_page(19, 400_000, tenant="globex")
     slot = await tier.allocate_slot(len(other_page), "acme")
     tier.slot_view(slot)[:len(other_page)] = other_page
     claim = await tier.claim(slot, other_key, len(other_page), _checking([]))
