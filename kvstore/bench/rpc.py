@@ -15,6 +15,7 @@ import array
 import asyncio
 import contextlib
 import hashlib
+import mmap
 import os
 import resource
 import shutil
@@ -55,6 +56,7 @@ _SERVER_START_S = 60.0
 _BENCH_TOKEN = "kvstore-bench-admin"  # the daemon's TCP port is never served without a token
 _ECHO_SECTION = "against a bare gRPC echo"
 _REDIS_SECTION = "socket path against redis-py SET/GET, pipelined 16 deep"
+_COPY_SECTION = "shared memory against one copy (np.copyto) into or out of a memfd"
 
 
 # ------------------------------------------------------------------------------ echo server
@@ -257,6 +259,7 @@ def _transfer_rows(client: Client, echo: Echo, total_bytes: int) -> list[dict]:
     get_shm = _seconds(lambda: [client.get(ns, t, zero_copy=True) for t in shared])
     echo_put = _seconds(lambda: [echo.put(view, chunk) for _ in range(num_calls)])
     echo_get = _seconds(lambda: [echo.get(nbytes, chunk) for _ in range(num_calls)])
+    copy_in, copy_out = _memfd_copies(view, num_calls)
     client.evict(model_id=ns.model_id)
     extra = {"payload_bytes": nbytes}
     return [
@@ -266,7 +269,37 @@ def _transfer_rows(client: Client, echo: Echo, total_bytes: int) -> list[dict]:
         _row("get 2 MiB blocks, socket", moved / get_socket, "GB/s", moved / echo_get, **extra),
         _row("get 2 MiB blocks, shared memory", moved / get_shm, "GB/s", moved / echo_get,
              **extra),
+        _copy_row("put 2 MiB blocks x16, shared memory, vs one copy into a memfd",
+                  moved / put_shm, moved / copy_in, 0.7, **extra),
+        _copy_row("get 2 MiB blocks x16, shared memory, vs one copy out of a memfd",
+                  moved / get_shm, moved / copy_out, 0.8, **extra),
     ]
+
+
+def _memfd_copies(view: memoryview, num_calls: int) -> tuple[float, float]:
+    """Seconds of ``num_calls`` single-threaded copies (``np.copyto``) of ``view`` into a
+    prefaulted memfd mapping, and as many out of it into a warm buffer: the floor of a
+    shared-memory put and get of the same bytes."""
+    src = np.frombuffer(view, dtype=np.uint8)
+    fd = os.memfd_create("kvstore-bench-copy", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, src.nbytes)
+        mapped = mmap.mmap(fd, src.nbytes)
+        shared = np.frombuffer(mapped, dtype=np.uint8)
+        out = np.ones_like(src)  # warm: a get's result buffer is not a fresh one here
+        np.copyto(shared, src)  # untimed: faults the pages in
+        copy_in = _seconds(lambda: [np.copyto(shared, src) for _ in range(num_calls)])
+        copy_out = _seconds(lambda: [np.copyto(out, shared) for _ in range(num_calls)])
+        shared = None  # the mapping closes once no array views it
+        mapped.close()
+    finally:
+        os.close(fd)
+    return copy_in, copy_out
+
+
+def _copy_row(measurement: str, value: float, copy_gbps: float, aim: float, **extra) -> dict:
+    return {"section": _COPY_SECTION, "measurement": measurement, "value": value,
+            "unit": "GB/s", "copy": copy_gbps, "vs_copy": value / copy_gbps, "aim": aim, **extra}
 
 
 async def _calls_per_second(call: Callable[[], object], seconds: float, concurrency: int
@@ -525,6 +558,8 @@ def run_rpc_bench(total_bytes: int = 256 * MiB, lookup_repeats: int = 200,
                  Column("value", "kvstore"), Column("unit", "unit", justify="left"),
                  Column("echo", "echo"), Column("vs_echo", "kvstore/echo"),
                  Column("floor", "python floor"), Column("vs_floor", "kvstore/floor"),
+                 Column("copy", "one copy"), Column("vs_copy", "kvstore/copy"),
+                 Column("aim", "aim"),
                  Column("redis", "redis"), Column("vs_redis", "kvstore/redis"),
                  Column("cpu_s_per_gb", "CPU s/GB"), Column("redis_cpu_s_per_gb", "redis CPU s/GB"),
                  Column("cpu_vs_redis", "CPU kvstore/redis")),

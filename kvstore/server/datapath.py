@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from urllib.parse import unquote
 
 import torch
@@ -37,6 +38,7 @@ from kvstore.errors import (
     LeaseNotFound,
     PermissionDenied,
     Unavailable,
+    shown,
 )
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.datapath import HELLO, TICKET_BYTES, new_ticket, parse_hello
@@ -46,6 +48,7 @@ from kvstore.server.sockets import bind_unix
 
 _log = logging.getLogger("kvstore.server.datapath")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
+MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
 
 
@@ -90,16 +93,18 @@ class Transfer:
     """One ticket: who may present it, over what, the bytes it moves and how that ended."""
 
     __slots__ = ("_timer", "buffer", "caller", "claimed", "context", "deadline", "error",
-                 "finished", "is_put", "presented", "storage", "task", "ticket", "total_bytes",
-                 "transport")
+                 "finished", "is_put", "pieces", "presented", "storage", "task", "ticket",
+                 "total_bytes", "transport")
 
-    def __init__(self, caller: Caller, transport: str, buffer: memoryview, is_put: bool,
-                 deadline: float, context: object, storage: torch.Tensor | None = None) -> None:
+    def __init__(self, caller: Caller, transport: str, buffer: memoryview | None, is_put: bool,
+                 deadline: float, context: object, storage: torch.Tensor | None = None,
+                 pieces: Sequence[memoryview] = ()) -> None:
         self.ticket = new_ticket()
         self.caller, self.transport, self.is_put = caller, transport, is_put
-        self.buffer: memoryview | None = buffer
+        self.buffer: memoryview | None = buffer  # a Put's bytes
+        self.pieces: Sequence[memoryview] | None = pieces  # a Get's bytes, in order
         self.storage = storage  # a Put's pooled buffer, which ``buffer`` views
-        self.total_bytes = len(buffer)
+        self.total_bytes = len(buffer) if buffer is not None else sum(map(len, pieces))
         self.context = context  # what the handler needs afterwards (a Put's namespace, tokens)
         self.deadline = deadline  # loop time by which the ticket must be presented
         self.presented = False  # a data connection took it (single use)
@@ -114,7 +119,7 @@ class Transfer:
             self.error = error
             self.finished.set()
             if error is not None:  # a failed transfer gives its bytes back at once
-                self.buffer = self.storage = None
+                self.buffer = self.storage = self.pieces = None
 
 
 class DataPathServer:
@@ -137,6 +142,7 @@ class DataPathServer:
         self._pending_bytes = 0
         self.bytes_moved = 0  # by transfers that completed, either way
         self._transfers: dict[bytes, Transfer] = {}
+        self._held: dict[str | None, list[int]] = {}  # tenant -> [tickets, bytes] it holds
         self._pool = BufferPool(min(POOL_MAX_BYTES, max_pending_bytes))
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
@@ -162,20 +168,23 @@ class DataPathServer:
 
     def open_put(self, caller: Caller, peer: str, total_bytes: int, context: object) -> Transfer:
         """A ticket for a Put of ``total_bytes``, its buffer set aside (not zero-filled)."""
-        self._check_room(total_bytes)
+        self._check_room(caller, total_bytes)
         buffer = self._pool.take(total_bytes)
         return self._add(Transfer(caller, transport_of(peer), memoryview(buffer.numpy()), True,
                                   self._deadline(), context, buffer))
 
-    def open_get(self, caller: Caller, peer: str, data: memoryview) -> Transfer | None:
-        """A ticket for sending ``data``, claimed by the calling handler; None when the
-        tickets or their budget are spent (the handler then streams chunks instead)."""
+    def open_get(self, caller: Caller, peer: str, pieces: Sequence[memoryview]
+                 ) -> Transfer | None:
+        """A ticket for sending ``pieces`` one after another (a tensor's bytes, or pages in
+        place, in the tensor's order), claimed by the calling handler; None when the tickets
+        or their budget are spent (the handler then streams chunks instead). The pieces must
+        stay valid until the handler discards the transfer."""
         try:
-            self._check_room(len(data))
+            self._check_room(caller, sum(map(len, pieces)))
         except CapacityError:
             return None
-        transfer = self._add(Transfer(caller, transport_of(peer), data, False,
-                                      self._deadline(), None))
+        transfer = self._add(Transfer(caller, transport_of(peer), None, False,
+                                      self._deadline(), None, pieces=pieces))
         transfer.claimed = True
         return transfer
 
@@ -197,12 +206,12 @@ class DataPathServer:
         transfer.claimed = True
         return transfer
 
-    async def wait(self, transfer: Transfer) -> memoryview:
-        """The transfer's buffer once its bytes have moved; its error if they did not."""
+    async def wait(self, transfer: Transfer) -> memoryview | None:
+        """Once the transfer's bytes have moved: a Put's buffer (None for a Get); its error if
+        they did not."""
         await transfer.finished.wait()
         if transfer.error is not None:
             raise transfer.error
-        assert transfer.buffer is not None
         return transfer.buffer
 
     def discard(self, transfer: Transfer, reuse: bool = False) -> None:
@@ -219,22 +228,42 @@ class DataPathServer:
         transfer.storage = None
         if self._transfers.pop(transfer.ticket, None) is transfer:
             self._pending_bytes -= transfer.total_bytes
+            held = self._held[transfer.caller.tenant]
+            held[0] -= 1
+            held[1] -= transfer.total_bytes
+            if not held[0]:
+                del self._held[transfer.caller.tenant]
             if transfer._timer is not None:
                 transfer._timer.cancel()
         transfer.presented = True  # a connection arriving now finds nothing to take
         transfer.finish(Unavailable("the transfer was abandoned"))
-        transfer.buffer = None
+        transfer.buffer = transfer.pieces = None
         if transfer.task is not None and transfer.task is not asyncio.current_task():
             transfer.task.cancel()  # its caller has gone: stop moving bytes for nobody
 
-    def _check_room(self, total_bytes: int) -> None:
-        if len(self._transfers) >= self._max_transfers:
+    def _check_room(self, caller: Caller, total_bytes: int) -> None:
+        """CapacityError unless a transfer of ``total_bytes`` for ``caller`` fits: within the
+        tickets and bytes of all transfers, and within its tenant's fair share of them.
+
+        A tenant may take another while it holds fewer tickets, and fewer bytes, than are
+        left free: one tenant alone can hold at most about half of them, each tenant after it
+        half of what is left, so a tenant that holds none always finds some free while
+        another hogs them (like ``sessions.py`` bounds each tenant's sessions).
+        """
+        free = self._max_transfers - len(self._transfers)
+        if free <= 0:
             raise CapacityError(f"{len(self._transfers)} data transfers are open, the most "
                                 f"this daemon allows (server.max_data_transfers)")
-        if self._pending_bytes + total_bytes > self._max_pending_bytes:
+        free_bytes = self._max_pending_bytes - self._pending_bytes
+        if total_bytes > free_bytes:
             raise CapacityError(f"data transfers hold {self._pending_bytes} bytes; "
                                 f"{total_bytes} more would pass the "
                                 f"{self._max_pending_bytes}-byte budget")
+        count, nbytes = self._held.get(caller.tenant, (0, 0))
+        if count >= free or (count and nbytes >= free_bytes):
+            raise CapacityError(f"tenant {shown(caller.tenant)} holds {count} data transfers "
+                                f"({nbytes} bytes), its share while {free} "
+                                f"({free_bytes} bytes) are left for others; stream this one")
 
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._idle_s
@@ -242,6 +271,9 @@ class DataPathServer:
     def _add(self, transfer: Transfer) -> Transfer:
         self._transfers[transfer.ticket] = transfer
         self._pending_bytes += transfer.total_bytes
+        held = self._held.setdefault(transfer.caller.tenant, [0, 0])
+        held[0] += 1
+        held[1] += transfer.total_bytes
         transfer._timer = asyncio.get_running_loop().call_at(transfer.deadline, self._expire,
                                                              transfer)
         return transfer
@@ -394,11 +426,56 @@ class DataPathServer:
 
     async def _send(self, conn: socket.socket, transfer: Transfer) -> None:
         loop = asyncio.get_running_loop()
-        view = transfer.buffer
-        for start in range(0, transfer.total_bytes, SEND_SLICE_BYTES):
+        for batch in _slices(transfer.pieces or (), SEND_SLICE_BYTES):
             # each slice must leave within the idle bound: a reader that stalls is dropped
             async with asyncio.timeout(self._idle_s):
-                await loop.sock_sendall(conn, view[start : start + SEND_SLICE_BYTES])
+                await _send_all(loop, conn, batch)
+
+
+def _slices(pieces: Sequence[memoryview], slice_bytes: int) -> Iterator[list[memoryview]]:
+    """``pieces`` in batches of about ``slice_bytes`` (a piece is never split) and at most
+    ``MAX_IOV`` pieces, one ``sendmsg`` each while the socket takes them."""
+    batch: list[memoryview] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= slice_bytes or len(batch) == MAX_IOV:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+async def _send_all(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                    buffers: list[memoryview]) -> None:
+    """Send ``buffers`` in order on the non-blocking ``conn``: gathered (``sendmsg``, one
+    system call for many pages) until the socket is full, then waiting until it drains."""
+    first = 0
+    while first < len(buffers):
+        try:
+            sent = conn.sendmsg(buffers[first:first + MAX_IOV])
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, conn)
+            continue
+        while sent and first < len(buffers):
+            size = len(buffers[first])
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                buffers[first] = buffers[first][sent:]
+                sent = 0
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+    fd = conn.fileno()
+    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
 
 
 class _Progress:

@@ -54,7 +54,7 @@ from kvstore.rpc.tensors import (
     tensor_view,
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
-from kvstore.server.datapath import DataPathServer
+from kvstore.server.datapath import DataPathServer, Transfer
 from kvstore.server.limits import StreamClock
 from kvstore.server.sessions import HEARTBEAT_S, Sessions
 from kvstore.store import Store
@@ -236,27 +236,55 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
         ns = self._namespace(request.namespace, "read")
-        kv = await self._store.get(ns, self._tokens(request.tokens))
+        tokens = self._tokens(request.tokens)
+        datapath = self._datapath_for(context) if request.data_socket else None
+        if datapath is not None:
+            # Raw pages in trusted memory go from where they lie into the data socket: one
+            # copy on this side, no decode, no result tensor (else Store.get below).
+            pinned = await self._store.get_in_place(ns, tokens)
+            if pinned is not None:
+                try:
+                    transfer = datapath.open_get(current_caller(), context.peer(),
+                                                 pinned.pieces)
+                    if transfer is not None:
+                        header = pb.GetHeader(found=True, matched_tokens=pinned.shape[2],
+                                              tensor=pb.TensorHeader(
+                                                  dtype=str(pinned.dtype).removeprefix("torch."),
+                                                  shape=list(pinned.shape),
+                                                  total_bytes=pinned.nbytes))
+                        async for message in self._send_ticket(datapath, transfer, header):
+                            yield message
+                        return
+                finally:
+                    pinned.release()
+        kv = await self._store.get(ns, tokens)
         if kv is None:
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
         header = pb.GetHeader(found=True, matched_tokens=kv.shape[2], tensor=tensor_header(kv))
-        datapath = self._datapath_for(context) if request.data_socket else None
         transfer = None if datapath is None else datapath.open_get(
-            current_caller(), context.peer(), tensor_view(kv))
+            current_caller(), context.peer(), [tensor_view(kv)])
         if transfer is not None:  # None: out of tickets; stream this one
-            try:
-                header.data.CopyFrom(datapath.ticket_proto(transfer))
-                yield pb.GetResponse(header=header)
-                await datapath.wait(transfer)  # the stream's status is the transfer's
-            finally:
-                datapath.discard(transfer)
+            async for message in self._send_ticket(datapath, transfer, header):
+                yield message
             return
         yield pb.GetResponse(header=header)
         chunk_bytes = min(max(request.chunk_bytes, MIN_CHUNK_BYTES) if request.chunk_bytes
                           else self._chunk_bytes, self._chunk_bytes)
         for chunk in iter_chunks(tensor_view(kv), chunk_bytes):
             yield pb.GetResponse(chunk=chunk)
+
+    @staticmethod
+    async def _send_ticket(datapath: DataPathServer, transfer: Transfer, header: pb.GetHeader
+                           ) -> AsyncIterator[pb.GetResponse]:
+        """A Get's header with its data ticket; then the stream waits on the transfer, whose
+        outcome is its status."""
+        try:
+            header.data.CopyFrom(datapath.ticket_proto(transfer))
+            yield pb.GetResponse(header=header)
+            await datapath.wait(transfer)
+        finally:
+            datapath.discard(transfer)
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         caller = current_caller()

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+import numpy as np
 import torch
 
 from kvstore import codecs
-from kvstore.errors import CorruptPage
+from kvstore.codecs.base import as_array, check_out, section_tensor, unpack_blob
+from kvstore.errors import CodecError, CorruptPage
 from kvstore.page import Page, verify_page
 
 # Decoding is memory-bound and torch copies release the GIL: a few threads fill a socket's
@@ -25,6 +27,11 @@ DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 # of raw pages 16-25 us, 128 KiB 20-40 us (2026-11-29). Lossy codecs took 200-270 us to decode
 # 128 KiB there: their pages always go to threads.
 INLINE_DECODE_BYTES = 128 << 10
+# Raw pages in trusted memory (``Page.is_trusted``: no hash to check) are only a copy, done in
+# numpy (one thread, the GIL released, no OpenMP team to wait on): up to this many bytes per
+# get on the loop, so a one-block get of a 7-8B model (2 MiB) takes no thread hop. Measured on
+# the 2-core box (2026-12-01): the hop there and back 100-170 us, the 2 MiB copy 80-150 us.
+INLINE_TRUSTED_BYTES = (2 << 20) + (64 << 10)
 # Decode threads split the cores between them for torch's own (OpenMP) threads. Measured with
 # ``kvstore bench tiers`` (2026-11-29), 2 MiB pages: on the 2-core box prefix gets ran at 6.5 GB/s
 # with a team of 2 per decode thread and 7.4 GB/s with 1; on the 16-core H200 host (8 decode
@@ -80,8 +87,9 @@ class PageDecoder:
         """Queue ``page`` (parsed, not yet verified) for ``outs[i]``."""
         self._pages[i] = page
         nbytes = len(page.data)
+        inline_bytes = INLINE_TRUSTED_BYTES if page.is_trusted else INLINE_DECODE_BYTES
         if (page.meta.codec == codecs.RawCodec.name
-                and self._inline_bytes + nbytes <= INLINE_DECODE_BYTES):
+                and self._inline_bytes + nbytes <= inline_bytes):
             self._inline_bytes += nbytes
             if not _verify_and_decode(page, self._outs[i]):
                 self.failed.append(i)
@@ -128,7 +136,16 @@ def _verify_and_decode(page: Page, out: torch.Tensor) -> bool:
     except CorruptPage:
         return False
     # The page checksum just verified covers the payload: the codec need not check it again.
-    codecs.decode(page.payload, out=out, verify=False)
+    if page.meta.codec != codecs.RawCodec.name:
+        codecs.decode(page.payload, out=out, verify=False)
+        return True
+    # A raw page is a copy: numpy's, on this thread alone (a torch copy runs on an OpenMP team,
+    # which on a busy host waits for cores; on the loop it stalls everything behind it).
+    parts = unpack_blob(page.payload, verify=False)
+    if parts.codec_id != codecs.RawCodec.codec_id:
+        raise CodecError(f"blob was written by codec id {parts.codec_id}, not raw")
+    src = section_tensor(parts.sections[0], parts.dtype, parts.shape)
+    np.copyto(as_array(check_out(out, parts.dtype, parts.shape)), as_array(src))
     return True
 
 

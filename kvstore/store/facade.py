@@ -26,6 +26,8 @@ from kvstore.api import (
     StoreStats,
     TierStats,
 )
+from kvstore.codecs.base import unpack_blob
+from kvstore.codecs.raw import RawCodec
 from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
@@ -73,6 +75,34 @@ def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> E
         return cost if lower is None else lower.time_s(footprint.nbytes, queued=False) - cost
 
     return build_order(links[index].settings.eviction, saved_s, history=history, rank=index)
+
+
+@dataclass(slots=True)
+class PinnedKV:
+    """A stored prefix's K/V as views of its pages in place (``Store.get_in_place``): ``pieces``
+    are, in order, the bytes of the canonical tensor of ``shape`` and ``dtype``; they stay valid
+    until ``release()`` unpins the blocks (call it once, when done sending)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[memoryview]
+    release: Callable[[], None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
+
+
+def canonical_pieces(sections: Sequence[memoryview], spec: KVSpec) -> list[memoryview]:
+    """The byte runs of blocks' raw K/V sections (each ``[L, 2, bt, H, D]``, C order) in the
+    order of the canonical tensor of all of them (``[L, 2, n * bt, H, D]``): for each layer
+    and K/V, each block's run of ``bt`` tokens. A single block is one piece."""
+    if len(sections) == 1:
+        return [memoryview(sections[0]).cast("B")]
+    views = [memoryview(section).cast("B") for section in sections]
+    run = len(views[0]) // (spec.num_layers * 2)
+    return [view[i * run : (i + 1) * run]
+            for i in range(spec.num_layers * 2) for view in views]
 
 
 @dataclass(slots=True)
@@ -331,6 +361,52 @@ class Store:
                 self._spawn(self._promote(entry, first))
         self._count(ns.tenant, gets=1, get_tokens=out.shape[2])
         return out
+
+    async def get_in_place(self, ns: Namespace, tokens: Tokens) -> PinnedKV | None:
+        """The K/V of the longest stored prefix of ``tokens`` as views of its pages where they
+        lie, pinned until ``PinnedKV.release``: for a sender that moves the bytes straight
+        from there (one copy, into a socket). None when some block of the prefix is not a
+        raw page in trusted memory of the fastest tier (``get`` serves those), or nothing is
+        stored.
+
+        Trusted pages (``Page.is_trusted``) were verified when stored and nobody can change
+        them, so they are neither hashed nor copied here.
+        """
+        self._check_open()
+        keys = await _keys(ns, token_array(tokens))
+        await self._adopt_shared(ns, keys)
+        entries = self._dir.match_prefix(keys)
+        first = self._placement.links[0]
+        if not entries or any(first.name not in entry.sizes for entry in entries):
+            return None
+        self._dir.pin(entries)
+        try:
+            sections = [await self._trusted_section(first.tier, entry, ns.spec)
+                        for entry in entries]
+        except BaseException:
+            self._dir.unpin(entries)
+            raise
+        if any(section is None for section in sections):
+            self._dir.unpin(entries)
+            return None
+        self._dir.touch(entries)
+        self._count(ns.tenant, gets=1, get_tokens=len(entries) * ns.spec.block_tokens)
+        return PinnedKV(ns.spec.shape(len(entries) * ns.spec.block_tokens), ns.spec.torch_dtype,
+                        canonical_pieces(sections, ns.spec),
+                        lambda: self._dir.unpin(entries))
+
+    @staticmethod
+    async def _trusted_section(tier: Tier, entry: BlockEntry, spec: KVSpec
+                               ) -> memoryview | None:
+        """The K/V bytes of ``entry``'s raw page of ``spec`` in place, if ``tier`` serves it
+        from trusted memory; else None."""
+        page = await tier.read(entry.meta.key, verify=False)
+        if page is None or not page.is_trusted or page.meta.codec != RawCodec.name:
+            return None
+        parts = unpack_blob(page.payload, verify=False)
+        if parts.dtype != spec.torch_dtype or parts.shape != spec.shape(spec.block_tokens):
+            return None
+        return parts.sections[0]
 
     async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
                     keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:

@@ -4,6 +4,7 @@ the chain lends slots (``SlotTier``); prefetch hints are kvstore.store.hints."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import struct
@@ -32,7 +33,7 @@ from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, pa
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
-from kvstore.tiers.base import DevicePages, Slot, SlotTier
+from kvstore.tiers.base import CheckedCopies, DevicePages, Slot, SlotTier
 
 log = logging.getLogger("kvstore.leases")
 
@@ -275,77 +276,105 @@ class LeaseManager:
         """Verify every page written into the reservation's slots and publish them; return the
         tokens newly published.
 
-        Each slot's page is copied out and every check is made on the copy (``check_written``),
-        which the tier then publishes (making room for it first): a writer that changes its
-        slot afterwards changes nothing anyone reads. A page that fails aborts the whole commit
-        and frees every slot: nothing half-written, or that would not decode on a later read,
-        demotion or transcode, is ever published. A block stored meanwhile by another writer keeps that copy and frees this
-        slot. Device slots (``DevicePages``) are published under the meta the store builds,
-        once ``ready_event`` (the writer's IPC event handle) fired.
+        Host slots (``CheckedCopies``): each page is copied once, where no client can write
+        (making room for it first), and every check is made on that copy (``check_written``),
+        which is what gets published: a writer that changes its slot during or after the copy
+        changes nothing anyone reads unchecked. A page that fails aborts the whole commit and
+        frees every slot: nothing half-written, or that would not decode on a later read,
+        demotion or transcode, is ever published. A block stored meanwhile by another writer
+        keeps that copy and frees this slot. Device slots (``DevicePages``) are published under
+        the meta the store builds, once ``ready_event`` (the writer's IPC event handle) fired.
         """
         hold = self._reservations.pop(reservation_id)
-        try:
-            # Side by side: each check copies, hashes and scans its own slot on a thread.
-            checked = await asyncio.gather(*(self._verify_slot(hold.ns, reserved)
-                                             for reserved in hold.slots))
-        except BaseException:  # a cancelled commit frees its slots too: the hold is gone
-            self._abort_slots(hold.tenant, hold.slots)
-            raise
-        published: list[BlockKey] = []
-        held: list[BlockEntry] = []  # making room for a later block never evicts an earlier one
-        try:
-            for i, (reserved, (meta, page)) in enumerate(zip(hold.slots, checked)):
-                tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-                try:
-                    if reserved.key in self._dir or tier.contains(reserved.key):
-                        tier.abort(reserved.slot)
-                    else:
-                        length = await self._publish(hold, reserved, meta, page, ready_event)
-                        if length:
-                            self._dir.place(meta, reserved.link.name, length,
-                                            tier.footprint(reserved.key))
-                            published.append(reserved.key)
-                            held.append(self._dir.get(reserved.key))
-                            self._dir.pin(held[-1:])
-                except BaseException:
-                    self._abort_slots(hold.tenant, hold.slots[i:])
-                    raise
-                self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
-        finally:
-            self._dir.unpin(held)
+        link = hold.slots[0].link if hold.slots else None  # one tier lends all of them
+        if link is not None and isinstance(link.tier, DevicePages):
+            published = await self._commit_device(hold, ready_event)
+        else:
+            published = await self._commit_host(hold)
         self._dir.touch(self._dir.match_prefix(published), hit=False)
         written = len(published) * hold.ns.spec.block_tokens
         self._count(hold.ns.tenant, puts=1, put_tokens=written)
         return written
 
-    async def _publish(self, hold: ReservationHold, reserved: ReservedSlot, meta: PageMeta,
-                       page: bytes | None, ready_event: bytes) -> int:
-        """Publish one checked slot (making room for its page first); its length, 0 if there
-        was no room (the slot is freed)."""
-        tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-        if isinstance(tier, DevicePages):
-            return await tier.publish_sections(reserved.slot, reserved.key, meta, hold.ns.spec,
-                                               ready_event)
-        if not await self._placement.make_room(reserved.link, len(page), hold.tenant):
-            tier.abort(reserved.slot)
-            return 0
-        return await tier.publish(reserved.slot, reserved.key, meta, page)
+    async def _commit_host(self, hold: ReservationHold) -> list[BlockKey]:
+        """Claims first (room for each page, its copy and check started in a thread, side by
+        side), then every claim checked, and only then any published: all or nothing."""
+        claims: list[tuple[ReservedSlot, Any]] = []
+        if hold.slots and not isinstance(hold.slots[0].link.tier, CheckedCopies):
+            self._abort_slots(hold.tenant, hold.slots)
+            raise NoSlotTier(f"tier {hold.slots[0].link.name} lends slots it cannot publish")
+        try:
+            for reserved in hold.slots:
+                claim = None if self._is_stored(reserved) else await self._claim(hold, reserved)
+                if claim is not None:
+                    claims.append((reserved, claim))
+            metas = [await reserved.link.tier.checked(claim)  # type: ignore[attr-defined]
+                     for reserved, claim in claims]
+        except BaseException:  # a cancelled commit frees its slots too: the hold is gone
+            for reserved, claim in claims:
+                reserved.link.tier.drop(claim)  # type: ignore[attr-defined]
+            self._abort_slots(hold.tenant, hold.slots)
+            raise
+        checked = {id(reserved): (claim, meta) for (reserved, claim), meta in zip(claims, metas)}
+        published: list[BlockKey] = []
+        for reserved in hold.slots:
+            tier: Any = reserved.link.tier
+            claim, meta = checked.get(id(reserved), (None, None))
+            if claim is None:  # stored meanwhile, or no room for its page
+                tier.abort(reserved.slot)
+            elif tier.publish(claim) and reserved.key not in self._dir:
+                self._dir.place(meta, reserved.link.name, tier.page_size(reserved.key) or 0,
+                                tier.footprint(reserved.key))
+                published.append(reserved.key)
+            self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
+        return published
+
+    async def _commit_device(self, hold: ReservationHold, ready_event: bytes
+                             ) -> list[BlockKey]:
+        published: list[BlockKey] = []
+        for i, reserved in enumerate(hold.slots):
+            tier: Any = reserved.link.tier
+            try:
+                if self._is_stored(reserved):
+                    tier.abort(reserved.slot)
+                else:
+                    meta = self._device_meta(hold.ns, reserved)
+                    length = await tier.publish_sections(reserved.slot, reserved.key, meta,
+                                                         hold.ns.spec, ready_event)
+                    if length:
+                        self._dir.place(meta, reserved.link.name, length,
+                                        tier.footprint(reserved.key))
+                        published.append(reserved.key)
+            except BaseException:
+                self._abort_slots(hold.tenant, hold.slots[i:])
+                raise
+            self._dir.charge(reserved.link.name, hold.tenant, -reserved.slot.slot_bytes)
+        return published
+
+    def _is_stored(self, reserved: ReservedSlot) -> bool:
+        return reserved.key in self._dir or reserved.link.tier.contains(reserved.key)
+
+    async def _claim(self, hold: ReservationHold, reserved: ReservedSlot) -> object | None:
+        """Room for one host slot's page, and its copy and check started (None: no room)."""
+        tier: Any = reserved.link.tier
+        # The header is the writer's: it only sizes the copy (the tier bounds it by the slot),
+        # and the check of the copy requires the copied page to be exactly that long.
+        nbytes = page_length(tier.slot_view(reserved.slot))
+        if not await self._placement.make_room(reserved.link, nbytes, hold.tenant):
+            return None
+        return await tier.claim(reserved.slot, reserved.key, nbytes,
+                                functools.partial(check_written, hold.ns, reserved))
+
+    @staticmethod
+    def _device_meta(ns: Namespace, reserved: ReservedSlot) -> PageMeta:
+        codec = reserved.link.codec
+        return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
+                        ns.tenant, ns.model_id, codec.name, codec.codec_id)
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back without publishing anything."""
         hold = self._reservations.pop(reservation_id)
         self._abort_slots(hold.tenant, hold.slots)
-
-    async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot
-                           ) -> tuple[PageMeta, bytes | None]:
-        tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-        if isinstance(tier, DevicePages):
-            codec = reserved.link.codec
-            return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
-                            ns.tenant, ns.model_id, codec.name, codec.codec_id), None
-        view = tier.slot_view(reserved.slot)
-        # A full decode may take milliseconds (lossy codecs): off the loop.
-        return await asyncio.to_thread(check_written, ns, reserved, view)
 
     def _abort_slots(self, tenant: str, slots: list[ReservedSlot]) -> None:
         for reserved in slots:
@@ -368,21 +397,22 @@ class LeaseManager:
                 self._abort_slots(reservation.tenant, reservation.slots)
 
 
-def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
-                  ) -> tuple[PageMeta, bytes]:
-    """The page a writer put into ``slot`` for ``reserved``, copied out and checked: its meta
-    and the private copy, on which every check was made.
+def check_written(ns: Namespace, reserved: ReservedSlot, page_view: memoryview) -> PageMeta:
+    """The meta of the page a writer put into its slot for ``reserved``, checked on
+    ``page_view``: a copy of it no client can write (the tier's, in published memory), exactly
+    the page's length.
 
-    Checks the header, checksum, key, parent, namespace, position, tenant, model and codec name,
-    then decodes the payload under the reservation's codec into the namespace's shape and
-    dtype and requires every value to be finite (a lossy tier's encoder refuses NaN and Inf, so
-    such a page could never be demoted). CorruptPage or InvalidArgument names the block.
-    Blocking: run it in a thread.
+    Checks the length, header, checksum, key, parent, namespace, position, tenant, model and
+    codec name, then decodes the payload under the reservation's codec into the namespace's
+    shape and dtype and requires every value to be finite (a lossy tier's encoder refuses NaN
+    and Inf, so such a page could never be demoted). CorruptPage or InvalidArgument names the
+    block. Blocking: run it in a thread.
     """
     key = reserved.key
-    # The writer can still change its slot: check, and have the tier publish, only this copy.
-    data = bytes(slot[:page_length(slot)])
-    page = decode_page(data, expected_key=key)
+    page = decode_page(page_view, expected_key=key)
+    if len(page.data) != len(page_view):  # a writer changed the header while it was copied
+        raise CorruptPage(f"page for key {key.hex()} is {len(page.data)} bytes; "
+                          f"{len(page_view)} were copied")
     meta = page.meta
     if (meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index
             or meta.parent != reserved.parent):
@@ -405,7 +435,7 @@ def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
                           f"shape {tuple(shape)} {spec.dtype}: {exc}") from None
     if not is_all_finite(out):
         raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
-    return meta, data
+    return meta
 
 
 def _decoded(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype

@@ -16,7 +16,7 @@ device I/O (through threads); sync methods must return quickly and never block o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -27,6 +27,7 @@ from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
 __all__ = [
+    "CheckedCopies",
     "ClusterEntry",
     "DevicePages",
     "FdRegions",
@@ -169,13 +170,10 @@ class SlotTier(Tier):
     - ``allocate_slot(nbytes, tenant)`` gives a writer a free slot in ``tenant``'s region
       ``region_of(tenant)``, owned by no key (None: no room; the store makes room first, asking
       ``room_for_slot``). ``slot_view`` is the slot's memory in this process.
-    - ``publish`` makes the page a writer put into the slot readable under ``key``, after the
-      store verified ``page``, its private copy of the slot's page: the tier serves that copy's
-      bytes only (it copies them where no client can write, or seals them), so a slot changed
-      after the copy is never served; the slot is free afterwards. It returns the page's
-      length, or 0 when the tier had no room for the page (the store makes room for a page of
-      the slot's size first, ``room_for_tenant``). If ``key`` was stored meanwhile, the stored
-      copy is kept. ``abort`` frees a slot never published.
+    - a writer's slot becomes a stored page through the tier's capability for the memory it
+      is in: ``CheckedCopies`` (host slots: the tier copies the page where no client can write
+      and the store checks that copy) or ``DevicePages`` (device slots). ``abort`` frees a
+      slot never published.
     - ``region_of(tenant)`` names the region a client maps to write ``tenant``'s slots (an
       arena; a pool); ``locate(key)`` is ``(region, offset, length)`` of a stored page: the
       region of its tenant it is in (not always ``region_of``: a tier may keep stored pages in
@@ -202,12 +200,6 @@ class SlotTier(Tier):
 
     @abstractmethod
     def slot_view(self, slot: Slot) -> memoryview: ...
-
-    @abstractmethod
-    async def publish(self, slot: Slot, key: BlockKey, meta: PageMeta,
-                      page: bytes | memoryview) -> int:
-        """Make ``page`` (the verified copy of the slot's page) readable as ``key``; return
-        its length (0: no room)."""
 
     @abstractmethod
     def abort(self, slot: Slot) -> None: ...
@@ -283,6 +275,35 @@ class SharedTier(Tier):
     @abstractmethod
     def health(self) -> str:
         """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""
+
+
+@runtime_checkable
+class CheckedCopies(Protocol):
+    """A slot tier of host memory whose writers fill slots through a host view
+    (``slot_view``): a slot becomes a stored page in two steps, so that a reservation's pages
+    are all checked before any is published. ``claim`` takes room for the page where no client
+    can write, copies the page there and runs the store's ``check`` on that copy, both in a
+    thread, and returns at once (None, the slot still the caller's, when there is no room);
+    ``checked`` waits for them (raising what ``check`` raised); ``publish`` then makes the
+    checked copy readable and frees the writer's slot, or ``drop`` gives the room back. Only
+    the copy is checked and served: whatever the writer does to its slot during or after the
+    copy reaches no reader unchecked."""
+
+    async def claim(self, slot: Slot, key: BlockKey, nbytes: int,
+                    check: Callable[[memoryview], PageMeta]) -> object | None:
+        """Start copying the ``nbytes``-byte page in ``slot`` and checking the copy
+        (``check(view)`` returns the page's meta or raises); None when there is no room."""
+
+    async def checked(self, claim: object) -> PageMeta:
+        """Wait for a claim's copy and check; its meta, or what ``check`` raised."""
+
+    def publish(self, claim: object) -> int:
+        """Make a checked claim readable as its key (a copy stored meanwhile is kept) and free
+        the writer's slot; the page's length."""
+
+    def drop(self, claim: object) -> None:
+        """Give a claim's room back (once its copy is done); the writer's slot stays the
+        caller's."""
 
 
 @runtime_checkable

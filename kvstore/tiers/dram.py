@@ -6,9 +6,10 @@ descriptors the daemon hands only to that tenant's clients (``region_fd``, serve
 
 - published memory holds every stored page: one memfd per growth step (``SealedStep``), each
   its own region, mapped writable by the daemon and then sealed against every other writer
-  (``F_SEAL_FUTURE_WRITE``). The daemon writes a page there only after it verified it (a plain
-  write copies a page the store built or verified; a commit copies the verified private copy of
-  a writer's slot), and nobody can change it afterwards, so reads serve it in place, trusted
+  (``F_SEAL_FUTURE_WRITE``). The daemon enters a page there only once it is verified (a plain
+  write copies a page the store built or verified; a commit copies a writer's slot there and
+  the store checks that copy before it is entered), and nobody can change it afterwards, so
+  reads serve it in place, trusted
   (``Page.is_trusted``): no private copy, no second hash. Clients map it read-only; no other
   mapping is possible.
 - staging memory is today's writable arena (one memfd per tenant, ``ShmArena`` carved by a
@@ -35,11 +36,13 @@ blocks of a whole step, which then goes back to the budget for staging to grow i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import secrets
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -73,6 +76,9 @@ log = logging.getLogger(__name__)
 THREAD_COPY_BYTES = 256 << 10
 
 MANY_CORES = (os.cpu_count() or 1) >= 4
+# Threads that copy a commit's pages into published memory and check them there: one per core
+# (up to 4: the copies share the memory bus).
+CHECK_THREADS = min(4, os.cpu_count() or 1)
 # Which copy the thread runs (2 MiB pages into the arena, measured 2026-11-29): on the 2-core box
 # numpy.copyto 9.2 GB/s, torch copy_ 8.2 (median); on a 16-core H200 host numpy.copyto 5.3 GB/s,
 # torch copy_ 52 (it spreads the copy over cores). One copy thread, so copies never stack up
@@ -128,6 +134,43 @@ class ArenaSlot:
         return self.slot.slot_bytes
 
 
+@dataclass(slots=True, eq=False)
+class PublishClaim:
+    """A published slot taken for a staging slot's page (``DramTier.claim``): the copy and its
+    check run in a thread; ``done`` is their outcome, the page's meta."""
+
+    slot: ArenaSlot  # the writer's staging slot
+    key: BlockKey
+    nbytes: int
+    step: Step
+    published: Slot
+    done: asyncio.Future[PageMeta]
+
+
+def _copy_and_check(dst: memoryview, src: memoryview,
+                    check: Callable[[memoryview], PageMeta]) -> PageMeta:
+    """Copy a staging page into its published slot, then check the copy (a read-only view of
+    it), on one thread, so the check reads the page while it is still in the caches."""
+    _copy(dst, src)
+    return check(dst.toreadonly())
+
+
+def _settle(loop: asyncio.AbstractEventLoop, claim: PublishClaim,
+            job: concurrent.futures.Future[PageMeta]) -> None:
+    # Resolved on the loop, and only once the thread is done with both slots.
+    loop.call_soon_threadsafe(_resolve, claim.done, job)
+
+
+def _resolve(done: asyncio.Future[PageMeta], job: concurrent.futures.Future[PageMeta]) -> None:
+    if done.done():
+        return
+    exc = job.exception()
+    if exc is None:
+        done.set_result(job.result())
+    else:
+        done.set_exception(exc)
+
+
 @dataclass(slots=True)
 class _Entry:
     step: Step
@@ -176,6 +219,8 @@ class DramTier(SlotTier):
         self._grow_lock = asyncio.Lock()  # one for all memory: it grows within one budget
         self._grow_task: asyncio.Task[None] | None = None
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-copy")
+        # Commits copy and check their pages side by side (a decode may take milliseconds).
+        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-dram-check")
         self._pin_cuda = False
         self._is_open = False
         self._stats = TierStats(name=self.name)
@@ -247,6 +292,7 @@ class DramTier(SlotTier):
             self._arenas.clear()
             self._regions.clear()
         self._copier.shutdown(wait=False)
+        self._checker.shutdown(wait=False)
 
     async def reserve(self, nbytes: int, tenant: str) -> int:
         """Grow ``tenant``'s published memory to ``nbytes`` (within the budget) ahead of demand,
@@ -396,8 +442,9 @@ class DramTier(SlotTier):
         return None if entry is None else (entry.step.region, entry.slot.offset, entry.length)
 
     # Zero-copy writers (the store's reservations): a staging slot is handed out, a client of
-    # the tenant writes an encoded page into its mapped arena, then the store verifies a private
-    # copy of it, which the tier publishes.
+    # the tenant writes an encoded page into its mapped arena, then the tier copies it into
+    # published memory (``claim``), the store checks that copy there, and the tier enters it
+    # (``publish``): one copy, checked where the writer cannot reach it.
 
     async def allocate_slot(self, nbytes: int, tenant: str) -> ArenaSlot | None:
         """A free staging slot of at least ``nbytes`` in ``tenant``'s arena; None when there is
@@ -414,25 +461,73 @@ class DramTier(SlotTier):
         """The whole staging slot in its arena (writable, by its writer too)."""
         return slot.arena.memory.view[slot.offset : slot.offset + slot.slot_bytes]
 
-    async def publish(self, slot: ArenaSlot, key: BlockKey, meta: PageMeta,
-                      page: bytes | memoryview) -> int:
-        """Copy ``page``, the store's verified private copy of the staging slot's page, into
-        published memory as ``key`` and free the staging slot; return the page's length, 0
-        when published memory has no room (the store makes room first).
+    async def claim(self, slot: ArenaSlot, key: BlockKey, nbytes: int,
+                    check: Callable[[memoryview], PageMeta]) -> PublishClaim | None:
+        """Take a published slot for the ``nbytes``-byte page a writer put into staging
+        ``slot``, and start copying the page there and running ``check`` on the copy, in a
+        thread; None (counted ``rejected``) when published memory has no room (the store
+        makes room first). ``checked``, then ``publish`` or ``drop``, finish it.
 
-        Whatever the writer does to its slot afterwards reaches no reader: only the copy is
-        served.
+        The check runs on the published copy, which nobody but this tier can write, after the
+        copy: a writer that changes its slot meanwhile (a forged page, checksum recomputed)
+        changes at most what is checked, never what is checked into what is served. Until
+        ``publish`` no reader is told where the copy is.
         """
         self._check_open()
-        view = memoryview(page).cast("B")
-        if meta.key != key or meta.tenant != slot.arena.tenant or view.nbytes > slot.slot_bytes:
-            raise InvalidArgument(f"page for key {bytes(key).hex()} does not fit this slot of "
-                                  f"tenant {shown(slot.arena.tenant)}'s arena")
-        entry = self._entries.get(key)  # stored meanwhile by a plain write: keep that copy
-        if entry is None:
-            entry = await self._store(key, view, meta)  # raising, the slot stays the caller's
-        self.abort(slot)
-        return 0 if entry is None else entry.length
+        arena = slot.arena
+        if not 0 < nbytes <= slot.slot_bytes:
+            raise CorruptPage(f"page for key {bytes(key).hex()} says it is {nbytes} bytes; its "
+                              f"slot holds {slot.slot_bytes}")
+        found = arena.steps.allocate(nbytes) or await self._publish_slow(arena, nbytes)
+        if found is None:
+            self._stats.rejected += 1
+            return None
+        step, published = found
+        dst = step.memory.view[published.offset : published.offset + nbytes]
+        src = self.slot_view(slot)[:nbytes]
+        claim = PublishClaim(slot, key, nbytes, step, published,
+                             asyncio.get_running_loop().create_future())
+        job = self._checker.submit(_copy_and_check, dst, src, check)
+        job.add_done_callback(functools.partial(_settle, asyncio.get_running_loop(), claim))
+        return claim
+
+    async def checked(self, claim: PublishClaim) -> PageMeta:
+        """Wait for ``claim``'s copy and check: the page's meta, or what the check raised
+        (InvalidArgument when its meta names another key or tenant)."""
+        meta = await asyncio.shield(claim.done)
+        if meta.key != claim.key or meta.tenant != claim.slot.arena.tenant:
+            raise InvalidArgument(f"page for key {bytes(claim.key).hex()} does not fit this "
+                                  f"slot of tenant {shown(claim.slot.arena.tenant)}'s arena")
+        return meta
+
+    def publish(self, claim: PublishClaim) -> int:
+        """Enter ``claim``'s checked copy as its key (a copy stored meanwhile by another writer
+        is kept instead) and free the staging slot; the page's length."""
+        meta = claim.done.result()
+        arena = claim.slot.arena
+        self.abort(claim.slot)
+        entry = self._entries.get(claim.key)
+        if entry is not None or claim.step.region not in arena.steps.steps:
+            self._release_claim(claim)
+            return 0 if entry is None else entry.length
+        self._entries[claim.key] = _Entry(claim.step, claim.published, claim.nbytes, meta)
+        arena.keys_by_step.setdefault(claim.step.region, set()).add(claim.key)
+        self._stats.bytes_written += claim.nbytes
+        self._grow_ahead(arena, claim.nbytes)
+        return claim.nbytes
+
+    def drop(self, claim: PublishClaim) -> None:
+        """Give ``claim``'s published slot back once its copy is done (a thread still writing
+        it must not write into a slot lent again); the staging slot stays the caller's."""
+        if claim.done.done():
+            self._release_claim(claim)
+        else:
+            claim.done.add_done_callback(lambda _: self._release_claim(claim))
+
+    def _release_claim(self, claim: PublishClaim) -> None:
+        arena = claim.slot.arena
+        if claim.step.region in arena.steps.steps:
+            arena.steps.release(claim.step, claim.published)
 
     def abort(self, slot: ArenaSlot) -> None:
         """Give back a staging slot that was never published."""

@@ -283,11 +283,6 @@ class HbmTier(SlotTier):
         raise InvalidArgument(f"{self.name} slots are device memory: a writer fills them with "
                               "the engine kernels, not through a host view")
 
-    async def publish(self, slot: PoolSlot, key: BlockKey, meta: PageMeta,
-                      page: bytes | memoryview) -> int:
-        raise InvalidArgument(f"{self.name} slots hold device pages: publish them with "
-                              "publish_sections")
-
     async def publish_sections(self, slot: PoolSlot, key: BlockKey, meta: PageMeta,
                                spec: KVSpec, ready_event: bytes = b"") -> int:
         """Make the device page a writer encoded into ``slot`` readable as ``key``; return the

@@ -4,6 +4,7 @@ one-time tickets, and what hostile clients of that socket can and cannot make th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -305,6 +306,8 @@ async def test_get_reader_that_never_reads_is_dropped(daemon, stub):
         pytest.fail("a Get whose reader never read completed")
     writer.close()
     assert await eventually(lambda: settled(daemon), 20 * IDLE_S)
+    # its pages were sent from where they lie, pinned: a dropped reader unpins them
+    assert await daemon.store.evict(model_id=NS.model_id) == 64
 
 
 async def test_get_cancelled_by_its_caller_gives_its_tensor_back(daemon, stub):
@@ -318,6 +321,25 @@ async def test_get_cancelled_by_its_caller_gives_its_tensor_back(daemon, stub):
     reader, writer = await send(daemon.datapath.unix_path, encode_hello(ticket.ticket, None))
     assert await closed_by_daemon(reader)  # nothing left to send
     writer.close()
+    assert await daemon.store.evict(model_id=NS.model_id) == 4  # its pages are unpinned
+
+
+async def test_pages_that_must_be_decoded_are_sent_from_a_decoded_tensor(root):
+    """Raw DRAM pages go out from where they lie; fp8 pages cannot: the daemon decodes them
+    into a tensor and sends that over the data socket."""
+    config = small_config(root, dram_bytes=64 * MiB, stream_idle_timeout_s=IDLE_S)
+    config = dataclasses.replace(config, dram=dataclasses.replace(config.dram, codec="fp8_e4m3"))
+    d = await serve(config)
+    try:
+        kv, tokens = kv_for(64, seed=3), tokens_for(64, base=500)
+        async with AsyncClient(d.unix_address, zero_copy=False, retry=NO_RETRY) as client:
+            assert await client.put(NS, tokens, kv) == 64
+            got = await client.get(NS, tokens)
+        assert ((got.float() - kv.float()).norm() / kv.float().norm()).item() < 0.1
+        assert d.datapath.bytes_moved == 2 * kv.numel() * 2
+        assert settled(d)
+    finally:
+        await d.stop(1.0)
 
 
 async def test_client_streams_a_put_while_every_ticket_is_taken(root):
@@ -355,3 +377,40 @@ async def test_pooled_put_buffers_never_mix_puts(daemon, stub):
         assert torch.equal(await client.get(NS, tokens_for(64, base=300)), fourth)
         assert await client.get(NS, tokens_for(64, base=100)) is None
     assert settled(daemon)
+
+
+async def test_one_tenant_hogging_tickets_never_shuts_another_out(root):
+    """acme opens Put tickets and never presents them, as many as the daemon lets it: it is
+    refused (RESOURCE_EXHAUSTED) at its share, about half of server.max_data_transfers, so
+    umbrella still gets tickets, and its client puts and gets over the data socket while
+    acme's tickets are held; a third tenant-sized share is left after both hog."""
+    d = await serve(small_config(root, dram_bytes=64 * MiB, stream_idle_timeout_s=30.0,
+                                 tenant_tokens=TOKENS, require_auth_on_unix=True,
+                                 max_data_transfers=8))
+    umbrella_ns = Namespace(model_id="datapath/m", spec=SPEC, tenant="umbrella")
+    try:
+        async with grpc.aio.insecure_channel(d.unix_address) as channel:
+            stub = pbg.KVStoreStub(channel)
+
+            async def hog(tenant: str, ns: Namespace) -> int:
+                for i in range(8):
+                    try:
+                        await stub.OpenPut(put_header(tokens_for(16, base=100 * i), kv_for(16),
+                                                      ns), metadata=metadata(tenant))
+                    except grpc.aio.AioRpcError as err:
+                        assert err.code() == SC.RESOURCE_EXHAUSTED and "share" in err.details()
+                        return i
+                return 8
+
+            assert await hog("acme", NS) == 4
+            kv, tokens = kv_for(32, seed=8), tokens_for(32, base=900)
+            moved = d.datapath.bytes_moved
+            async with AsyncClient(d.unix_address, token=TOKENS["umbrella"], zero_copy=False,
+                                   retry=NO_RETRY) as umbrella:
+                assert await umbrella.put(umbrella_ns, tokens, kv) == 32
+                assert torch.equal(await umbrella.get(umbrella_ns, tokens), kv)
+            assert d.datapath.bytes_moved == moved + 2 * kv.numel() * 2  # not streamed
+            assert await hog("umbrella", umbrella_ns) == 2  # half of the 4 acme left
+            assert d.datapath.num_transfers == 6  # 2 still free for a tenant holding none
+    finally:
+        await d.stop(1.0)

@@ -156,7 +156,8 @@ async def test_making_room_takes_only_blocks_of_the_size_class_that_frees_it(tmp
 
 async def test_a_dead_writers_reservation_does_not_hold_a_prefix_back(tmp_path):
     """A writer reserves slots and dies before committing: another put of the same prefix
-    stores it at once (not after the lease timeout); the late commit frees its slots."""
+    stores it at once (not after the lease timeout); the late commit frees its slots and
+    publishes nothing (its blocks are stored: their slots, never written, are not even read)."""
     ns = namespace()
     config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(4 * MiB)),))
     tokens, kv = random_tokens(16 * 4, seed=6), random_kv(SPEC, 16 * 4, seed=6)
@@ -167,8 +168,7 @@ async def test_a_dead_writers_reservation_does_not_hold_a_prefix_back(tmp_path):
         written = await asyncio.wait_for(store.put(ns, tokens, kv), timeout=5)
         assert written == 64 and (await store.lookup(ns, tokens)).matched_tokens == 64
         assert store.stats().tiers["mem"].used_bytes == 2 * used_with_slots
-        with pytest.raises(Exception, match="checksum|truncated|magic|page"):
-            await store.commit(reservation.reservation_id)  # its slots were never written
+        assert await store.commit(reservation.reservation_id) == 0
         assert store.stats().tiers["mem"].used_bytes == used_with_slots
         assert torch.equal(await store.get(ns, tokens), kv)
 

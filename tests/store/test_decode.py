@@ -92,3 +92,24 @@ async def test_a_decode_error_surfaces_after_every_thread_stopped():
             for i, page in enumerate(pages):
                 decoder.add(i, page)
     assert decoder._num_running == 0
+
+
+async def test_trusted_raw_pages_of_a_block_are_copied_on_the_loop(monkeypatch):
+    """A trusted raw page (published memory: nothing to verify) of one 2 MiB block is a copy,
+    done on the loop with no thread hop; the same page untrusted goes to a decode thread to
+    be verified there; either lands bit-exact in its (strided) output view."""
+    spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)
+    kv = random_kv(spec, 32)
+    hops = []
+    real = decode._decode_executor
+    monkeypatch.setattr(decode, "_decode_executor", lambda: hops.append(1) or real())
+    for trusted, expect_hops in ((True, 0), (False, 1)):
+        hops.clear()
+        pages = pages_of(kv, "raw")
+        pages = [parse_page(page.data, is_trusted=trusted) for page in pages]
+        out = torch.zeros_like(kv)
+        outs = list(out.split(16, dim=2))
+        async with PageDecoder(outs) as decoder:
+            decoder.add(1, pages[1])
+        assert decoder.failed == [] and len(hops) == expect_hops
+        assert torch.equal(outs[1], kv[:, :, 16:32]) and not outs[0].any()

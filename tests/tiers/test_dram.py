@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvstore.config import DramConfig
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import (
     PUBLISHED_HEADER_BYTES,
@@ -319,31 +319,74 @@ async def test_no_route_a_descriptor_holder_can_take_changes_a_published_page(
     assert staging["pwrite"] == "CHANGED" and staging["a shared writable mapping"] == "CHANGED"
 
 
-async def test_a_slot_changed_after_its_checked_copy_is_never_served(tier: DramTier) -> None:
-    """publish copies the store's checked copy into published memory, not the slot: a writer
-    that rewrites its slot after the copy was taken (a forged page, checksum recomputed)
-    changes nothing anyone reads; the staging slot is free again."""
+def _checking(seen: list[bytes], then=None):
+    """A commit check that records the bytes it checked (and then runs ``then``)."""
+    def check(view: memoryview) -> PageMeta:
+        page = decode_page(view)
+        seen.append(bytes(view))
+        if then is not None:
+            then()
+        return page.meta
+    return check
+
+
+async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier) -> None:
+    """claim copies the staging slot's page into published memory and checks that copy there
+    (one copy, no private one): a writer that rewrites its slot while the check runs (a
+    forged page, checksum recomputed) changes nothing that is checked or served; the
+    staging slot is free once published."""
     key, page, meta = make_page(17, 400_000)
     slot = await tier.allocate_slot(len(page), "acme")
-    tier.slot_view(slot)[:len(page)] = page
-    checked = bytes(tier.slot_view(slot)[:len(page)])
+    staging = tier.slot_view(slot)
+    staging[:len(page)] = page
     forged = encode_page(meta, bytes(len(decode_page(page).payload)))
-    tier.slot_view(slot)[:len(forged)] = forged
+    seen: list[bytes] = []
+
+    def forge() -> None:
+        staging[:len(forged)] = forged
+
     staged = tier.used_bytes
-    assert await tier.publish(slot, key, meta, checked) == len(page)
+    claim = await tier.claim(slot, key, len(page), _checking(seen, forge))
+    assert await tier.checked(claim) == meta
+    assert not tier.contains(key) and tier.locate(key) is None  # nobody is told before publish
+    assert tier.publish(claim) == len(page)
     assert tier.used_bytes == staged  # the staging slot went, the published one came
     got = await tier.read(key)
-    assert bytes(got.data) == page and got.is_trusted
+    assert bytes(got.data) == page == seen[0] and got.is_trusted
     verify_page(got)
     assert tier.locate(key)[0] in tier.published_regions("acme")
-    key2, page2, meta2 = make_page(18, 400_000)
-    slot = await tier.allocate_slot(len(page2), "acme")
-    tier.slot_view(slot)[:len(page2)] = page2
-    assert await tier.publish(slot, key2, meta2, bytes(page2)) == len(page2)
-    assert bytes((await tier.read(key2)).data) == page2
-    with pytest.raises(InvalidArgument, match="does not fit"):  # another tenant's page
-        slot = await tier.allocate_slot(len(page2), "globex")
-        await tier.publish(slot, key2, meta2, page2)
+
+
+async def test_a_claim_that_fails_its_check_publishes_nothing(tier: DramTier) -> None:
+    """A check that raises fails ``checked``; ``drop`` gives the published slot back and the
+    staging slot stays the writer's, so the key is never stored. A page claiming more bytes
+    than its slot, or another tenant's page, is refused."""
+    key, page, meta = make_page(18, 400_000)
+    slot = await tier.allocate_slot(len(page), "acme")
+    tier.slot_view(slot)[:len(page)] = page
+    used = tier.used_bytes
+
+    def refuse(view: memoryview) -> PageMeta:
+        raise CorruptPage("refused")
+
+    claim = await tier.claim(slot, key, len(page), refuse)
+    with pytest.raises(CorruptPage, match="refused"):
+        await tier.checked(claim)
+    tier.drop(claim)
+    assert tier.used_bytes == used and not tier.contains(key)
+    with pytest.raises(CorruptPage, match="its slot holds"):
+        await tier.claim(slot, key, slot.slot_bytes + 1, refuse)
+    claim = await tier.claim(slot, key, len(page), _checking([]))
+    assert await tier.checked(claim) == meta and tier.publish(claim) == len(page)
+    other_key, other_page, _ = make_page(19, 400_000, tenant="globex")
+    slot = await tier.allocate_slot(len(other_page), "acme")
+    tier.slot_view(slot)[:len(other_page)] = other_page
+    claim = await tier.claim(slot, other_key, len(other_page), _checking([]))
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        await tier.checked(claim)
+    tier.drop(claim)
+    tier.abort(slot)
+    assert not tier.contains(other_key)
 
 
 async def test_an_emptied_step_goes_back_whole_and_says_so(tmp_path) -> None:
