@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
+from kvstore.api import MAX_LEASE_S, BlockLocations, Lease, Medium, Reservation, SlotGrants
 from kvstore.codecs.base import Codec, is_all_finite, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
 from kvstore.config import QuotaConfig
@@ -27,7 +27,7 @@ from kvstore.errors import (
     NoSlotTier,
     shown,
 )
-from kvstore.keys import BlockKey, Namespace
+from kvstore.keys import KEY_BYTES, BlockKey, Namespace
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, page_length
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
@@ -205,14 +205,10 @@ class LeaseManager:
                 held.append(entry)
         finally:
             self._dir.unpin(entries[len(held):])
-        blocks = []
-        for entry in held:
-            region, offset, length = tier.locate(entry.meta.key)
-            blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
-        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks),
-                     link.codec.name)
+        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens,
+                     _locations(tier, [entry.meta.key for entry in held]), link.codec.name)
 
     def release(self, lease_id: str) -> None:
         self._dir.unpin(self._leases.pop(lease_id).entries)
@@ -241,7 +237,6 @@ class LeaseManager:
         stored = [e for e in map(self._dir.get, keys) if e is not None]
         self._dir.pin(stored)  # making room for later blocks never evicts earlier ones
         slots: list[ReservedSlot] = []
-        grants = []
         try:
             for i, key in enumerate(keys):
                 if key in self._dir:
@@ -255,16 +250,14 @@ class LeaseManager:
                 # An open slot counts against the tenant's share until it is published or freed.
                 self._dir.charge(link.name, ns.tenant, slot.slot_bytes)
                 slots.append(ReservedSlot(key, i, keys[i - 1] if i else None, link, slot))
-                grants.append(SlotGrant(key, i, keys[i - 1] if i else None, tier.medium,
-                                        tier.region_of(ns.tenant), slot.offset,
-                                        slot.slot_bytes))
         except BaseException:
             self._abort_slots(ns.tenant, slots)
             raise
         finally:
             self._dir.unpin(stored)
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
-        return Reservation(hold.held_id, hold.deadline, link.codec.name, tuple(grants))
+        return Reservation(hold.held_id, hold.deadline, link.codec.name,
+                           _grants(tier, ns.tenant, slots))
 
     def reserved_keys(self, reservation_id: str) -> list[BlockKey]:
         """The keys an open reservation has slots for ([] if unknown)."""
@@ -284,10 +277,14 @@ class LeaseManager:
         once ``ready_event`` (the writer's IPC event handle) fired.
         """
         hold = self._reservations.pop(reservation_id)
+        # One slot tier lends every slot of a reservation: ask what it is once, not per slot.
+        device = bool(hold.slots) and isinstance(hold.slots[0].link.tier, DevicePages)
         try:
-            # Side by side: each check copies, hashes and scans its own slot on a thread.
-            checked = await asyncio.gather(*(self._verify_slot(hold.ns, reserved)
-                                             for reserved in hold.slots))
+            if device:  # nothing to copy or check on the host: the store builds each meta
+                checked = [(_device_meta(hold.ns, reserved), None) for reserved in hold.slots]
+            else:  # side by side: each check copies, hashes and scans its slot on a thread
+                checked = await asyncio.gather(*(self._verify_slot(hold.ns, reserved)
+                                                 for reserved in hold.slots))
         except BaseException:  # a cancelled commit frees its slots too: the hold is gone
             self._abort_slots(hold.tenant, hold.slots)
             raise
@@ -300,7 +297,8 @@ class LeaseManager:
                     if reserved.key in self._dir or tier.contains(reserved.key):
                         tier.abort(reserved.slot)
                     else:
-                        length = await self._publish(hold, reserved, meta, page, ready_event)
+                        length = await self._publish(hold, reserved, meta, page, ready_event,
+                                                     device)
                         if length:
                             self._dir.place(meta, reserved.link.name, length,
                                             tier.footprint(reserved.key))
@@ -319,13 +317,13 @@ class LeaseManager:
         return written
 
     async def _publish(self, hold: ReservationHold, reserved: ReservedSlot, meta: PageMeta,
-                       page: bytes | None, ready_event: bytes) -> int:
+                       page: bytes | None, ready_event: bytes, device: bool) -> int:
         """Publish one checked slot (making room for its page first); its length, 0 if there
-        was no room (the slot is freed)."""
+        was no room (the slot is freed). ``device``: the tier is ``DevicePages``."""
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-        if isinstance(tier, DevicePages):
-            return await tier.publish_sections(reserved.slot, reserved.key, meta, hold.ns.spec,
-                                               ready_event)
+        if device:
+            return await tier.publish_sections(  # type: ignore[attr-defined]
+                reserved.slot, reserved.key, meta, hold.ns.spec, ready_event)
         if not await self._placement.make_room(reserved.link, len(page), hold.tenant):
             tier.abort(reserved.slot)
             return 0
@@ -339,10 +337,6 @@ class LeaseManager:
     async def _verify_slot(self, ns: Namespace, reserved: ReservedSlot
                            ) -> tuple[PageMeta, bytes | None]:
         tier: SlotTier = reserved.link.tier  # type: ignore[assignment]
-        if isinstance(tier, DevicePages):
-            codec = reserved.link.codec
-            return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
-                            ns.tenant, ns.model_id, codec.name, codec.codec_id), None
         view = tier.slot_view(reserved.slot)
         # A full decode may take milliseconds (lossy codecs): off the loop.
         return await asyncio.to_thread(check_written, ns, reserved, view)
@@ -366,6 +360,35 @@ class LeaseManager:
             for reservation in self._reservations.expired(now):
                 log.info("reservation %s expired; freeing its slots", reservation.held_id)
                 self._abort_slots(reservation.tenant, reservation.slots)
+
+
+def _device_meta(ns: Namespace, reserved: ReservedSlot) -> PageMeta:
+    """The meta the store gives a device slot's page (``DevicePages``: it cannot read it)."""
+    codec = reserved.link.codec
+    return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
+                    ns.tenant, ns.model_id, codec.name, codec.codec_id)
+
+
+def _locations(tier: SlotTier, keys: list[BlockKey]) -> BlockLocations:
+    """Where ``tier`` holds ``keys``, as one table (a lease of 512 blocks builds arrays, not
+    512 values)."""
+    regions: dict[str, int] = {}
+    index, offsets, lengths = [], [], []
+    for key in keys:
+        region, offset, length = tier.locate(key)
+        index.append(regions.setdefault(region, len(regions)))
+        offsets.append(offset)
+        lengths.append(length)
+    return BlockLocations(b"".join(keys), tier.medium, list(regions), index, offsets, lengths)
+
+
+def _grants(tier: SlotTier, tenant: str, slots: list[ReservedSlot]) -> SlotGrants:
+    """The slots of a reservation as one table: every slot lies in ``tenant``'s region."""
+    return SlotGrants(b"".join([r.key for r in slots]), tier.medium,
+                      [tier.region_of(tenant)] if slots else [], [0] * len(slots),
+                      [r.slot.offset for r in slots], [r.slot.slot_bytes for r in slots],
+                      [r.block_index for r in slots],
+                      b"".join([r.parent or bytes(KEY_BYTES) for r in slots]))
 
 
 def check_written(ns: Namespace, reserved: ReservedSlot, slot: memoryview
