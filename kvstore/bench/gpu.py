@@ -468,7 +468,9 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
 # through a daemon, with the kernels' own time taken out, so it runs on the 2-core box too
 # (HbmTier(device="cpu") and Triton's interpreter run the same code as on the GPU). On the
 # CPU one layer of one head of 128 (8 KiB blocks) keeps the interpreted kernels to seconds:
-# what is measured is per block, not per byte. On a GPU, SPEC (2 MiB blocks).
+# what is measured is per block, not per byte. On a GPU, SPEC (2 MiB blocks). On the CPU the
+# kernels run in the warm-up pass, whose pages are checked, and are skipped in the timed ones
+# (still counted as launches): interpreted, 512 blocks take seconds a launch.
 HOST_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=128, block_tokens=16)
 HOST_COLUMNS = (
     Column("phase", "phase", justify="left"),
@@ -487,13 +489,15 @@ class _KernelClock:
     its launches adds up (device events on a GPU, the interpreter's wall time on the CPU)."""
 
     def __init__(self) -> None:
-        import triton
-
         from kvstore.codecs.triton import engine
 
         self._engine = engine
+        self.skip = False  # interpreted launches are counted, not run
+        # The launched kernels (``kernel[grid](...)``), not the device functions they call.
         self._saved = {name: value for name, value in vars(engine).items()
-                       if isinstance(value, triton.runtime.JITFunction)}
+                       if name.endswith("_kernel") and hasattr(value, "__getitem__")}
+        if not self._saved:
+            raise KVStoreError("bench gpu: kvstore.codecs.triton.engine has no *_kernel to time")
         self.seconds = 0.0
         self.launches = 0
         self._events: list[tuple[object, object]] = []
@@ -539,7 +543,8 @@ class _Timed:
                 clock._events.append((begin, end))
                 return
             start = time.perf_counter()
-            launch(*args, **kwargs)
+            if not clock.skip:
+                launch(*args, **kwargs)
             clock.seconds += time.perf_counter() - start
 
         return timed
@@ -559,6 +564,10 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
     device = "cuda:0" if cuda else "cpu"
     spec = SPEC if cuda else HOST_SPEC
     bt = spec.block_tokens
+    if not cuda:
+        # Copies of a few hundred KiB split over torch's threads wait on busy cores on a shared
+        # 2-core box: a DRAM load measured 277 ms with two threads, 18 ms with one (2026-12-01).
+        torch.set_num_threads(1)
     nbytes = blocks * spec.block_bytes
     ns = Namespace(model_id="bench-host", spec=spec, tenant="default")
     shape = (2, 2 * blocks, bt, spec.num_kv_heads, spec.head_dim)
@@ -568,6 +577,7 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             clock.reset()
+            clock.skip = keep and not cuda
             start = time.perf_counter()
             out = fn()
             wall = time.perf_counter() - start
@@ -583,7 +593,8 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
                 capacity_bytes=(repeat + 2) * 2 * nbytes + (256 << 20), chunk_bytes=64 << 20))
             config = KVStoreConfig(tiers=(hbm, dram) if tier == "HBM pool" else (dram,),
                                    server=ServerConfig(socket_path=f"{root}/{tier[:4]}.sock",
-                                                       log_level="WARNING"))
+                                                       log_level="WARNING",
+                                                       lease_timeout_s=600.0))
             with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
                 caches = [torch.randn(shape, device=device).to(torch.bfloat16)
                           for _ in range(spec.num_layers)]
@@ -593,10 +604,13 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
                                             rep * 10 * blocks * bt + blocks * bt))
                         pages = torch.randperm(2 * blocks)[:blocks].tolist()
                         if tier == "HBM pool":
+                            want = [c[:, pages].cpu() for c in caches]
                             saved = timed("save, HBM pool", lambda p=prompt, ids=pages:
                                           engine.save(p, ids), rep > 0)
                         else:  # the DRAM tier's save is the client's put: not this path
                             kv = torch.randn(spec.shape(blocks * bt)).to(torch.bfloat16)
+                            want = list(kv.view(spec.num_layers, 2, blocks, bt,
+                                                *kv.shape[3:]))
                             saved = client.put(ns, prompt, kv)
                         if saved != blocks * bt:
                             raise KVStoreError(f"bench gpu: saved {saved} of {blocks * bt} "
@@ -607,6 +621,10 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
                         if handle.matched_tokens != blocks * bt:
                             raise KVStoreError(f"bench gpu: loaded {handle.matched_tokens} of "
                                                f"{blocks * bt} tokens from the {tier}")
+                        if rep == 0 and not all(torch.equal(c[:, target].cpu(), w)
+                                                for c, w in zip(caches, want)):
+                            raise KVStoreError(f"bench gpu: pages loaded from the {tier} are "
+                                               "not the ones saved")
     rows = []
     for phase, got in samples.items():
         host = sorted((wall - kernel) * 1e3 for wall, kernel, _ in got)

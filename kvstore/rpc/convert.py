@@ -189,10 +189,11 @@ def _array(data: bytes, dtype: str, n: int, field: str) -> np.ndarray:
 
 
 def _table_from_proto(msg: pb.BlockTable, grants: bool) -> BlockLocations | SlotGrants:
-    n = len(msg.offsets) // 8
     keys = msg.keys
-    if len(keys) != n * KEY_BYTES:
-        raise InvalidArgument(f"BlockTable.keys holds {len(keys)} bytes for {n} blocks")
+    if len(keys) % KEY_BYTES:
+        raise InvalidArgument(f"BlockTable.keys holds {len(keys)} bytes, not {KEY_BYTES} a "
+                              "block")
+    n = len(keys) // KEY_BYTES
     fields = (keys, medium_from_proto(msg.medium), list(msg.regions),
               _array(msg.region_index, "<u4", n, "region_index"),
               _array(msg.offsets, "<u8", n, "offsets"), _array(msg.lengths, "<u8", n, "lengths"))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from kvstore.api import MAX_LEASE_S, BlockLocations, Lease, Medium, Reservation, SlotGrants
@@ -372,14 +373,17 @@ def _device_meta(ns: Namespace, reserved: ReservedSlot) -> PageMeta:
 def _locations(tier: SlotTier, keys: list[BlockKey]) -> BlockLocations:
     """Where ``tier`` holds ``keys``, as one table (a lease of 512 blocks builds arrays, not
     512 values)."""
-    regions: dict[str, int] = {}
-    index, offsets, lengths = [], [], []
-    for key in keys:
-        region, offset, length = tier.locate(key)
-        index.append(regions.setdefault(region, len(regions)))
-        offsets.append(offset)
-        lengths.append(length)
-    return BlockLocations(b"".join(keys), tier.medium, list(regions), index, offsets, lengths)
+    found = list(map(tier.locate, keys))
+    if not found:
+        return BlockLocations(b"", tier.medium, [], [], [], [])
+    regions, offsets, lengths = zip(*found)
+    names = list(dict.fromkeys(regions))  # a device pool's blocks: one region
+    if len(names) == 1:
+        index: list[int] | np.ndarray = np.zeros(len(found), dtype=np.uint32)
+    else:
+        number = {name: i for i, name in enumerate(names)}
+        index = [number[region] for region in regions]
+    return BlockLocations(b"".join(keys), tier.medium, names, index, offsets, lengths)
 
 
 def _grants(tier: SlotTier, tenant: str, slots: list[ReservedSlot]) -> SlotGrants:
