@@ -550,28 +550,38 @@ class _Timed:
         return timed
 
 
-def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
-    """Per phase: median wall, kernel and host (wall - kernel) ms and kernel launches, over
-    ``repeat`` passes after a warm-up. Uses only the public client API, so the same function
-    measures another checkout of kvstore (``baseline``)."""
+def _host_overhead_samples(blocks: int, repeat: int, root: str) -> dict[str, list[list]]:
+    """Per phase: ``[wall s, kernel s, launches]`` of each of ``repeat`` passes after a
+    warm-up. Uses only the public client API, so the same function measures another checkout
+    of kvstore (``baseline``)."""
+    cuda = torch.cuda.is_available()
+    device = "cuda:0" if cuda else "cpu"
+    spec = SPEC if cuda else HOST_SPEC
+    threads = torch.get_num_threads()
+    if not cuda:
+        # Copies of a few hundred KiB split over torch's threads wait on busy cores on a shared
+        # 2-core box: a DRAM load measured 277 ms with two threads, 18 ms with one (2026-12-01).
+        torch.set_num_threads(1)
+    try:
+        return _passes(spec, device, blocks, repeat, root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _passes(spec: KVSpec, device: str, blocks: int, repeat: int, root: str
+            ) -> dict[str, list[list]]:
     from kvstore.client import Client
     from kvstore.client.gpu import EngineCache
     from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
     from kvstore.keys import Namespace
     from kvstore.server.daemon import DaemonThread
 
-    cuda = torch.cuda.is_available()
-    device = "cuda:0" if cuda else "cpu"
-    spec = SPEC if cuda else HOST_SPEC
+    cuda = device != "cpu"
     bt = spec.block_tokens
-    if not cuda:
-        # Copies of a few hundred KiB split over torch's threads wait on busy cores on a shared
-        # 2-core box: a DRAM load measured 277 ms with two threads, 18 ms with one (2026-12-01).
-        torch.set_num_threads(1)
     nbytes = blocks * spec.block_bytes
     ns = Namespace(model_id="bench-host", spec=spec, tenant="default")
     shape = (2, 2 * blocks, bt, spec.num_kv_heads, spec.head_dim)
-    samples: dict[str, list[tuple[float, float, int]]] = {}
+    samples: dict[str, list[list]] = {}
     with _KernelClock() as clock:
         def timed(phase: str, fn: Callable[[], object], keep: bool) -> object:
             if cuda:
@@ -583,7 +593,7 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
             wall = time.perf_counter() - start
             kernel = clock.total_s()
             if keep:
-                samples.setdefault(phase, []).append((wall, kernel, clock.launches))
+                samples.setdefault(phase, []).append([wall, kernel, clock.launches])
             return out
 
         for tier in ("HBM pool", "DRAM arena"):
@@ -625,14 +635,15 @@ def _host_overhead_rows(blocks: int, repeat: int, root: str) -> list[dict]:
                                                 for c, w in zip(caches, want)):
                             raise KVStoreError(f"bench gpu: pages loaded from the {tier} are "
                                                "not the ones saved")
-    rows = []
-    for phase, got in samples.items():
-        host = sorted((wall - kernel) * 1e3 for wall, kernel, _ in got)
-        rows.append({"phase": phase, "wall_ms": _median([w * 1e3 for w, _, _ in got]),
-                     "kernel_ms": _median([k * 1e3 for _, k, _ in got]),
-                     "host_ms": _median(host), "host_min_ms": host[0],
-                     "launches": _median([n for _, _, n in got])})
-    return rows
+    return samples
+
+
+def _summary(phase: str, got: list[list]) -> dict:
+    host = sorted((wall - kernel) * 1e3 for wall, kernel, _ in got)
+    return {"phase": phase, "wall_ms": _median([w * 1e3 for w, _, _ in got]),
+            "kernel_ms": _median([k * 1e3 for _, k, _ in got]), "host_ms": _median(host),
+            "host_min_ms": host[0], "launches": _median([n for _, _, n in got]),
+            "passes": len(got)}
 
 
 def _load(engine, prompt: list[int], target: list[int]):
@@ -646,8 +657,9 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2] if values else math.nan
 
 
-def _baseline_rows(baseline: str, blocks: int, repeat: int, root: str) -> list[dict]:
-    """``_host_overhead_rows`` of this file run against the kvstore package under
+def _baseline_samples(baseline: str, blocks: int, repeat: int, root: str
+                      ) -> dict[str, list[list]]:
+    """``_host_overhead_samples`` of this file run against the kvstore package under
     ``baseline`` (another checkout), in a child process."""
     import json
     import subprocess
@@ -657,56 +669,68 @@ def _baseline_rows(baseline: str, blocks: int, repeat: int, root: str) -> list[d
         raise KVStoreError(f"bench gpu: --baseline {baseline} holds no kvstore package")
     code = ("import json, runpy, sys; sys.path.insert(0, sys.argv[1]); "
             "m = runpy.run_path(sys.argv[2]); "
-            "print('ROWS ' + json.dumps(m['_host_overhead_rows'](*map(int, sys.argv[3:5]), "
-            "sys.argv[5])))")
+            "print('SAMPLES ' + json.dumps(m['_host_overhead_samples']("
+            "*map(int, sys.argv[3:5]), sys.argv[5])))")
     os.makedirs(f"{root}/base", exist_ok=True)
     done = subprocess.run([sys.executable, "-c", code, os.path.abspath(baseline), __file__,
                            str(blocks), str(repeat), f"{root}/base"], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": os.path.abspath(baseline)},
                           check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SAMPLES ")]
     if done.returncode or not lines:
         raise KVStoreError(f"bench gpu: the baseline run failed: {done.stderr[-2000:]}")
-    return json.loads(lines[-1][5:])
+    return json.loads(lines[-1][len("SAMPLES "):])
 
 
-def run_host_overhead_bench(*, blocks: int = 512, repeat: int = 5,
+def run_host_overhead_bench(*, blocks: int = 512, repeat: int = 5, rounds: int = 3,
                             baseline: str | None = None) -> BenchReport:
     """The host's share of ``EngineCache.save``/``load`` of ``blocks`` blocks through a daemon
-    (see ``HOST_SPEC``); ``baseline``: another kvstore checkout measured the same way, first,
-    in a child process, each phase's host ms compared with it."""
+    (see ``HOST_SPEC``), ``repeat`` passes in each of ``rounds`` rounds. ``baseline``: another
+    kvstore checkout measured the same way in a child process, its rounds taking turns with
+    this code's (first one, then the other), each phase's host ms compared with it."""
     from kvstore.codecs.triton.common import kernels_runnable
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if not kernels_runnable(device):
         raise KVStoreError("kvstore bench gpu --host-overhead needs a CUDA device or "
                            "TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
-    if blocks < 1 or repeat < 1:
-        raise KVStoreError(f"bench gpu: blocks and repeat must be positive, got {blocks} and "
-                           f"{repeat}")
+    if min(blocks, repeat, rounds) < 1:
+        raise KVStoreError(f"bench gpu: blocks, repeat and rounds must be positive, got "
+                           f"{blocks}, {repeat} and {rounds}")
+    this: dict[str, list[list]] = {}
+    base: dict[str, list[list]] = {}
     with tempfile.TemporaryDirectory(prefix="kvsh", dir="/tmp") as root:
-        base = _baseline_rows(baseline, blocks, repeat, root) if baseline else []
-        rows = _host_overhead_rows(blocks, repeat, root)
+        for r in range(rounds):
+            turns = [(this, None)] + ([(base, baseline)] if baseline else [])
+            for into, checkout in (turns if r % 2 else turns[::-1]):
+                where = f"{root}/{r}{'b' if checkout else 't'}"
+                os.makedirs(where)
+                got = (_baseline_samples(checkout, blocks, repeat, where) if checkout
+                       else _host_overhead_samples(blocks, repeat, where))
+                for phase, passes in got.items():
+                    into.setdefault(phase, []).extend(passes)
     out: list[dict] = []
-    by_phase = {row["phase"]: row for row in base}
-    for row in rows:
-        old = by_phase.get(row["phase"])
+    for phase, passes in this.items():
+        row = _summary(phase, passes)
+        old = _summary(phase, base[phase]) if phase in base else None
         if old is not None:
             out.append({**old, "code": "baseline", "vs_baseline": 1.0})
-        ratio = row["host_ms"] / old["host_ms"] if old else math.nan
-        out.append({**row, "code": "this", "vs_baseline": ratio})
+        out.append({**row, "code": "this",
+                    "vs_baseline": row["host_ms"] / old["host_ms"] if old else math.nan})
     spec = SPEC if device.type == "cuda" else HOST_SPEC
     notes = ((f"{blocks} blocks of {spec.block_bytes >> 10} KiB ({spec.num_layers} layers, "
               f"{spec.num_kv_heads} KV heads of {spec.head_dim}, {spec.block_tokens} tokens): "
-              f"{blocks * spec.block_tokens} tokens a phase; median of {repeat} after a warm-up"),
+              f"{blocks * spec.block_tokens} tokens a phase; medians of {rounds} x {repeat} "
+              "passes, each round after a warm-up pass"),
              ("host ms = wall - kernel ms: the kernels' own time (interpreted on the CPU, device "
               "events on a GPU) taken out; a load's wall holds Acquire (no Lookup), the lease "
               "parse and Release; a DRAM load's also its page copies"),
-             *([f"baseline: {baseline}"] if baseline else ()))
+             *([f"baseline: {baseline}, rounds taking turns with this code's"]
+               if baseline else ()))
     return BenchReport(name="gpu-host", title=f"EngineCache host overhead ({device.type})",
                        columns=HOST_COLUMNS, rows=tuple(out), notes=notes,
-                       params={"blocks": blocks, "repeat": repeat, "spec": spec.to_dict(),
-                               "baseline": baseline or ""})
+                       params={"blocks": blocks, "repeat": repeat, "rounds": rounds,
+                               "spec": spec.to_dict(), "baseline": baseline or ""})
 
 
 __all__ = ["run_gpu_bench", "run_host_overhead_bench"]
