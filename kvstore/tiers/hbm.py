@@ -132,6 +132,9 @@ class HbmTier(SlotTier):
         # (codec, spec) -> its device layout and blob bytes: a commit of 512 slots asks 512
         # times, and building a layout costs more than publishing a slot.
         self._layouts: dict[tuple[str, KVSpec], tuple[DeviceLayout, int]] = {}
+        self._last_layout: tuple[str, KVSpec, tuple[DeviceLayout, int]] | None = None
+        # Asked twice per slot a reservation makes room for: the config is frozen.
+        self._pool_size = min(config.pool_bytes or config.capacity_bytes, config.capacity_bytes)
         self._event: tuple[bytes, object] | None = None  # the last commit's event
         self._device = torch.device(config.device)
         self._cuda = False
@@ -157,7 +160,7 @@ class HbmTier(SlotTier):
         return self.config.pool_bytes or self.config.capacity_bytes
 
     def _pool_bytes(self) -> int:
-        return min(self.max_page_bytes, self.capacity_bytes)
+        return self._pool_size
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -196,13 +199,19 @@ class HbmTier(SlotTier):
         return Footprint(size_class=entry.slot.slot_bytes, nbytes=entry.slot.slot_bytes)
 
     def _layout(self, codec: str, spec: KVSpec) -> tuple[DeviceLayout, int]:
-        """The device layout of ``codec`` pages of ``spec`` and their blob's bytes."""
+        """The device layout of ``codec`` pages of ``spec`` and their blob's bytes (the slots
+        of one commit share their namespace's spec: that one is matched by identity, without
+        hashing it)."""
+        last = self._last_layout
+        if last is not None and last[1] is spec and last[0] == codec:
+            return last[2]
         found = self._layouts.get((codec, spec))
         if found is None:
             layout = device_layout(codec, spec)
             found = (layout, _blob_bytes(layout))
             if len(self._layouts) < 1024:
                 self._layouts[(codec, spec)] = found
+        self._last_layout = (codec, spec, found)
         return found
 
     def _learn(self, layout: DeviceLayout, meta: PageMeta, blob_bytes: int | None = None) -> int:
