@@ -290,8 +290,8 @@ class EngineCache:
         more than its transfer). Pages of one namespace and codec share their framing: the
         first page of each (page length, meta length) is parsed in full, and every page whose
         header has its magic, names its key and has those lengths has its sections at the
-        same offset, checked for the whole batch at once. A page that fails is parsed on its
-        own (and refused if it is not such a page).
+        same offset, checked for the whole batch at once. A lease with a page that fails is
+        refused, with what that page's full parse finds wrong.
         """
         maps.on_unmap(self._unpinned)  # a region the daemon gave back is unmapped: unregister
         regions, starts = [], np.empty(len(blocks), dtype=np.int64)
