@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvstore.errors import InvalidArgument
-from kvstore.keys import BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey
 
 MAX_LEASE_S = 3600.0  # a lease or reservation longer than this is a client bug, not a use case
 
@@ -60,15 +63,163 @@ class BlockLocation:
     length: int  # page bytes
 
 
+class _BlockTable:
+    """The blocks of one lease or reservation as arrays, one entry per block: keys (16 bytes
+    each), which of ``regions`` each lies in, its offset and length. Built once by whoever
+    makes it (the store, the wire), read with numpy by the GPU path (one vectorised pass over
+    hundreds of blocks) and as a sequence of per-block values by everyone else."""
+
+    __slots__ = ("keys", "lengths", "medium", "offsets", "region_index", "regions")
+
+    def __init__(self, keys: bytes, medium: Medium, regions: Sequence[str],
+                 region_index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        n = len(offsets)
+        self.keys = bytes(keys)
+        self.medium = Medium(medium)
+        self.regions = tuple(regions)
+        self.region_index = np.ascontiguousarray(region_index, dtype=np.uint32)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+        if len(self.keys) != n * KEY_BYTES or len(self.region_index) != n or len(
+                self.lengths) != n:
+            raise InvalidArgument(f"a block table of {n} offsets has {len(self.keys)} key "
+                                  f"bytes, {len(self.region_index)} region indices and "
+                                  f"{len(self.lengths)} lengths")
+        if n and int(self.region_index.max()) >= len(self.regions):
+            raise InvalidArgument(f"a block table names region {int(self.region_index.max())} "
+                                  f"of {len(self.regions)}")
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def key(self, i: int) -> BlockKey:
+        return BlockKey(self.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+
+    def region(self, i: int) -> str:
+        return self.regions[int(self.region_index[i])]
+
+    def _items(self) -> Iterator[object]:
+        return (self._item(i) for i in range(len(self)))
+
+    def _item(self, i: int) -> object:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[object]:
+        return self._items()
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._item(j) for j in range(len(self))[i])
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"block {i} of a table of {len(self)}")
+        return self._item(i % len(self))
+
+    def _fields(self) -> tuple:
+        return (self.keys, self.medium, self.regions, self.region_index.tolist(),
+                self.offsets.tolist(), self.lengths.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is type(self):
+            return self._fields() == other._fields()  # type: ignore[attr-defined]
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+
+class BlockLocations(_BlockTable, Sequence["BlockLocation"]):
+    """A lease's blocks (see ``_BlockTable``); items are ``BlockLocation`` values."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, blocks: Iterable[BlockLocation]) -> BlockLocations:
+        if isinstance(blocks, BlockLocations):
+            return blocks
+        blocks = list(blocks)
+        regions: dict[str, int] = {}
+        index = [regions.setdefault(b.region, len(regions)) for b in blocks]
+        mediums = {Medium(b.medium) for b in blocks}
+        if len(mediums) > 1:
+            raise InvalidArgument("a lease's blocks lie in one medium, got "
+                                  f"{sorted(m.value for m in mediums)}")
+        return cls(b"".join(bytes(b.key) for b in blocks),
+                   mediums.pop() if mediums else Medium.HOST, list(regions), index,
+                   [b.offset for b in blocks], [b.length for b in blocks])
+
+    def _item(self, i: int) -> BlockLocation:
+        return BlockLocation(self.key(i), self.medium, self.region(i), int(self.offsets[i]),
+                             int(self.lengths[i]))
+
+
+class SlotGrants(_BlockTable, Sequence["SlotGrant"]):
+    """A reservation's slots (see ``_BlockTable``; ``lengths`` are the slots' capacities),
+    with each block's position in the prefix and its parent (16 zero bytes for the first
+    block); items are ``SlotGrant`` values."""
+
+    __slots__ = ("block_index", "parents")
+
+    def __init__(self, keys: bytes, medium: Medium, regions: Sequence[str],
+                 region_index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                 block_index: np.ndarray, parents: bytes) -> None:
+        super().__init__(keys, medium, regions, region_index, offsets, lengths)
+        self.block_index = np.ascontiguousarray(block_index, dtype=np.uint32)
+        self.parents = bytes(parents)
+        if len(self.block_index) != len(self) or len(self.parents) != len(self) * KEY_BYTES:
+            raise InvalidArgument(f"a slot table of {len(self)} slots has "
+                                  f"{len(self.block_index)} block indices and "
+                                  f"{len(self.parents)} parent bytes")
+
+    @classmethod
+    def of(cls, grants: Iterable[SlotGrant]) -> SlotGrants:
+        if isinstance(grants, SlotGrants):
+            return grants
+        grants = list(grants)
+        regions: dict[str, int] = {}
+        index = [regions.setdefault(g.region, len(regions)) for g in grants]
+        mediums = {Medium(g.medium) for g in grants}
+        if len(mediums) > 1:
+            raise InvalidArgument("a reservation's slots lie in one medium, got "
+                                  f"{sorted(m.value for m in mediums)}")
+        return cls(b"".join(bytes(g.key) for g in grants),
+                   mediums.pop() if mediums else Medium.HOST, list(regions), index,
+                   [g.offset for g in grants], [g.capacity_bytes for g in grants],
+                   [g.block_index for g in grants],
+                   b"".join(bytes(g.parent) if g.parent else bytes(KEY_BYTES) for g in grants))
+
+    def parent(self, i: int) -> BlockKey | None:
+        if int(self.block_index[i]) == 0:
+            return None
+        return BlockKey(self.parents[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+
+    def _item(self, i: int) -> SlotGrant:
+        return SlotGrant(self.key(i), int(self.block_index[i]), self.parent(i), self.medium,
+                         self.region(i), int(self.offsets[i]), int(self.lengths[i]))
+
+    def _fields(self) -> tuple:
+        return (*super()._fields(), self.block_index.tolist(), self.parents)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """Pinned blocks of a prefix; they stay where ``blocks`` say until release or the deadline."""
+    """Pinned blocks of a prefix; they stay where ``blocks`` say until release or the deadline.
+
+    ``blocks`` is a ``BlockLocations`` (a tuple of ``BlockLocation`` given here becomes one)."""
 
     lease_id: str
     deadline: float  # time.time() after which the store reclaims the pins
     matched_tokens: int
-    blocks: tuple[BlockLocation, ...]
+    blocks: BlockLocations
     codec: str = ""  # the codec chain of the leased pages (one slot tier, one codec)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, BlockLocations):
+            object.__setattr__(self, "blocks", BlockLocations.of(self.blocks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +237,17 @@ class SlotGrant:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
+    """Slots for the blocks of a prefix not stored yet. ``blocks`` is a ``SlotGrants`` (a
+    tuple of ``SlotGrant`` given here becomes one)."""
+
     reservation_id: str
     deadline: float
     codec: str  # the codec chain pages written into the slots must use
-    blocks: tuple[SlotGrant, ...]
+    blocks: SlotGrants
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, SlotGrants):
+            object.__setattr__(self, "blocks", SlotGrants.of(self.blocks))
 
 
 @dataclass(frozen=True, slots=True)

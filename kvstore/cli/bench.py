@@ -126,9 +126,25 @@ def bench_gpu(
     ssd_path: Annotated[Path | None, typer.Option(
         file_okay=False, show_default=False,
         help="Directory for the O_DIRECT read probe [default: the temp dir]")] = None,
+    host_overhead: Annotated[bool, typer.Option(
+        help="Instead: the host's ms per EngineCache save/load of 512 blocks through a daemon, "
+             "kernels excluded (runs on the CPU with TRITON_INTERPRET=1).")] = False,
+    baseline: Annotated[Path | None, typer.Option(
+        file_okay=False, exists=True, show_default=False,
+        help="With --host-overhead: another kvstore checkout to measure first and compare"
+    )] = None,
+    repeat: Annotated[int, typer.Option(
+        min=1, help="With --host-overhead: passes a round.")] = 5,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="With --host-overhead: rounds (taking turns with the baseline's).")] = 3,
     json_path: JsonPathOpt = None,
 ) -> None:
     """The GPU path's kernels against device copy and the PCIe link (kvstore.bench.gpu)."""
+    if host_overhead:
+        run = load_runner("kvstore.bench.gpu", "run_host_overhead_bench", "kvstore bench gpu")
+        _publish(run(repeat=repeat, rounds=rounds,
+                     baseline=None if baseline is None else str(baseline)), json_path)
+        return
     run = load_runner("kvstore.bench.gpu", "run_gpu_bench", "kvstore bench gpu")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), quick=quick,
                  ssd_dir=None if ssd_path is None else str(ssd_path)), json_path)

@@ -20,27 +20,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Self
 
+import numpy as np
 import torch
 
-from kvstore.api import Lease, Medium
+from kvstore.api import BlockLocations, Lease, Medium, SlotGrants
 from kvstore.codecs.base import unpack_blob
 from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
 from kvstore.errors import InvalidArgument, NoSlotTier
 from kvstore.ipc import map_region
-from kvstore.keys import Namespace
+from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
 from kvstore.spec import EngineLayout
 
 log = logging.getLogger("kvstore.gpu")
 # A page's fixed header (kvstore.page): magic at 0, the block key at 28, the meta length at 60.
 _PAGE_FIXED = HEADER_BYTES
-_PAGE_MAGIC = PAGE_MAGIC
+_PAGE_MAGIC = np.frombuffer(PAGE_MAGIC, dtype=np.uint8)
 _KEY = slice(28, 44)
 _META_LEN = slice(60, 64)
 EVENTS_KEPT = 256  # exported events stay alive until the daemon surely opened them
@@ -116,11 +119,26 @@ class EngineCache:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[list[int], list[int]]:
+    def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[list[int], torch.Tensor]:
+        """The whole blocks of ``tokens`` and their engine pages (an int64 CPU tensor)."""
         bt = self.ns.spec.block_tokens
-        ids = self.layout.check_block_ids(block_ids).tolist()
+        ids = self.layout.check_block_ids(block_ids)
         n = min(len(tokens) // bt, len(ids))
         return list(tokens[:n * bt]), ids[:n]
+
+    def _addresses(self, blocks: BlockLocations | SlotGrants, dev: DeviceLayout
+                   ) -> tuple[torch.Tensor, list]:
+        """Each block's address in the device pools it names (each pool mapped once), one
+        vectorised pass and one bounds check over the batch; and the pools."""
+        pools = [map_region(region) for region in blocks.regions]
+        bases = np.array([pool.base for pool in pools], dtype=np.int64)
+        sizes = np.array([pool.nbytes for pool in pools], dtype=np.int64)
+        index = blocks.region_index.astype(np.intp)
+        offsets = blocks.offsets.astype(np.int64)
+        if len(offsets) and bool((offsets + dev.nbytes > sizes[index]).any()):
+            raise InvalidArgument(f"the daemon named {dev.codec} device pages past the end of "
+                                  "their pool")
+        return torch.from_numpy(bases[index] + offsets), pools
 
     def _cuda(self) -> bool:
         return self.layout.device.type == "cuda"
@@ -151,35 +169,35 @@ class EngineCache:
         """Store the blocks of ``tokens`` held in engine pages ``block_ids``; returns the
         tokens newly published (blocks already stored are skipped)."""
         tokens, ids = self._blocks(tokens, block_ids)
-        if not ids:
+        if not len(ids):
             return 0
         res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE))
         if res is None:
             return self._save_host(tokens, ids, stream)
         try:
-            if res.blocks:
-                pool = map_region(res.blocks[0].region)
-                dev = device_layout(res.codec, self.ns.spec)
-                from_engine(self.layout, dev, [pool.base + g.offset for g in res.blocks],
-                            [ids[g.block_index] for g in res.blocks], stream)
+            grants = res.blocks
             handle = b""
-            if res.blocks and pool.keep == "ipc":  # the daemon is another process
-                event = self._event(stream, interprocess=True)
-                handle = event.ipc_handle()
-                self._events.append(event)
-            elif res.blocks and self._cuda():  # the daemon is this process: wait here
-                self._event(stream).synchronize()
+            if len(grants):
+                dev = device_layout(res.codec, self.ns.spec)
+                addrs, pools = self._addresses(grants, dev)
+                from_engine(self.layout, dev, addrs,
+                            ids[torch.from_numpy(grants.block_index.astype(np.int64))], stream)
+                if any(pool.keep == "ipc" for pool in pools):  # the daemon is another process
+                    event = self._event(stream, interprocess=True)
+                    handle = event.ipc_handle()
+                    self._events.append(event)
+                elif self._cuda():  # the daemon is this process: wait here
+                    self._event(stream).synchronize()
             return self.client.commit(res.reservation_id, handle)
         except BaseException:
             self.client.abort(res.reservation_id)
             raise
 
-    def _save_host(self, tokens: list[int], ids: list[int], stream) -> int:
+    def _save_host(self, tokens: list[int], ids: torch.Tensor, stream) -> int:
         spec = self.ns.spec
         dev = device_layout("raw", spec)
         staging = _aligned(len(ids) * dev.nbytes, self.layout.device)
-        base = staging.data_ptr()
-        from_engine(self.layout, dev, [base + i * dev.nbytes for i in range(len(ids))], ids,
+        from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, len(ids)), ids,
                     stream)
         if self._cuda():
             (stream or torch.cuda.current_stream()).synchronize()
@@ -199,7 +217,7 @@ class EngineCache:
         the caller can start layer i (``LoadHandle.wait_for_layer``) before the rest landed.
         """
         tokens, ids = self._blocks(tokens, block_ids)
-        if not ids:
+        if not len(ids):
             return LoadHandle(0, [], None)
         bt = self.ns.spec.block_tokens
         if advice:
@@ -217,16 +235,15 @@ class EngineCache:
             release()
             return LoadHandle(0, [], None)
         try:
-            pool = map_region(lease.blocks[0].region)
             dev = device_layout(lease.codec, self.ns.spec)
-            addrs = [pool.base + b.offset for b in lease.blocks]
+            addrs, _ = self._addresses(lease.blocks, dev)
             events = self._decode(dev, addrs, ids[:len(addrs)], stream, layerwise)
         except BaseException:
             release()
             raise
         return LoadHandle(lease.matched_tokens, events, release, "device pool")
 
-    def _decode(self, dev: DeviceLayout, addrs: list[int], ids: list[int], stream,
+    def _decode(self, dev: DeviceLayout, addrs: torch.Tensor, ids: torch.Tensor, stream,
                 layerwise: bool) -> list[object]:
         if not layerwise:
             to_engine(self.layout, dev, addrs, ids, stream)
@@ -237,7 +254,7 @@ class EngineCache:
             events.append(self._event(stream))
         return events
 
-    def _load_host(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+    def _load_host(self, tokens: list[int], ids: torch.Tensor, stream) -> LoadHandle:
         """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
         staging ring and decoded into the engine as each chunk lands; without an arena this
         client can map (a remote daemon), the socket path's ``get``."""
@@ -256,8 +273,7 @@ class EngineCache:
                 0, [], None)
         try:
             dev = device_layout(lease.codec, self.ns.spec)
-            layout_of: dict[tuple[int, bytes], int] = {}  # (page length, meta length) -> start
-            pages = [self._host_sections(maps, block, dev, layout_of) for block in lease.blocks]
+            pages = self._host_pages(maps, lease.blocks, dev)
             ring = self._ring(dev)
             events = ring.load(self.layout, dev, pages, ids[:len(pages)], stream)
         except BaseException:
@@ -265,34 +281,67 @@ class EngineCache:
             raise
         return LoadHandle(lease.matched_tokens, events, release, "host arena")
 
-    def _host_sections(self, maps, block, dev: DeviceLayout,
-                       layout_of: dict[tuple[int, bytes], int]) -> torch.Tensor:
-        """The section bytes of a leased host page, as a (pinned where possible) CPU tensor.
+    def _host_pages(self, maps, blocks: BlockLocations, dev: DeviceLayout) -> HostPages:
+        """Where the section bytes of leased host pages lie in this client's mappings of their
+        regions (each mapped, and pinned where possible, once).
 
-        The daemon verified the page when it published it, nobody can change it since, and
-        only its tenant maps it: the page is parsed, not re-hashed (a 2 MiB hash costs more than its transfer). Pages of
-        one namespace and codec share their framing: after the first, a page whose header
-        names its key and has the same lengths has its sections at the same offset.
+        The daemon verified the pages when it published them, nobody can change them since,
+        and only their tenant maps them: they are parsed, not re-hashed (a 2 MiB hash costs
+        more than its transfer). Pages of one namespace and codec share their framing: the
+        first page of each (page length, meta length) is parsed in full, and every page whose
+        header has its magic, names its key and has those lengths has its sections at the
+        same offset, checked for the whole batch at once. A lease with a page that fails is
+        refused, with what that page's full parse finds wrong.
         """
         maps.on_unmap(self._unpinned)  # a region the daemon gave back is unmapped: unregister
-        view = maps.view(block.region, block.offset, block.length)
-        header = bytes(view[:_PAGE_FIXED])
-        shape_key = (block.length, header[_META_LEN])
-        start = layout_of.get(shape_key)
-        if start is None or header[:4] != _PAGE_MAGIC or header[_KEY] != bytes(block.key):
-            page = parse_page(view, block.key)
-            blob = unpack_blob(page.payload, verify=False)
-            if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
-                raise InvalidArgument(f"page {bytes(block.key).hex()} is not a {dev.codec} "
-                                      f"block of this namespace's shape")
-            if not dev.packed:
-                raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; "
-                                      "they load through get")
-            start = _address(blob.sections[0]) - _address(view)
-            layout_of[shape_key] = start
-        self._pin(view)
-        flat = torch.frombuffer(view, dtype=torch.uint8)
-        return flat[start:start + dev.span]
+        regions, starts = [], np.empty(len(blocks), dtype=np.int64)
+        keys = np.frombuffer(blocks.keys, dtype=np.uint8).reshape(-1, KEY_BYTES)
+        offsets = blocks.offsets.astype(np.int64)
+        lengths = blocks.lengths.astype(np.int64)
+        for r, region in enumerate(blocks.regions):
+            mine = np.flatnonzero(blocks.region_index == r)
+            if not len(mine):
+                regions.append(torch.empty(0, dtype=torch.uint8))
+                continue
+            view = maps.view(region, 0, int((offsets[mine] + lengths[mine]).max()))
+            self._pin(view)
+            memory = np.frombuffer(view, dtype=np.uint8)
+            if bool((lengths[mine] < _PAGE_FIXED).any()):
+                raise InvalidArgument(f"the daemon named a page of region {region} shorter "
+                                      "than a page header")
+            headers = memory[offsets[mine, None] + np.arange(_PAGE_FIXED)]  # [n, header]
+            meta_len = headers[:, _META_LEN].copy().view("<u4")[:, 0].astype(np.int64)
+            framed = ((headers[:, :4] == _PAGE_MAGIC).all(axis=1)
+                      & (headers[:, _KEY] == keys[mine]).all(axis=1))
+            if not framed.all():  # parsed in full, such a page says what is wrong with it
+                self._sections_at(view, blocks, int(mine[np.argmin(framed)]), dev)
+                raise InvalidArgument(f"a page of region {region} has a header that does not "
+                                      "name its block")
+            _, first, which = np.unique(np.stack([lengths[mine], meta_len], axis=1),
+                                        axis=0, return_index=True, return_inverse=True)
+            start = np.array([self._sections_at(view, blocks, int(mine[f]), dev)
+                              for f in first], dtype=np.int64)
+            starts[mine] = offsets[mine] + start[which.reshape(-1)]
+            regions.append(torch.frombuffer(view, dtype=torch.uint8) if len(view)
+                           else torch.empty(0, dtype=torch.uint8))
+        return HostPages(regions, blocks.region_index.astype(np.intp), starts)
+
+    @staticmethod
+    def _sections_at(view: memoryview, blocks: BlockLocations, i: int, dev: DeviceLayout
+                     ) -> int:
+        """Where block ``i``'s sections start in its page, from the page parsed in full."""
+        offset, length = int(blocks.offsets[i]), int(blocks.lengths[i])
+        page_view = view[offset:offset + length]
+        key = blocks.key(i)
+        page = parse_page(page_view, key)
+        blob = unpack_blob(page.payload, verify=False)
+        if [s.nbytes for s in blob.sections] != [s.nbytes for s in dev.sections]:
+            raise InvalidArgument(f"page {bytes(key).hex()} is not a {dev.codec} block of this "
+                                  "namespace's shape")
+        if not dev.packed:
+            raise InvalidArgument(f"{dev.codec} pages of this shape have padded sections; they "
+                                  "load through get")
+        return _address(blob.sections[0]) - _address(page_view)
 
     def _pin(self, view: memoryview) -> None:
         """Register the arena mapping holding ``view`` as pinned memory, once (DMA at the
@@ -326,7 +375,7 @@ class EngineCache:
             ring = self._rings[dev.codec] = StagingRing(dev, self.layout.device)
         return ring
 
-    def _load_streamed(self, tokens: list[int], ids: list[int], stream) -> LoadHandle:
+    def _load_streamed(self, tokens: list[int], ids: torch.Tensor, stream) -> LoadHandle:
         kv = self.client.get(self.ns, tokens)
         if kv is None or kv.shape[2] == 0:
             return LoadHandle(0, [], None)
@@ -336,10 +385,23 @@ class EngineCache:
         staging = _aligned(n * dev.nbytes, self.layout.device)
         blocks = kv.view(*kv.shape[:2], n, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
         _canonical(staging, dev, n).copy_(blocks, non_blocking=True)
-        addrs = [staging.data_ptr() + i * dev.nbytes for i in range(n)]
-        to_engine(self.layout, dev, addrs, ids[:n], stream)
+        to_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids[:n], stream)
         event = self._event(stream)
         return LoadHandle(n * bt, [event], lambda: staging, "stream")  # staging kept till waited
+
+
+@dataclass(frozen=True, slots=True)
+class HostPages:
+    """Pages in host memory for a ``StagingRing``: page i is the ``DeviceLayout.span`` bytes
+    of its packed sections at byte ``starts[i]`` of ``regions[index[i]]`` (1-D uint8 CPU
+    tensors: arena mappings, pinned for the link's rate)."""
+
+    regions: list[torch.Tensor]
+    index: np.ndarray  # int per page
+    starts: np.ndarray  # int64 per page
+
+    def __len__(self) -> int:
+        return len(self.starts)
 
 
 class StagingRing:
@@ -347,65 +409,94 @@ class StagingRing:
     device pages. ``load`` copies pages in chunks on a copy stream and decodes each chunk into
     the engine on the caller's stream as soon as it landed, so transfer and decode overlap
     (on an H200: 0.98 of the link for raw pages, 1.95x the link in engine bytes for fp8, 3.5x
-    for nvfp4; 2026-12-01, BENCHMARKS.md)."""
+    for nvfp4; 2026-12-01, BENCHMARKS.md).
+
+    Pages that follow each other in host memory at whole multiples of ``SECTION_ALIGN`` apart,
+    with a small gap between them (an arena's slab slots; see ``GAP_BYTES``), move in one copy,
+    the gaps with them, and keep their distances in the slot: one copy per run instead of one
+    per page."""
+
+    # A copy issued from Python costs about 3 us beyond its bytes (4096 copies of 256 KiB ran
+    # at 34.4 of 55.3 GB/s on an H200, DESIGN.md): about 160 KB at the link's rate. A gap up
+    # to 64 KiB, or 1/16 of a page (an arena slot's slack is 4 KiB), is cheaper to carry.
+    GAP_FRACTION = 1 / 16
+    GAP_BYTES = 64 << 10
 
     def __init__(self, dev: DeviceLayout, device: torch.device, chunk_pages: int = 32,
                  slots: int = 3) -> None:
         self.dev = dev
         self.chunk_pages = chunk_pages
-        self.slots = [_aligned(chunk_pages * dev.nbytes, device) for _ in range(slots)]
+        self.max_gap = max(int(dev.span * self.GAP_FRACTION), self.GAP_BYTES)
+        # Each page takes at most its span, the gap after it and one alignment pad.
+        self.slot_bytes = chunk_pages * (dev.span + self.max_gap + SECTION_ALIGN)
+        self.slots = [_aligned(self.slot_bytes, device) for _ in range(slots)]
         cuda = device.type == "cuda"
         self._copy = torch.cuda.Stream(device) if cuda else None
         self._freed = [torch.cuda.Event() if cuda else None for _ in self.slots]
         self._used = [False] * slots
 
-    def load(self, layout: EngineLayout, dev: DeviceLayout, pages: Sequence[torch.Tensor],
-             ids: Sequence[int], stream: torch.cuda.Stream | None = None) -> list[object]:
-        """Decode ``pages`` (CPU tensors of each page's packed sections, pinned for speed) into
-        engine pages ``ids``; returns the event of the last chunk (None on the CPU)."""
+    def load(self, layout: EngineLayout, dev: DeviceLayout, pages: HostPages,
+             ids: torch.Tensor, stream: torch.cuda.Stream | None = None) -> list[object]:
+        """Decode ``pages`` into engine pages ``ids`` (an int64 CPU tensor); returns the event
+        of the last chunk (None on the CPU)."""
         cuda = self._copy is not None
         compute = (stream or torch.cuda.current_stream(layout.device)) if cuda else None
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        runs = self._runs(pages)
         last = None
         for c, start in enumerate(range(0, len(pages), self.chunk_pages)):
             k = c % len(self.slots)
-            chunk = pages[start:start + self.chunk_pages]
+            stop = min(start + self.chunk_pages, len(pages))
             slot = self.slots[k]
             with _on(self._copy):
                 if cuda and self._used[k]:
                     self._copy.wait_event(self._freed[k])
-                for j, page in _runs(chunk, dev.nbytes):
-                    slot[j * dev.nbytes:j * dev.nbytes + page.numel()].copy_(
-                        page, non_blocking=cuda)
+                at = _copy_runs(slot, pages, runs, start, stop, dev.span)
                 landed = torch.cuda.Event() if cuda else None
                 if cuda:
                     landed.record(self._copy)
             if cuda:
                 compute.wait_event(landed)
-            base = slot.data_ptr()
-            to_engine(layout, dev, [base + j * dev.nbytes for j in range(len(chunk))],
-                      list(ids[start:start + len(chunk)]), compute)
+            to_engine(layout, dev, torch.from_numpy(at + slot.data_ptr()), ids[start:stop],
+                      compute)
             if cuda:
                 self._freed[k].record(compute)
                 self._used[k] = True
                 last = self._freed[k]
         return [last]
 
+    def _runs(self, pages: HostPages) -> np.ndarray:
+        """Whether page i moves in one copy with page i - 1 (False for the first), for all
+        pages at once."""
+        step = np.diff(pages.starts)
+        joined = np.zeros(len(pages), dtype=bool)
+        joined[1:] = ((pages.index[1:] == pages.index[:-1]) & (step >= self.dev.span)
+                      & (step - self.dev.span <= self.max_gap) & (step % SECTION_ALIGN == 0))
+        return joined
 
-def _runs(pages: Sequence[torch.Tensor], stride: int):
-    """``(index, tensor)`` copies for ``pages``: neighbours that lie back to back in memory,
-    each ``stride`` bytes, are merged into one copy."""
-    i = 0
-    while i < len(pages):
-        j = i + 1
-        while (j < len(pages) and pages[j - 1].numel() == stride
-               and pages[j].data_ptr() == pages[j - 1].data_ptr() + stride):
-            j += 1
-        if j - i == 1:
-            yield i, pages[i]
-        else:
-            first = pages[i]
-            yield i, first.as_strided(((j - i - 1) * stride + pages[j - 1].numel(),), (1,))
-        i = j
+
+def _copy_runs(slot: torch.Tensor, pages: HostPages, joined: np.ndarray, start: int,
+               stop: int, span: int) -> np.ndarray:
+    """Copy pages ``start:stop`` into ``slot``, one copy per run of joined pages; returns each
+    page's byte offset in the slot (``SECTION_ALIGN``-aligned)."""
+    cuda = slot.device.type == "cuda"
+    firsts = np.flatnonzero(~joined[start + 1:stop]) + start + 1  # where later runs begin
+    bounds = [start, *firsts.tolist(), stop]
+    at = np.empty(stop - start, dtype=np.int64)
+    cursor = 0
+    for first, end in itertools.pairwise(bounds):
+        base = int(pages.starts[first])
+        nbytes = int(pages.starts[end - 1]) - base + span
+        at[first - start:end - start] = pages.starts[first:end] - base + cursor
+        source = pages.regions[int(pages.index[first])][base:base + nbytes]
+        slot[cursor:cursor + nbytes].copy_(source, non_blocking=cuda)
+        cursor = -(-(cursor + nbytes) // SECTION_ALIGN) * SECTION_ALIGN
+    return at
+
+
+def _strided(base: int, stride: int, n: int) -> torch.Tensor:
+    """``n`` addresses from ``base``, ``stride`` bytes apart (an int64 CPU tensor)."""
+    return torch.arange(n, dtype=torch.int64) * stride + base
 
 
 def _unregister(pinned: dict[int, int]) -> None:

@@ -126,7 +126,8 @@ def health() -> Unary[HealthInfo]:
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
             medium: Medium = Medium.HOST) -> Unary[Lease]:
     request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
-                                lease_s=lease_s or 0.0, medium=Medium(medium).value)
+                                lease_s=lease_s or 0.0, medium=Medium(medium).value,
+                                packed=True)  # the blocks as one table (lease_from_proto)
     return Unary("Acquire", request, lease_from_proto)
 
 
@@ -137,7 +138,8 @@ def release(lease_id: str) -> Unary[None]:
 def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None,
             medium: Medium = Medium.HOST) -> Unary[Reservation]:
     request = pb.ReserveRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
-                                lease_s=lease_s or 0.0, medium=Medium(medium).value)
+                                lease_s=lease_s or 0.0, medium=Medium(medium).value,
+                                packed=True)  # the slots as one table
     return Unary("Reserve", request, reservation_from_proto)
 
 

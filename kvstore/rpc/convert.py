@@ -19,6 +19,7 @@ from kvstore.api import (
     TIER_COUNTERS,
     BlockInfo,
     BlockLocation,
+    BlockLocations,
     Counters,
     HealthInfo,
     Lease,
@@ -27,6 +28,7 @@ from kvstore.api import (
     ModelProfile,
     Reservation,
     SlotGrant,
+    SlotGrants,
     StoreStats,
     TierStats,
 )
@@ -166,37 +168,94 @@ def medium_from_proto(name: str) -> Medium:
         raise InvalidArgument(f"unknown memory medium {shown(name, 32)}") from None
 
 
-def lease_to_proto(lease: Lease) -> pb.AcquireResponse:
-    blocks = [pb.BlockLocation(key=b.key, medium=b.medium.value, region=b.region,
-                               offset=b.offset, length=b.length) for b in lease.blocks]
-    return pb.AcquireResponse(lease_id=lease.lease_id, deadline=lease.deadline,
-                              matched_tokens=lease.matched_tokens, blocks=blocks,
-                              codec=lease.codec)
+def _table_to_proto(blocks: BlockLocations | SlotGrants) -> pb.BlockTable:
+    msg = pb.BlockTable(medium=blocks.medium.value, regions=list(blocks.regions),
+                        keys=blocks.keys, region_index=blocks.region_index.astype("<u4").tobytes(),
+                        offsets=blocks.offsets.astype("<u8").tobytes(),
+                        lengths=blocks.lengths.astype("<u8").tobytes())
+    if isinstance(blocks, SlotGrants):
+        msg.block_index = blocks.block_index.astype("<u4").tobytes()
+        msg.parents = blocks.parents
+    return msg
+
+
+def _array(data: bytes, dtype: str, n: int, field: str) -> np.ndarray:
+    """``n`` little-endian entries of a BlockTable field; InvalidArgument names the field."""
+    width = np.dtype(dtype).itemsize
+    if len(data) != n * width:
+        raise InvalidArgument(f"BlockTable.{field} holds {len(data)} bytes for {n} blocks "
+                              f"of {width} bytes")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _table_from_proto(msg: pb.BlockTable, grants: bool) -> BlockLocations | SlotGrants:
+    keys = msg.keys
+    if len(keys) % KEY_BYTES:
+        raise InvalidArgument(f"BlockTable.keys holds {len(keys)} bytes, not {KEY_BYTES} a "
+                              "block")
+    n = len(keys) // KEY_BYTES
+    fields = (keys, medium_from_proto(msg.medium), list(msg.regions),
+              _array(msg.region_index, "<u4", n, "region_index"),
+              _array(msg.offsets, "<u8", n, "offsets"), _array(msg.lengths, "<u8", n, "lengths"))
+    if not grants:
+        return BlockLocations(*fields)
+    if len(msg.parents) != n * KEY_BYTES:
+        raise InvalidArgument(f"BlockTable.parents holds {len(msg.parents)} bytes for {n} "
+                              "blocks")
+    return SlotGrants(*fields, _array(msg.block_index, "<u4", n, "block_index"), msg.parents)
+
+
+def lease_to_proto(lease: Lease, packed: bool = False) -> pb.AcquireResponse:
+    """The reply to an Acquire; ``packed``: the blocks as one BlockTable (the request asked)."""
+    msg = pb.AcquireResponse(lease_id=lease.lease_id, deadline=lease.deadline,
+                             matched_tokens=lease.matched_tokens, codec=lease.codec)
+    if packed:
+        msg.table.CopyFrom(_table_to_proto(lease.blocks))
+    else:
+        msg.blocks.extend(pb.BlockLocation(key=b.key, medium=b.medium.value, region=b.region,
+                                           offset=b.offset, length=b.length)
+                          for b in lease.blocks)
+    return msg
 
 
 def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
-    blocks = tuple(BlockLocation(key=BlockKey(b.key), medium=medium_from_proto(b.medium),
-                                 region=b.region, offset=b.offset, length=b.length)
-                   for b in msg.blocks)
+    """A Lease from either form of the reply (a table, or a message per block)."""
+    if msg.HasField("table"):
+        blocks = _table_from_proto(msg.table, grants=False)
+    else:
+        blocks = BlockLocations.of(
+            BlockLocation(key=BlockKey(b.key), medium=medium_from_proto(b.medium),
+                          region=b.region, offset=b.offset, length=b.length)
+            for b in msg.blocks)
     return Lease(lease_id=msg.lease_id, deadline=msg.deadline,
                  matched_tokens=msg.matched_tokens, blocks=blocks, codec=msg.codec)
 
 
-def reservation_to_proto(reservation: Reservation) -> pb.ReserveResponse:
-    blocks = [pb.SlotGrant(key=g.key, block_index=g.block_index, parent=g.parent or b"",
-                           medium=g.medium.value, region=g.region, offset=g.offset,
-                           capacity_bytes=g.capacity_bytes) for g in reservation.blocks]
-    return pb.ReserveResponse(reservation_id=reservation.reservation_id,
-                              deadline=reservation.deadline, codec=reservation.codec,
-                              blocks=blocks)
+def reservation_to_proto(reservation: Reservation, packed: bool = False) -> pb.ReserveResponse:
+    """The reply to a Reserve; ``packed``: the slots as one BlockTable (the request asked)."""
+    msg = pb.ReserveResponse(reservation_id=reservation.reservation_id,
+                             deadline=reservation.deadline, codec=reservation.codec)
+    if packed:
+        msg.table.CopyFrom(_table_to_proto(reservation.blocks))
+    else:
+        msg.blocks.extend(pb.SlotGrant(key=g.key, block_index=g.block_index,
+                                       parent=g.parent or b"", medium=g.medium.value,
+                                       region=g.region, offset=g.offset,
+                                       capacity_bytes=g.capacity_bytes)
+                          for g in reservation.blocks)
+    return msg
 
 
 def reservation_from_proto(msg: pb.ReserveResponse) -> Reservation:
-    blocks = tuple(SlotGrant(key=BlockKey(g.key), block_index=g.block_index,
-                             parent=BlockKey(g.parent) if g.parent else None,
-                             medium=medium_from_proto(g.medium), region=g.region,
-                             offset=g.offset,
-                             capacity_bytes=g.capacity_bytes) for g in msg.blocks)
+    """A Reservation from either form of the reply (a table, or a message per slot)."""
+    if msg.HasField("table"):
+        blocks = _table_from_proto(msg.table, grants=True)
+    else:
+        blocks = SlotGrants.of(
+            SlotGrant(key=BlockKey(g.key), block_index=g.block_index,
+                      parent=BlockKey(g.parent) if g.parent else None,
+                      medium=medium_from_proto(g.medium), region=g.region, offset=g.offset,
+                      capacity_bytes=g.capacity_bytes) for g in msg.blocks)
     return Reservation(reservation_id=msg.reservation_id, deadline=msg.deadline,
                        codec=msg.codec, blocks=blocks)
 

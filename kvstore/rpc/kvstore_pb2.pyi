@@ -312,16 +312,38 @@ class ListBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("medium", "regions", "keys", "region_index", "offsets", "lengths", "block_index", "parents")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REGION_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    regions: _containers.RepeatedScalarFieldContainer[str]
+    keys: bytes
+    region_index: bytes
+    offsets: bytes
+    lengths: bytes
+    block_index: bytes
+    parents: bytes
+    def __init__(self, medium: _Optional[str] = ..., regions: _Optional[_Iterable[str]] = ..., keys: _Optional[bytes] = ..., region_index: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., block_index: _Optional[bytes] = ..., parents: _Optional[bytes] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("key", "block_index", "parent", "region", "offset", "capacity_bytes", "medium")
@@ -342,16 +364,18 @@ class SlotGrant(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "deadline", "codec", "blocks")
+    __slots__ = ("reservation_id", "deadline", "codec", "blocks", "table")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     deadline: float
     codec: str
     blocks: _containers.RepeatedCompositeFieldContainer[SlotGrant]
-    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
+    table: BlockTable
+    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "ready_event")
@@ -378,16 +402,18 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "region", "offset", "length", "medium")
@@ -404,18 +430,20 @@ class BlockLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec")
+    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec", "table")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     deadline: float
     matched_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     codec: str
-    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ...) -> None: ...
+    table: BlockTable
+    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -331,7 +331,7 @@ class KVStoreService(pbg.KVStoreServicer):
                                                 medium_from_proto(request.medium))
         self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
-        return reservation_to_proto(reservation)
+        return reservation_to_proto(reservation, packed=request.packed)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         self._grants.check(request.reservation_id, current_caller(), "reservation")
@@ -359,7 +359,7 @@ class KVStoreService(pbg.KVStoreServicer):
                                           medium_from_proto(request.medium))
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
-        return lease_to_proto(lease)
+        return lease_to_proto(lease, packed=request.packed)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         self._grants.check(request.lease_id, current_caller(), "lease")

@@ -13,9 +13,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
-from kvstore.api import MAX_LEASE_S, BlockLocation, Lease, Medium, Reservation, SlotGrant
+from kvstore.api import MAX_LEASE_S, BlockLocations, Lease, Medium, Reservation, SlotGrants
 from kvstore.codecs.base import Codec, is_all_finite, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
 from kvstore.config import QuotaConfig
@@ -28,7 +29,7 @@ from kvstore.errors import (
     NoSlotTier,
     shown,
 )
-from kvstore.keys import BlockKey, Namespace
+from kvstore.keys import KEY_BYTES, BlockKey, Namespace
 from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, page_length
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
@@ -206,14 +207,10 @@ class LeaseManager:
                 held.append(entry)
         finally:
             self._dir.unpin(entries[len(held):])
-        blocks = []
-        for entry in held:
-            region, offset, length = tier.locate(entry.meta.key)
-            blocks.append(BlockLocation(entry.meta.key, tier.medium, region, offset, length))
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
-        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens, tuple(blocks),
-                     link.codec.name)
+        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens,
+                     _locations(tier, [entry.meta.key for entry in held]), link.codec.name)
 
     def release(self, lease_id: str) -> None:
         self._dir.unpin(self._leases.pop(lease_id).entries)
@@ -242,7 +239,6 @@ class LeaseManager:
         stored = [e for e in map(self._dir.get, keys) if e is not None]
         self._dir.pin(stored)  # making room for later blocks never evicts earlier ones
         slots: list[ReservedSlot] = []
-        grants = []
         try:
             for i, key in enumerate(keys):
                 if key in self._dir:
@@ -256,16 +252,14 @@ class LeaseManager:
                 # An open slot counts against the tenant's share until it is published or freed.
                 self._dir.charge(link.name, ns.tenant, slot.slot_bytes)
                 slots.append(ReservedSlot(key, i, keys[i - 1] if i else None, link, slot))
-                grants.append(SlotGrant(key, i, keys[i - 1] if i else None, tier.medium,
-                                        tier.region_of(ns.tenant), slot.offset,
-                                        slot.slot_bytes))
         except BaseException:
             self._abort_slots(ns.tenant, slots)
             raise
         finally:
             self._dir.unpin(stored)
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
-        return Reservation(hold.held_id, hold.deadline, link.codec.name, tuple(grants))
+        return Reservation(hold.held_id, hold.deadline, link.codec.name,
+                           _grants(tier, ns.tenant, slots))
 
     def reserved_keys(self, reservation_id: str) -> list[BlockKey]:
         """The keys an open reservation has slots for ([] if unknown)."""
@@ -395,6 +389,31 @@ class LeaseManager:
             for reservation in self._reservations.expired(now):
                 log.info("reservation %s expired; freeing its slots", reservation.held_id)
                 self._abort_slots(reservation.tenant, reservation.slots)
+
+
+def _locations(tier: SlotTier, keys: list[BlockKey]) -> BlockLocations:
+    """Where ``tier`` holds ``keys``, as one table (a lease of 512 blocks builds arrays, not
+    512 values)."""
+    found = list(map(tier.locate, keys))
+    if not found:
+        return BlockLocations(b"", tier.medium, [], [], [], [])
+    regions, offsets, lengths = zip(*found)
+    names = list(dict.fromkeys(regions))  # a device pool's blocks: one region
+    if len(names) == 1:
+        index: list[int] | np.ndarray = np.zeros(len(found), dtype=np.uint32)
+    else:
+        number = {name: i for i, name in enumerate(names)}
+        index = [number[region] for region in regions]
+    return BlockLocations(b"".join(keys), tier.medium, names, index, offsets, lengths)
+
+
+def _grants(tier: SlotTier, tenant: str, slots: list[ReservedSlot]) -> SlotGrants:
+    """The slots of a reservation as one table: every slot lies in ``tenant``'s region."""
+    return SlotGrants(b"".join([r.key for r in slots]), tier.medium,
+                      [tier.region_of(tenant)] if slots else [], [0] * len(slots),
+                      [r.slot.offset for r in slots], [r.slot.slot_bytes for r in slots],
+                      [r.block_index for r in slots],
+                      b"".join([r.parent or bytes(KEY_BYTES) for r in slots]))
 
 
 def check_written(ns: Namespace, reserved: ReservedSlot, page_view: memoryview) -> PageMeta:

@@ -103,8 +103,13 @@ class _Entry:
 
 
 def host_page_bytes(layout: DeviceLayout, meta: PageMeta) -> int:
+    return page_bytes(_blob_bytes(layout), meta)
+
+
+def _blob_bytes(layout: DeviceLayout) -> int:
+    """Bytes of the codec blob that frames a device page of ``layout``."""
     blob = framing_bytes(len(layout.shape), len(layout.sections), len(layout.params))
-    return page_bytes(blob + sum(s.nbytes for s in layout.sections), meta)
+    return blob + sum(s.nbytes for s in layout.sections)
 
 
 def _on(stream: object):
@@ -124,6 +129,13 @@ class HbmTier(SlotTier):
         self._entries: dict[BlockKey, _Entry] = {}
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
         self._slot_of_page: dict[int, int] = {}  # host page bytes -> device slot bytes
+        # (codec, spec) -> its device layout and blob bytes: a commit of 512 slots asks 512
+        # times, and building a layout costs more than publishing a slot.
+        self._layouts: dict[tuple[str, KVSpec], tuple[DeviceLayout, int]] = {}
+        self._last_layout: tuple[str, KVSpec, tuple[DeviceLayout, int]] | None = None
+        # Asked twice per slot a reservation makes room for: the config is frozen.
+        self._pool_size = min(config.pool_bytes or config.capacity_bytes, config.capacity_bytes)
+        self._event: tuple[bytes, object] | None = None  # the last commit's event
         self._device = torch.device(config.device)
         self._cuda = False
         self._is_open = False
@@ -148,7 +160,7 @@ class HbmTier(SlotTier):
         return self.config.pool_bytes or self.config.capacity_bytes
 
     def _pool_bytes(self) -> int:
-        return min(self.max_page_bytes, self.capacity_bytes)
+        return self._pool_size
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -186,8 +198,24 @@ class HbmTier(SlotTier):
             return None
         return Footprint(size_class=entry.slot.slot_bytes, nbytes=entry.slot.slot_bytes)
 
-    def _learn(self, layout: DeviceLayout, meta: PageMeta) -> int:
-        host = host_page_bytes(layout, meta)
+    def _layout(self, codec: str, spec: KVSpec) -> tuple[DeviceLayout, int]:
+        """The device layout of ``codec`` pages of ``spec`` and their blob's bytes (the slots
+        of one commit share their namespace's spec: that one is matched by identity, without
+        hashing it)."""
+        last = self._last_layout
+        if last is not None and last[1] is spec and last[0] == codec:
+            return last[2]
+        found = self._layouts.get((codec, spec))
+        if found is None:
+            layout = device_layout(codec, spec)
+            found = (layout, _blob_bytes(layout))
+            if len(self._layouts) < 1024:
+                self._layouts[(codec, spec)] = found
+        self._last_layout = (codec, spec, found)
+        return found
+
+    def _learn(self, layout: DeviceLayout, meta: PageMeta, blob_bytes: int | None = None) -> int:
+        host = page_bytes(_blob_bytes(layout) if blob_bytes is None else blob_bytes, meta)
         if len(self._slot_of_page) < 4096:
             self._slot_of_page[host] = layout.nbytes
         return host
@@ -289,25 +317,35 @@ class HbmTier(SlotTier):
         bytes of its host page. ``ready_event`` is the IPC handle of an event the writer
         recorded after its kernel: every read of the slot waits on it."""
         self._check_open()
-        layout = device_layout(meta.codec, spec)
+        layout, blob_bytes = self._layout(meta.codec, spec)
         if meta.tenant != slot.pool.tenant or layout.nbytes > slot.slot_bytes:
             raise InvalidArgument(f"block {bytes(key).hex()} does not fit this slot of tenant "
                                   f"{shown(slot.pool.tenant)}'s pool")
         if key in self._entries:
             self.abort(slot)
             return self.page_size(key) or 0
-        ready = None
-        if ready_event:
-            if self._device.type != "cuda":
-                raise InvalidArgument("a ready event names a CUDA event; this pool is host memory")
-            try:
-                ready = torch.cuda.Event.from_ipc_handle(self._device, ready_event)
-            except (RuntimeError, TypeError, ValueError) as exc:
-                raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: "
-                                      f"{exc}") from None
-        entry = self._entries[key] = _Entry(slot, meta, layout, self._learn(layout, meta), ready)
+        ready = self._ready_event(ready_event) if ready_event else None
+        entry = self._entries[key] = _Entry(slot, meta, layout,
+                                            self._learn(layout, meta, blob_bytes), ready)
         self._stats.bytes_written += layout.nbytes
         return entry.page_bytes
+
+    def _ready_event(self, handle: bytes) -> object:
+        """The writer's event named by IPC ``handle``, opened once for all the slots of a
+        commit (they share it: opening a handle per slot costs a driver call each). The cache
+        holds the commit's own ``handle`` object and matches it by identity: another commit,
+        even one whose handle has the same bytes (an event its writer destroyed and made
+        again), opens its own."""
+        if self._event is not None and self._event[0] is handle:
+            return self._event[1]
+        if self._device.type != "cuda":
+            raise InvalidArgument("a ready event names a CUDA event; this pool is host memory")
+        try:
+            event = torch.cuda.Event.from_ipc_handle(self._device, handle)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {exc}") from None
+        self._event = (handle, event)
+        return event
 
     def abort(self, slot: PoolSlot) -> None:
         slot.pool.give(slot.offset, slot.slot_bytes)

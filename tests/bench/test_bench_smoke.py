@@ -61,3 +61,19 @@ def test_a_refused_put_stops_the_bench() -> None:
     with pytest.raises(KVStoreError, match="refused block 1"):
         work = make_workload(3)
         asyncio.run(_put_pass(work, work.page, refuse, "dram", queue_depth=2))
+
+
+def test_gpu_host_overhead_bench_runs_on_the_cpu_twin():
+    """``kvstore bench gpu --host-overhead`` in miniature: every phase measured, the pages it
+    loads checked against the ones saved (it raises otherwise)."""
+    import torch
+
+    from kvstore.bench.gpu import run_host_overhead_bench
+    from kvstore.codecs.triton.common import kernels_runnable
+
+    if not kernels_runnable(torch.device("cuda:0" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    report = run_host_overhead_bench(blocks=4, repeat=1, rounds=1)
+    assert [row["phase"] for row in report.rows] == [
+        "save, HBM pool", "load, HBM pool", "load, DRAM arena"]
+    assert all(row["host_ms"] > 0 and row["launches"] >= 1 for row in report.rows)

@@ -111,3 +111,41 @@ def test_a_load_past_the_stored_prefix_stops_at_it(tmp_path):
         assert torch.isnan(dst[0][:, [4, 5]]).all()
         with pytest.raises(Exception, match="block_ids span"):
             cache.load(list(range(32)), [0, PAGES])
+
+
+def test_staging_ring_copies_runs_of_neighbouring_pages_and_lands_every_page():
+    """Pages a little apart in host memory (an arena's slots) move in one copy per run; a page
+    at an unaligned distance, or in another region, starts a run of its own; every page lands
+    in its engine page, in a ring smaller than the lease."""
+    import numpy as np
+
+    from kvstore.client.gpu import HostPages, StagingRing
+    from kvstore.codecs.device import device_layout
+    from kvstore.codecs.triton.engine import to_engine  # noqa: F401  (the ring's kernel)
+    from kvstore.spec import EngineLayout
+
+    dev = device_layout("raw", SPEC)
+    blocks = [torch.randn(SPEC.block_shape).to(torch.bfloat16) for _ in range(7)]
+    stride = dev.span + 512  # a slot's slack after each page
+    first, second = torch.zeros(8 * stride, dtype=torch.uint8), torch.zeros(
+        2 * stride, dtype=torch.uint8)
+    starts = [0, stride, 2 * stride, 3 * stride + 100, 4 * stride + 100, 6 * stride + 100, 0]
+    index = [0, 0, 0, 0, 0, 0, 1]
+    for block, start, region in zip(blocks, starts, index):
+        memory = (first, second)[region]
+        memory[start:start + dev.span] = block.flatten().view(torch.uint8)
+    pages = HostPages([first, second], np.array(index), np.array(starts, dtype=np.int64))
+    ring = StagingRing(dev, torch.device(DEVICE), chunk_pages=4, slots=2)
+    # joined: the 2nd and 3rd follow the 1st; the 4th is 100 bytes off; the 5th follows it;
+    # the 6th is a slot further on (a gap under GAP_BYTES, aligned); the 7th is elsewhere.
+    assert ring._runs(pages).tolist() == [False, True, True, False, True, True, False]
+    dst = engine(poison=True)
+    layout = EngineLayout.of(dst, SPEC)
+    ids = [3, 9, 0, 11, 5, 7, 1]
+    ring.load(layout, dev, pages, torch.tensor(ids))
+    for block, page in zip(blocks, ids):
+        got = torch.stack([torch.stack(layout.block_view(layer, page))
+                           for layer in range(SPEC.num_layers)]).cpu()
+        assert torch.equal(got, block)
+    untouched = [p for p in range(PAGES) if p not in ids]
+    assert all(torch.isnan(t[:, untouched]).all() for t in dst)

@@ -129,3 +129,52 @@ def test_locations_and_grants_round_trip_with_their_medium():
     reservation = Reservation("r1", 6.0, "raw", (grant,))
     assert lease_from_proto(lease_to_proto(lease)) == lease
     assert reservation_from_proto(reservation_to_proto(reservation)) == reservation
+
+
+def _many_locations(n: int = 40) -> tuple[BlockLocation, ...]:
+    return tuple(BlockLocation(BlockKey(bytes([i]) * 16), Medium.HOST, f"region{i % 3}",
+                               4096 * (i + 1), 1000 + i) for i in range(n))
+
+
+def test_a_packed_lease_is_one_table_and_reads_back_the_same():
+    lease = Lease("l2", 7.0, 640, _many_locations(), "fp8_e4m3")
+    msg = lease_to_proto(lease, packed=True)
+    assert msg.HasField("table") and not msg.blocks and list(msg.table.regions) == [
+        "region0", "region1", "region2"]
+    back = lease_from_proto(pb.AcquireResponse.FromString(msg.SerializeToString()))
+    assert back == lease and tuple(back.blocks) == _many_locations()
+    assert back.blocks[-1] == _many_locations()[-1] and back.blocks[1:3] == _many_locations()[1:3]
+    assert back.blocks.offsets.tolist() == [4096 * (i + 1) for i in range(40)]
+    assert lease_from_proto(lease_to_proto(lease)) == lease  # the message-per-block form
+
+
+def test_a_packed_reservation_keeps_positions_and_parents():
+    keys = [BlockKey(bytes([i + 1]) * 16) for i in range(5)]
+    grants = tuple(SlotGrant(keys[i], i + 2, keys[i - 1] if i else BlockKey(b"p" * 16),
+                             Medium.DEVICE, "pool0", 8192 * i, 8192) for i in range(5))
+    first = (SlotGrant(BlockKey(b"f" * 16), 0, None, Medium.DEVICE, "pool0", 65536, 8192),)
+    reservation = Reservation("r2", 9.0, "raw", first + grants)
+    back = reservation_from_proto(reservation_to_proto(reservation, packed=True))
+    assert back == reservation and back.blocks[0].parent is None
+    assert back.blocks[1].parent == BlockKey(b"p" * 16)
+    assert back.blocks.block_index.tolist() == [0, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("offsets", b"\0" * 7, "offsets"),
+    ("lengths", b"\0" * 8, "lengths"),
+    ("region_index", b"\0" * 12, "region_index"),
+    ("keys", b"k" * 15, "keys"),
+])
+def test_a_malformed_block_table_names_its_field(field, value, named):
+    msg = lease_to_proto(Lease("l3", 1.0, 32, _many_locations(2)), packed=True)
+    setattr(msg.table, field, value)
+    with pytest.raises(InvalidArgument, match=named):
+        lease_from_proto(msg)
+
+
+def test_a_block_table_naming_a_region_it_lacks_is_refused():
+    msg = lease_to_proto(Lease("l4", 1.0, 32, _many_locations(2)), packed=True)
+    msg.table.region_index = np.array([0, 5], dtype="<u4").tobytes()
+    with pytest.raises(InvalidArgument, match="region 5 of 2"):
+        lease_from_proto(msg)

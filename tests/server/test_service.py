@@ -202,3 +202,37 @@ async def test_reported_prefills_drive_lookup_advice(daemon, aclient, ns, spec):
             await pbg.KVStoreStub(channel).ReportPrefill(bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "profile" in err.value.details()
+
+
+async def test_acquire_and_reserve_answer_old_clients_with_a_message_per_block(
+        daemon, aclient, ns, spec):
+    """A client that does not ask for the packed table (one built before it) gets a
+    BlockLocation (SlotGrant) message per block; one that asks gets the same blocks as one
+    BlockTable and no per-block messages."""
+    from kvstore.rpc.convert import lease_from_proto, reservation_from_proto
+
+    tokens = random_tokens(64, seed=11)
+    await aclient.put(ns, tokens, random_kv(spec, 64, seed=11))
+    fresh = random_tokens(48, seed=12)
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        stub = pbg.KVStoreStub(channel)
+        leases, reservations = [], []
+        for packed in (False, True):
+            reply = await stub.Acquire(pb.AcquireRequest(
+                namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens), packed=packed))
+            assert reply.HasField("table") is packed and len(reply.blocks) == (0 if packed else 4)
+            leases.append(lease_from_proto(reply))
+            await stub.Release(pb.ReleaseRequest(lease_id=reply.lease_id))
+            reply = await stub.Reserve(pb.ReserveRequest(
+                namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(fresh), packed=packed))
+            assert reply.HasField("table") is packed and len(reply.blocks) == (0 if packed else 3)
+            reservations.append(reservation_from_proto(reply))
+            await stub.Abort(pb.AbortRequest(reservation_id=reply.reservation_id))
+    old, new = leases
+    assert len(new.blocks) == 4 and tuple(old.blocks) == tuple(new.blocks)
+    assert [b.key for b in new.blocks] == list(block_keys(ns, tokens))
+    keys = list(block_keys(ns, fresh))
+    for reservation in reservations:
+        assert [g.key for g in reservation.blocks] == keys
+        assert [g.parent for g in reservation.blocks] == [None, *keys[:2]]
+        assert [g.block_index for g in reservation.blocks] == [0, 1, 2]
