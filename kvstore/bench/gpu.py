@@ -674,8 +674,9 @@ def _baseline_samples(baseline: str, blocks: int, repeat: int, root: str
     os.makedirs(f"{root}/base", exist_ok=True)
     done = subprocess.run([sys.executable, "-c", code, os.path.abspath(baseline), __file__,
                            str(blocks), str(repeat), f"{root}/base"], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": os.path.abspath(baseline)},
-                          check=False)
+                          text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [os.path.abspath(baseline), *filter(None, [os.environ.get(
+                                  "PYTHONPATH")])])}, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SAMPLES ")]
     if done.returncode or not lines:
         raise KVStoreError(f"bench gpu: the baseline run failed: {done.stderr[-2000:]}")
