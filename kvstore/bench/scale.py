@@ -317,10 +317,6 @@ def run_scale_bench(config: ScaleConfig | None = None, work_dir: str | None = No
         with thread as daemon, Client(daemon.unix_address, retry=NO_RETRY) as client:
             run = _Run(daemon.store, config, ns)
             try:
-                # A zero-copy writer from the start, as on a serving host: its staging memory
-                # is taken while the tier has room (a tier whose memory is all published pages
-                # lends no slots, 2026-12-01).
-                thread.call(run.reserve_commit(run.prompts.new()))
                 # Fill the DRAM tier first (untimed): every timed block then pushes one down.
                 thread.call(run.fill(min(config.dram_blocks, config.sizes[0] // 2), timed=False))
                 for size in config.sizes:

@@ -189,10 +189,10 @@ class Placement:
                 return False
             is_protected = self._fair_game_for(tenant, link.name, quota)
         room = link.tier.room_for_slot if for_slot else link.tier.room_for_tenant
-        need = room(nbytes, tenant)
+        need = room(nbytes, tenant, is_protected)
         if need is not None and not await self._evict(link, need, is_protected):
             return False
-        return room(nbytes, tenant) is None
+        return room(nbytes, tenant, is_protected) is None
 
     async def _evict(self, link: Link, need: RoomNeed, is_protected: Callable[[BlockKey], bool]
                      ) -> bool:

@@ -100,8 +100,12 @@ class Tier(ABC):
     def room_for(self, nbytes: int) -> RoomNeed | None:
         """None if a page of ``nbytes`` fits now; else what must be freed first."""
 
-    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
-        """None if ``tenant``'s page of ``nbytes`` fits now; else what must be freed first."""
+    def room_for_tenant(self, nbytes: int, tenant: str,
+                        protected: Callable[[BlockKey], bool] | None = None
+                        ) -> RoomNeed | None:
+        """None if ``tenant``'s page of ``nbytes`` fits now; else what must be freed first. A
+        tier that names exact blocks to free (``RoomNeed.keys``) names none ``protected``
+        says must stay (pinned by a lease or a copy in flight) where it has a choice."""
         return self.room_for(nbytes)
 
     def can_write(self, nbytes: int) -> bool:
@@ -191,9 +195,11 @@ class SlotTier(Tier):
     def region_of(self, tenant: str) -> str:
         """What a client of ``tenant`` maps to reach that tenant's slots."""
 
-    def room_for_slot(self, nbytes: int, tenant: str) -> RoomNeed | None:
-        """None if ``allocate_slot(nbytes, tenant)`` can lend a slot now; else what to free."""
-        return self.room_for_tenant(nbytes, tenant)
+    def room_for_slot(self, nbytes: int, tenant: str,
+                      protected: Callable[[BlockKey], bool] | None = None) -> RoomNeed | None:
+        """None if ``allocate_slot(nbytes, tenant)`` can lend a slot now; else what to free
+        (``protected`` as for ``room_for_tenant``)."""
+        return self.room_for_tenant(nbytes, tenant, protected)
 
     @abstractmethod
     async def allocate_slot(self, nbytes: int, tenant: str) -> Slot | None: ...

@@ -322,13 +322,15 @@ class DramTier(SlotTier):
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
-    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+    def room_for_tenant(self, nbytes: int, tenant: str,
+                        protected: Callable[[BlockKey], bool] | None = None
+                        ) -> RoomNeed | None:
         """None if ``tenant``'s page of ``nbytes`` fits now in its published memory (in a free
         slot, by growing a step, or by taking free memory back from anyone); else whose blocks
         to delete: one slot of the page's class from ``tenant``'s own blocks while its memory is
         at least as large as every other tenant's, else every block of the emptiest step of the
         largest other one (larger by more than one slot, so two tenants do not take a step back
-        and forth)."""
+        and forth). The step is one with no block ``protected`` where there is one."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         own_need = RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
         if not self._is_open or slot_bytes > self.max_page_bytes:
@@ -340,15 +342,17 @@ class DramTier(SlotTier):
         donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_step),
                     key=lambda a: a.backed_bytes, default=None)
         if donor is not None and donor.backed_bytes > own_bytes + slot_bytes:
-            return self._step_need(donor)
+            return self._step_need(donor, protected)
         # Its own blocks of other classes are not emptied for it: the page goes down the chain.
         return own_need
 
-    def room_for_slot(self, nbytes: int, tenant: str) -> RoomNeed | None:
+    def room_for_slot(self, nbytes: int, tenant: str,
+                      protected: Callable[[BlockKey], bool] | None = None) -> RoomNeed | None:
         """None if a staging slot of ``nbytes`` for ``tenant`` can be had now (free staging
         memory, growth within the budget, free memory taken back); else every block of the
-        emptiest step of the largest tenant's memory (its own too): the step then goes back to
-        the budget and staging grows into it."""
+        emptiest step of the largest tenant's memory (its own too) that holds no block
+        ``protected`` (where there is one): the step then goes back to the budget and staging
+        grows into it."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         any_need = RoomNeed(nbytes=slot_bytes, tenant=tenant)
         if not self._is_open or slot_bytes > self.capacity_bytes:
@@ -360,7 +364,7 @@ class DramTier(SlotTier):
             return None
         donor = max((a for a in self._arenas.values() if a.keys_by_step),
                     key=lambda a: a.backed_bytes, default=None)
-        return any_need if donor is None else self._step_need(donor)
+        return any_need if donor is None else self._step_need(donor, protected)
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
@@ -631,10 +635,17 @@ class DramTier(SlotTier):
         return self._spare_bytes(arena) >= PUBLISHED_HEADER_BYTES + \
             SlabAllocator.slot_bytes_for(nbytes)
 
-    def _step_need(self, arena: _Arena) -> RoomNeed:
+    def _step_need(self, arena: _Arena, protected: Callable[[BlockKey], bool] | None = None
+                   ) -> RoomNeed:
         """Every block of ``arena``'s emptiest step: deleting them empties the step, which
-        then goes back to the budget for any memory to grow into."""
-        keys = min(arena.keys_by_step.values(), key=len)
+        then goes back to the budget for any memory to grow into. Steps holding a block
+        ``protected`` (one a lease pins, or one being copied down the chain right now) are
+        passed over while another step has none: one pinned block would otherwise refuse
+        every room-making that picked its step."""
+        steps = list(arena.keys_by_step.values())
+        if protected is not None:
+            steps = [keys for keys in steps if not any(map(protected, keys))] or steps
+        keys = min(steps, key=len)
         nbytes = sum(self._entries[key].slot.slot_bytes for key in keys)
         return RoomNeed(nbytes=nbytes, tenant=arena.tenant, keys=frozenset(keys))
 

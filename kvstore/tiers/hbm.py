@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -178,7 +178,9 @@ class HbmTier(SlotTier):
             return None
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
-    def room_for_tenant(self, nbytes: int, tenant: str) -> RoomNeed | None:
+    def room_for_tenant(self, nbytes: int, tenant: str,
+                        protected: Callable[[BlockKey], bool] | None = None
+                        ) -> RoomNeed | None:
         """Each tenant's pages live in its own pool: room for one comes from its pool only
         (or a new pool, while the capacity has one to spare), freed from its own blocks."""
         slot_bytes = self._slot_bytes(nbytes)

@@ -124,3 +124,39 @@ async def test_zero_copy_puts_into_a_full_tier_keep_their_staging_memory():
         assert tier.stats().extra["staging_bytes"] == staging_bytes
         for tokens, kv in prompts[-10:]:
             assert torch.equal(await store.get(acme, tokens), kv)
+
+
+async def test_a_pinned_block_does_not_stop_a_full_tier_lending_staging_slots(tmp_path):
+    """Regression: in a DRAM tier full of published pages, a reservation gets staging room by
+    emptying a whole step. The step chosen was the emptiest, whatever it held: when one of its
+    blocks was pinned (a lease, or the background demoter copying it down), room-making refused
+    the whole step and the reservation got no slot, for as long as that block stayed pinned.
+    Now a step with a pinned block is passed over for another."""
+    from kvstore.config import SsdConfig
+    from kvstore.keys import block_keys
+
+    acme = namespace(2, "acme")
+    config = KVStoreConfig(tiers=(
+        TierConfig("mem", "dram", dram(CAPACITY_MIB * MiB)),
+        TierConfig("disk", "ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=64 * MiB,
+                                            segment_bytes=MiB, fsync="never",
+                                            admit_after_accesses=0))))
+    async with Store(config) as store:
+        prompts = [random_tokens(16 * 10, seed=60 + i) for i in range(12)]  # 2x the tier
+        for i, tokens in enumerate(prompts):
+            assert await store.put(acme, tokens, random_kv(SPEC, 16 * 10, seed=60 + i)) == 160
+        tier = store.tiers["mem"]
+        slot_bytes = 66 << 10
+        step = tier.room_for_slot(slot_bytes, "acme").keys
+        assert step, "the tier is full: a staging slot needs a step emptied"
+        # Pin a block of that step the way a reader does: a lease on the prefix ending there.
+        tokens, at = next((t, keys.index(k)) for t in prompts
+                          for keys in [block_keys(acme, t)] for k in keys if k in step)
+        lease = await store.acquire(acme, tokens[:16 * (at + 1)])
+        try:
+            assert lease.blocks[-1].key in step
+            reservation = await store.reserve(acme, random_tokens(16 * 4, seed=99))
+            assert len(reservation.blocks) == 4
+            await store.abort(reservation.reservation_id)
+        finally:
+            await store.release(lease.lease_id)
