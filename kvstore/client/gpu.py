@@ -19,6 +19,7 @@ Only blocks that are whole in both ``tokens`` and ``block_ids`` move.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -34,7 +35,7 @@ from kvstore.api import BlockLocations, Lease, Medium, SlotGrants
 from kvstore.codecs.base import unpack_blob
 from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
-from kvstore.errors import InvalidArgument, NoSlotTier
+from kvstore.errors import InvalidArgument, KVStoreError, NoSlotTier
 from kvstore.ipc import map_region
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
@@ -55,8 +56,9 @@ class LoadHandle:
     """A load in flight: ``matched_tokens`` are (being) written into the engine's cache.
 
     ``wait_for_layer(i)`` makes the caller's stream (or ``stream``) wait until layer ``i``
-    landed, without blocking the host; ``wait()`` blocks until every layer landed and gives the
-    lease back. A handle not waited on gives its lease back when the lease expires.
+    landed, without blocking the host; ``wait()`` blocks until every layer landed. The lease
+    goes back on its own once the last layer landed (a worker of the cache waits for it), so
+    neither call waits for a round trip to the daemon.
     """
 
     def __init__(self, matched_tokens: int, events: list[object], finish,
@@ -103,12 +105,18 @@ class EngineCache:
         self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
         self._unpinnable: set[int] = set()
         self._last_mapping: object = None  # the mapping _pin looked at last
+        # Gives leases back once their loads landed, off the engine's thread.
+        self._releasing = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvstore-release")
         weakref.finalize(self, _unregister, self._pinned)
+        weakref.finalize(self, self._releasing.shutdown, False)
 
     def close(self) -> None:
-        """Unregister the arena mappings this cache pinned (the engine's tensors stay); also
-        done when the cache is collected. Close it before its client: a mapping the client
-        unmaps while registered stays registered."""
+        """Give back the leases of loads still landing (once they landed), and unregister the
+        arena mappings this cache pinned (the engine's tensors stay); the mappings also when
+        the cache is collected. Close it before its client: a mapping the client unmaps while
+        registered stays registered."""
+        self._releasing.shutdown(wait=True)
         _unregister(self._pinned)
 
     def __enter__(self) -> Self:
@@ -241,7 +249,13 @@ class EngineCache:
         except BaseException:
             release()
             raise
-        return LoadHandle(lease.matched_tokens, events, release, "device pool")
+        return self._handle(lease, events, release, "device pool")
+
+    def _handle(self, lease: Lease, events: list[object], release, source: str) -> LoadHandle:
+        """The handle of a launched load; its lease goes back on the cache's worker once the
+        last event passed (the pages are read by then)."""
+        self._releasing.submit(_release_after, events[-1] if events else None, release)
+        return LoadHandle(lease.matched_tokens, events, None, source)
 
     def _decode(self, dev: DeviceLayout, addrs: torch.Tensor, ids: torch.Tensor, stream,
                 layerwise: bool) -> list[object]:
@@ -279,7 +293,7 @@ class EngineCache:
         except BaseException:
             release()
             raise
-        return LoadHandle(lease.matched_tokens, events, release, "host arena")
+        return self._handle(lease, events, release, "host arena")
 
     def _host_pages(self, maps, blocks: BlockLocations, dev: DeviceLayout) -> HostPages:
         """Where the section bytes of leased host pages lie in this client's mappings of their
@@ -526,6 +540,17 @@ def _canonical(staging: torch.Tensor, dev: DeviceLayout, n: int) -> torch.Tensor
     section = dev.sections[0]
     pages = staging.view(n, dev.nbytes)[:, :section.nbytes]
     return pages.view(dev.dtype).view(n, *section.shape)
+
+
+def _release_after(event, release) -> None:
+    """``release()`` once ``event`` passed; a failure is logged (the lease then ends with
+    the client's session, or at its deadline)."""
+    try:
+        if event is not None:
+            event.synchronize()
+        release()
+    except (KVStoreError, RuntimeError) as exc:  # a worker thread: nobody else would see it
+        log.warning("kvstore: giving a load's lease back failed: %s", exc)
 
 
 def _releaser(client, lease: Lease):

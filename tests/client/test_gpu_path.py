@@ -149,3 +149,27 @@ def test_staging_ring_copies_runs_of_neighbouring_pages_and_lands_every_page():
         assert torch.equal(got, block)
     untouched = [p for p in range(PAGES) if p not in ids]
     assert all(torch.isnan(t[:, untouched]).all() for t in dst)
+
+
+@pytest.mark.parametrize("tiers", ["hbm", "dram"])
+def test_a_load_gives_its_lease_back_once_landed_without_a_wait(tmp_path, tiers):
+    """The lease goes back from the cache's worker once the load's pages were read: an engine
+    that never calls wait() holds no lease, and one that does never waits for the Release."""
+    import time
+
+    config = with_hbm(small_config(tmp_path)) if tiers == "hbm" else small_config(tmp_path)
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(48))
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        EngineCache(client, ns, engine(poison=False)).save(tokens, [0, 1, 2])
+        dst = engine(poison=True)
+        cache = EngineCache(client, ns, dst)
+        handle = cache.load(tokens, [5, 6, 7])
+        assert handle.matched_tokens == 48
+        deadline = time.monotonic() + 10
+        while client.stats().active_leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats().active_leases == 0
+        assert handle.wait() == 48  # still fine after the lease went back
+        assert not torch.isnan(dst[0][:, [5, 6, 7]]).any()
+        cache.close()
