@@ -100,6 +100,7 @@ class LMCacheSide:
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.token_database import ChunkedTokenDatabase
 
         self.case, self.calls = case, calls
         # room for a pass held by the backend plus the objects a remote pass has in flight
@@ -111,6 +112,9 @@ class LMCacheSide:
             local_worker_id=0, kv_dtype=torch.bfloat16,
             kv_shape=(case.num_layers, 2, case.block_tokens, case.num_kv_heads, case.head_dim))
         self.backend = LocalCPUBackend(config, metadata)
+        # Keys as LMCache's engine makes them: chained hashes of each chunk of a prompt's
+        # tokens (the prompts are kvstore's side's).
+        self.tokens_db = ChunkedTokenDatabase(config, metadata)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.connector = LMCServerConnector("127.0.0.1", port, self.loop, self.backend)
@@ -120,10 +124,10 @@ class LMCacheSide:
         self.target = [torch.empty_like(t) for t in self.source]
 
     def keys(self, call: int) -> list[Any]:
-        from lmcache.utils import CacheEngineKey
-
-        return [CacheEngineKey("bench", 1, 0, (call << 16) + b, torch.bfloat16)
-                for b in range(self.case.blocks)]
+        """The keys of prompt ``call``'s chunks, hashed from its tokens."""
+        tokens = self.case.blocks * self.case.block_tokens
+        return [key for _, _, key in self.tokens_db.process_tokens(
+            list(range(call * tokens, (call + 1) * tokens)))]
 
     def _filled(self, block: int) -> Any:
         from lmcache.v1.memory_management import MemoryFormat
@@ -142,6 +146,8 @@ class LMCacheSide:
         remote = path == LMCACHE_PATHS[1]
         put_s = _seconds(lambda: [self._put(key, b, remote) for c in range(self.calls)
                                   for b, key in enumerate(self.keys(c))])
+        lookup_s = _seconds(lambda: [self._lookup(self.keys(c), remote)
+                                     for c in range(self.calls)])
         get_s = _seconds(lambda: [self._get(key, b, remote) for c in range(self.calls)
                                   for b, key in enumerate(self.keys(c))])
         if not all(torch.equal(s, t) for s, t in zip(self.source, self.target, strict=True)):
@@ -152,7 +158,17 @@ class LMCacheSide:
             for c in range(self.calls):
                 for key in self.keys(c):
                     self.backend.remove(key)
-        return {"put_s": put_s, "get_s": get_s}
+        return {"put_s": put_s, "get_s": get_s, "lookup_s": lookup_s}
+
+    def _lookup(self, keys: list[Any], remote: bool) -> None:
+        """How much of a prompt is stored, as LMCache's engine asks: its tokens hashed (the
+        caller's ``keys(call)``), then chunk by chunk from the first, until one is missing
+        (every one is here)."""
+        for key in keys:
+            found = (self._remote(self.connector.exists(key)) if remote
+                     else self.backend.contains(key))
+            if not found:
+                raise RuntimeError(f"LMCache lost chunk {key.chunk_hash}")
 
     def _put(self, key: Any, block: int, remote: bool) -> None:
         obj = self._filled(block)
@@ -298,30 +314,37 @@ class KVStoreSide:
         tokens = case.blocks * case.block_tokens
         self.prompts = [list(range(i * tokens, (i + 1) * tokens)) for i in range(calls)]
 
-    def _calls(self, path: str) -> tuple[Any, Any, Any]:
+    def _calls(self, path: str) -> tuple[Any, Any, Any, Any]:
         ns, kv = self.ns, self.kv
         if path == KVSTORE_PATHS[0]:
             run = self.loop.run_until_complete
             return (lambda t: run(self.store.put(ns, t, kv)),
                     lambda t: run(self.store.get(ns, t)),
+                    lambda t: run(self.store.lookup(ns, t)),
                     lambda: run(self.store.evict(model_id=ns.model_id)))
         zero_copy = path == KVSTORE_PATHS[2]
         return (lambda t: self.client.put(ns, t, kv, zero_copy=zero_copy),
                 lambda t: self.client.get(ns, t, zero_copy=zero_copy),
+                lambda t: self.client.lookup(ns, t),
                 lambda: self.client.evict(model_id=ns.model_id))
 
     def run(self, path: str) -> dict[str, float]:
         from kvstore.errors import KVStoreError
 
-        put, get, evict = self._calls(path)
+        put, get, lookup, evict = self._calls(path)
         first: list[Any] = []
+        whole = len(self.prompts[0])
         put_s = _seconds(lambda: [put(t) for t in self.prompts])
+        hits: list[Any] = []
+        lookup_s = _seconds(lambda: hits.extend(lookup(t) for t in self.prompts))
         get_s = _seconds(lambda: [first.append(get(t)) if i == 0 else get(t)
                                   for i, t in enumerate(self.prompts)])
         evict()
         if first[0] is None or not torch.equal(first[0], self.kv):
             raise KVStoreError(f"{path}: the K/V read back differs from the K/V put")
-        return {"put_s": put_s, "get_s": get_s}
+        if any(hit.matched_tokens != whole for hit in hits):
+            raise KVStoreError(f"{path}: a lookup missed a prompt just put")
+        return {"put_s": put_s, "get_s": get_s, "lookup_s": lookup_s}
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> list[float]:
@@ -338,8 +361,17 @@ def _case_rows(case: Case, calls: int, times: dict[str, dict[str, list[float]]]
             value, base = statistics.median(ours), statistics.median(theirs)
             rows.append({"case": case.name, "op": op, "path": path, "gbps": value,
                          "lmcache_path": beside, "lmcache_gbps": base, "ratio": value / base,
+                         "rate": value, "lmcache_rate": base, "unit": "GB/s",
                          "bytes": nbytes, "calls": calls, "call_bytes": case.call_bytes,
                          "round_gbps": ours, "lmcache_round_gbps": theirs})
+    for path, beside in PAIRS.items():  # a whole prompt's lookup, per second
+        ours = [calls / s for s in times[path]["lookup"]]
+        theirs = [calls / s for s in times[beside]["lookup"]]
+        value, base = statistics.median(ours), statistics.median(theirs)
+        rows.append({"case": case.name, "op": "lookup", "path": path, "rate": value,
+                     "lmcache_path": beside, "lmcache_rate": base, "ratio": value / base,
+                     "unit": "lookups/s", "calls": calls, "blocks": case.blocks,
+                     "round_rate": ours, "lmcache_round_rate": theirs})
     return rows
 
 
@@ -347,7 +379,7 @@ def _measure(case: Case, calls: int, ours: KVStoreSide, lmcache: LMCacheWorker, 
              ) -> dict[str, dict[str, list[float]]]:
     """Every path ``repeat`` times after one unrecorded warm-up round (it grows and pre-faults
     the arenas), kvstore first in even rounds and LMCache first in odd ones."""
-    times = {p: {"put": [], "get": []} for p in (*KVSTORE_PATHS, *LMCACHE_PATHS)}
+    times = {p: {"put": [], "get": [], "lookup": []} for p in (*KVSTORE_PATHS, *LMCACHE_PATHS)}
     lmcache.call(op="case", case=asdict(case), calls=calls)
     for round_index in range(repeat + 1):
         sides = [(KVSTORE_PATHS, ours.run), (LMCACHE_PATHS, lambda p: lmcache.call(op="run",
@@ -356,8 +388,8 @@ def _measure(case: Case, calls: int, ours: KVStoreSide, lmcache: LMCacheWorker, 
             for path in paths:
                 result = run(path)
                 if round_index:
-                    times[path]["put"].append(result["put_s"])
-                    times[path]["get"].append(result["get_s"])
+                    for op in ("put", "get", "lookup"):
+                        times[path][op].append(result[f"{op}_s"])
     return times
 
 
@@ -436,16 +468,21 @@ def run_lmcache_bench(total_bytes: int = 256 * MiB, repeat: int = 3, quick: bool
                               "same run; GB/s medians)",
         columns=(Column("op", "op", justify="left"), Column("path", "kvstore path",
                                                             justify="left"),
-                 Column("gbps", "GB/s"), Column("lmcache_path", "beside LMCache",
+                 Column("rate", "rate"), Column("lmcache_path", "beside LMCache",
                                                 justify="left"),
-                 Column("lmcache_gbps", "GB/s"), Column("ratio", "kvstore/LMCache")),
+                 Column("lmcache_rate", "rate"), Column("unit", "unit", justify="left"),
+                 Column("ratio", "kvstore/LMCache")),
         rows=tuple(rows), section_key="case",
         params={"total_bytes": total_bytes, "repeat": repeat, "quick": quick,
                 "lmcache_version": worker_proc.version,
                 "cases": [asdict(c) | {"call_bytes": c.call_bytes} for c in cases]},
-        notes=(("kvstore/LMCache above 1: kvstore moves the payload faster. A put starts from "
-               "the caller's tensor; a get ends with the K/V in a tensor the caller can use "
-               "(LMCache's memory object copied out, as its engine copies it into the cache)."),
+        notes=(("kvstore/LMCache above 1: kvstore is faster. A lookup asks how much of a "
+                "prompt just put is stored, from its tokens: kvstore's Lookup once per prompt; "
+                "LMCache's token database hashing the chunks, then contains / exists once per "
+                "chunk from the first, as its engine asks."),
+               ("A put starts from the caller's tensor; a get ends with the K/V in a tensor "
+                "the caller can use (LMCache's memory object copied out, as its engine copies "
+                "it into the cache)."),
                ("LMCache's remote server has no shared-memory path: both daemon paths stand "
                 "beside its loopback TCP server.")),
     )

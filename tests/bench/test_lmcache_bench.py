@@ -40,12 +40,17 @@ def test_bench_lmcache_writes_every_row(tmp_path: Path) -> None:
     assert report["bench"] == "lmcache"
     assert report["params"]["lmcache_version"] == LMCACHE_VERSION
     rows = {(r["case"], r["op"], r["path"]): r for r in report["rows"]}
-    assert set(rows) == {(c.name, op, p) for c in QUICK_CASES for op in ("put", "get")
-                         for p in KVSTORE_PATHS}
-    for (_, _, path), row in rows.items():
+    assert set(rows) == {(c.name, op, p) for c in QUICK_CASES
+                         for op in ("put", "get", "lookup") for p in KVSTORE_PATHS}
+    for (_, op, path), row in rows.items():
         assert row["lmcache_path"] == PAIRS[path]
-        assert row["gbps"] > 0 and row["lmcache_gbps"] > 0 and row["ratio"] > 0
-        assert len(row["round_gbps"]) == len(row["lmcache_round_gbps"]) == 1
+        assert row["rate"] > 0 and row["lmcache_rate"] > 0 and row["ratio"] > 0
+        if op == "lookup":
+            assert row["unit"] == "lookups/s"
+            assert len(row["round_rate"]) == len(row["lmcache_round_rate"]) == 1
+        else:
+            assert row["gbps"] == row["rate"] and row["unit"] == "GB/s"
+            assert len(row["round_gbps"]) == len(row["lmcache_round_gbps"]) == 1
 
 
 def test_bench_lmcache_without_its_venv_says_how_to_build_it(tmp_path: Path) -> None:
