@@ -89,6 +89,18 @@ class _BlockTable:
             raise InvalidArgument(f"a block table names region {int(self.region_index.max())} "
                                   f"of {len(self.regions)}")
 
+    @staticmethod
+    def _columns(items: list, what: str) -> tuple[bytes, Medium, list[str], list[int]]:
+        """The keys, medium, region names and region index of ``items`` (one medium)."""
+        regions: dict[str, int] = {}
+        index = [regions.setdefault(x.region, len(regions)) for x in items]
+        mediums = {Medium(x.medium) for x in items}
+        if len(mediums) > 1:
+            raise InvalidArgument(f"{what} lie in one medium, got "
+                                  f"{sorted(m.value for m in mediums)}")
+        return (b"".join(bytes(x.key) for x in items),
+                mediums.pop() if mediums else Medium.HOST, list(regions), index)
+
     def __len__(self) -> int:
         return len(self.offsets)
 
@@ -142,15 +154,8 @@ class BlockLocations(_BlockTable, Sequence["BlockLocation"]):
         if isinstance(blocks, BlockLocations):
             return blocks
         blocks = list(blocks)
-        regions: dict[str, int] = {}
-        index = [regions.setdefault(b.region, len(regions)) for b in blocks]
-        mediums = {Medium(b.medium) for b in blocks}
-        if len(mediums) > 1:
-            raise InvalidArgument("a lease's blocks lie in one medium, got "
-                                  f"{sorted(m.value for m in mediums)}")
-        return cls(b"".join(bytes(b.key) for b in blocks),
-                   mediums.pop() if mediums else Medium.HOST, list(regions), index,
-                   [b.offset for b in blocks], [b.length for b in blocks])
+        return cls(*cls._columns(blocks, "a lease's blocks"), [b.offset for b in blocks],
+                   [b.length for b in blocks])
 
     def _item(self, i: int) -> BlockLocation:
         return BlockLocation(self.key(i), self.medium, self.region(i), int(self.offsets[i]),
@@ -180,15 +185,8 @@ class SlotGrants(_BlockTable, Sequence["SlotGrant"]):
         if isinstance(grants, SlotGrants):
             return grants
         grants = list(grants)
-        regions: dict[str, int] = {}
-        index = [regions.setdefault(g.region, len(regions)) for g in grants]
-        mediums = {Medium(g.medium) for g in grants}
-        if len(mediums) > 1:
-            raise InvalidArgument("a reservation's slots lie in one medium, got "
-                                  f"{sorted(m.value for m in mediums)}")
-        return cls(b"".join(bytes(g.key) for g in grants),
-                   mediums.pop() if mediums else Medium.HOST, list(regions), index,
-                   [g.offset for g in grants], [g.capacity_bytes for g in grants],
+        return cls(*cls._columns(grants, "a reservation's slots"), [g.offset for g in grants],
+                   [g.capacity_bytes for g in grants],
                    [g.block_index for g in grants],
                    b"".join(bytes(g.parent) if g.parent else bytes(KEY_BYTES) for g in grants))
 
