@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import secrets
 import struct
 import time
@@ -469,7 +470,7 @@ def _decodes_finite(codec: Codec, payload: memoryview, shape: tuple[int, ...],
     if parts.codec_id != codec.codec_id or parts.dtype != dtype or parts.shape != shape:
         raise CodecError(f"blob holds codec id {parts.codec_id}, {parts.shape} {parts.dtype}")
     section = parts.sections[0]
-    expected = int(np.prod(shape)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if section.nbytes != expected:
         raise CodecError(f"blob section holds {section.nbytes} bytes, expected {expected}")
     bits = np.frombuffer(section, dtype=np.uint8).view(f"u{dtype.itemsize}")
