@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -175,3 +176,32 @@ def test_is_all_finite_reads_the_bits_of_any_float_dtype(dtype):
         assert not base.is_all_finite(damaged)
         assert not base.is_all_finite(damaged[:, :, 16:])
     assert base.is_all_finite(t[:, :, :0])
+
+
+@pytest.mark.parametrize(("dtype", "nonfinite", "finite"), [
+    (torch.bfloat16, (0x7FC0, 0x7F80, 0xFF80, 0x7F81, 0xFFC1),
+     (0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F, 0x8000)),
+    (torch.float16, (0x7E00, 0x7C00, 0xFC00, 0x7C01, 0xFE01),
+     (0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF, 0x8000)),
+])
+def test_bits_all_finite_knows_each_pattern_at_either_end(dtype, nonfinite, finite):
+    """NaN, +Inf, -Inf, a signalling and a negative NaN are caught at the first and the last
+    element; subnormals, -0 and the largest finite values of each sign pass."""
+    bits = np.zeros(4096, dtype=np.uint16)
+    bits[: len(finite)] = finite
+    bits[-len(finite):] = finite
+    assert base.bits_all_finite(bits, dtype)
+    assert base.bits_all_finite(bits.view(np.int16), dtype)  # either integer view
+    for pattern in nonfinite:
+        for where in (0, -1):
+            damaged = bits.copy()
+            damaged[where] = pattern
+            assert not base.bits_all_finite(damaged, dtype), (hex(pattern), where)
+    assert base.bits_all_finite(bits[:0], dtype)
+
+
+def test_bits_all_finite_refuses_bits_of_another_size():
+    with pytest.raises(CodecError, match="bits of torch.float32"):
+        base.bits_all_finite(np.zeros(4, dtype=np.uint16), torch.float32)
+    with pytest.raises(CodecError, match="no bit-level finite check"):
+        base.bits_all_finite(np.zeros(4, dtype=np.uint8), torch.float8_e4m3fn)

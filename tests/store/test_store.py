@@ -489,15 +489,20 @@ def test_write_buffers_reuse_the_smallest_fit_within_bounds(monkeypatch):
     assert len(buffers.take(2000)) == 2000
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-async def test_commit_refuses_a_page_holding_nan_or_inf(store, ns, spec, bad):
-    """A well-formed raw page (checksum and all) whose K/V holds NaN or Inf is refused at
-    commit: a lossy tier below could never take it on demotion."""
-    tokens, kv = random_tokens(32), random_kv(spec, 32)
-    kv[1, 0, 20, 1, 3] = bad  # in the second block
+# Bit patterns of 16-bit floats: NaN, +Inf, -Inf, a signalling NaN (quiet bit clear, payload
+# set), a negative NaN; and values that are finite however near: subnormals, the largest finite.
+_NONFINITE_BITS = {"bfloat16": (0x7FC0, 0x7F80, 0xFF80, 0x7F81, 0xFFFF),
+                   "float16": (0x7E00, 0x7C00, 0xFC00, 0x7C01, 0xFFFF)}
+_EDGE_FINITE_BITS = {"bfloat16": (0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F),
+                     "float16": (0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF)}
+
+
+async def _commit_raw_pages(store: Store, ns: Namespace, tokens: list[int], kv: torch.Tensor):
+    """Reserve ``tokens``, write each block of ``kv`` as a well-formed raw page (checksum and
+    all) into its slot, and commit."""
     res = await store.reserve(ns, tokens)
     raw = codecs.get(res.codec)
-    bt = spec.block_tokens
+    bt = ns.spec.block_tokens
     with open(_arena_path(store, ns.tenant, res.blocks[0].region), "r+b") as f, \
             mmap.mmap(f.fileno(), 0) as arena:
         for g in res.blocks:
@@ -507,6 +512,49 @@ async def test_commit_refuses_a_page_holding_nan_or_inf(store, ns, spec, bad):
             block = kv[:, :, g.block_index * bt:(g.block_index + 1) * bt]
             page = encode_page(meta, raw.encode(block))
             arena[g.offset:g.offset + len(page)] = page
-    with pytest.raises(CorruptPage, match="NaN or Inf"):
-        await store.commit(res.reservation_id)
-    assert (await store.lookup(ns, tokens)).matched_tokens == 0
+    return await store.commit(res.reservation_id)
+
+
+def _with_bits(kv: torch.Tensor, index: tuple[int, ...], bits: int) -> torch.Tensor:
+    kv = kv.clone()
+    kv.view(torch.int16)[index] = bits - (1 << 16) if bits & 0x8000 else bits
+    return kv
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+async def test_commit_refuses_a_page_holding_nan_or_inf(store, spec, dtype, where):
+    """A well-formed raw page (checksum and all) whose K/V holds NaN or Inf (any sign, a
+    signalling NaN too) at its first, a middle or its last element is refused at commit: a
+    lossy tier below could never take it on demotion. Regression for the bit-level check."""
+    spec = dataclasses.replace(spec, dtype=dtype)
+    ns = Namespace(model_id=f"m-{dtype}", spec=spec, tenant="acme")
+    kv = random_kv(spec, 32)
+    bt = spec.block_tokens
+    index = {"first": (0, 0, bt, 0, 0), "middle": (1, 0, bt + 4, 1, 3),
+             "last": (spec.num_layers - 1, 1, 2 * bt - 1, spec.num_kv_heads - 1,
+                      spec.head_dim - 1)}[where]  # of the second block
+    for n, bits in enumerate(_NONFINITE_BITS[dtype]):
+        tokens = random_tokens(32, seed=100 + n)
+        with pytest.raises(CorruptPage, match="NaN or Inf"):
+            await _commit_raw_pages(store, ns, tokens, _with_bits(kv, index, bits))
+        assert (await store.lookup(ns, tokens)).matched_tokens == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_commit_takes_subnormal_and_largest_finite_values(store, spec, dtype):
+    """The values nearest NaN/Inf in bits (largest finite of each sign) and subnormals pass the
+    commit's check, at a page's first and last element, and read back bit for bit."""
+    spec = dataclasses.replace(spec, dtype=dtype)
+    ns = Namespace(model_id=f"m-{dtype}", spec=spec, tenant="acme")
+    kv = random_kv(spec, 32)
+    bt, edge = spec.block_tokens, _EDGE_FINITE_BITS[dtype]
+    for block in range(2):
+        first = (0, 0, block * bt, 0)
+        last = (spec.num_layers - 1, 1, block * bt + bt - 1, spec.num_kv_heads - 1)
+        for n, bits in enumerate(edge):  # a page's first and last elements, and beside them
+            kv = _with_bits(kv, (*first, n), bits)
+            kv = _with_bits(kv, (*last, spec.head_dim - 1 - n), edge[-1 - n])
+    tokens = random_tokens(32, seed=7)
+    assert await _commit_raw_pages(store, ns, tokens, kv)
+    assert torch.equal((await store.get(ns, tokens)).view(torch.int16), kv.view(torch.int16))
