@@ -174,8 +174,8 @@ class SsdConfig(TierSettings):
 
     def __post_init__(self) -> None:
         self._check_common("ssd")
-        if self.segment_bytes < 1 << 20:
-            raise ConfigError(f"ssd.segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
+        if self.segment_bytes < 64 << 10:
+            raise ConfigError(f"ssd.segment_bytes must be >= 64 KiB, got {self.segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"ssd.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
         if self.fsync_interval_s <= 0:
