@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import heapq
 import logging
 import mmap
 import os
@@ -280,6 +281,71 @@ class Segment:
     @property
     def dead_bytes(self) -> int:
         return self.size_bytes - self.live_bytes
+
+
+class DeadOrder:
+    """The segments ordered by dead bytes, deadest first: a max-heap with lazy invalidation.
+
+    Why: a full tier asks for the deadest segment on every page it is offered (``room_for``,
+    reclaim); walking and sorting every segment made that O(segments) per page, ~2300 segments
+    at 600 GB of 256 MiB ones. ``note(seg)`` is called whenever a segment's dead bytes may have
+    changed (its live bytes dropped) and pushes a fresh entry; entries whose recorded dead bytes
+    are no longer the segment's are dropped when they surface. The heap is rebuilt once stale
+    entries outnumber the live ones, so each note costs amortised O(log n).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int]] = []  # (-dead bytes, segment id)
+        self._dead: dict[int, int] = {}  # segment id -> dead bytes of its valid entry
+        self._segments: dict[int, Segment] = {}
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def note(self, seg: Segment) -> None:
+        """Record ``seg``'s dead bytes as they are now (a removed segment leaves)."""
+        if seg.is_removed:
+            self.discard(seg)
+            return
+        dead = seg.dead_bytes
+        if self._dead.get(seg.segment_id) == dead and seg.segment_id in self._segments:
+            return
+        self._segments[seg.segment_id] = seg
+        self._dead[seg.segment_id] = dead
+        heapq.heappush(self._heap, (-dead, seg.segment_id))
+        if len(self._heap) > 2 * len(self._dead) + 64:
+            self._heap = [(-d, i) for i, d in self._dead.items()]
+            heapq.heapify(self._heap)
+
+    def discard(self, seg: Segment) -> None:
+        self._segments.pop(seg.segment_id, None)
+        self._dead.pop(seg.segment_id, None)
+
+    def first(self, accept: Callable[[Segment], bool]) -> Segment | None:
+        """The deadest segment that ``accept`` takes (ties: the lowest id), or None. Costs
+        O((k + 1) log n) for the k segments passed over, which stay in the order."""
+        passed: list[tuple[int, int]] = []
+        found = None
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                dead, segment_id = -item[0], item[1]
+                if self._dead.get(segment_id) != dead:
+                    continue  # stale: the segment's dead bytes changed, or it left
+                passed.append(item)
+                seg = self._segments[segment_id]
+                if seg.dead_bytes != dead:  # changed without a note: take it as it is now
+                    passed.pop()
+                    self._dead.pop(segment_id)
+                    self.note(seg)
+                    continue
+                if accept(seg):
+                    found = seg
+                    break
+        finally:
+            for item in passed:
+                heapq.heappush(self._heap, item)
+        return found
 
 
 class AppendItem(Protocol):

@@ -70,6 +70,7 @@ from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
 from kvstore.tiers.segments import (
     ALIGN_BYTES,
+    DeadOrder,
     ReadBuffers,
     Segment,
     aligned,
@@ -131,6 +132,7 @@ class SsdTier(SegmentWriter, Tier):
         self._unsynced: list[PendingWrite] = []  # appended, waiting for the "batch" flusher
         self._unsynced_bytes = 0
         self._emptied: set[Segment] = set()
+        self._dead_order = DeadOrder()  # segments by dead bytes, for room_for and reclaim
         self._compact_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._flush_wake = asyncio.Event()
@@ -171,7 +173,8 @@ class SsdTier(SegmentWriter, Tier):
     def room_for(self, nbytes: int) -> RoomNeed | None:
         """None if a page of ``nbytes`` fits now, possibly after the write compacts a segment;
         else the live bytes to delete from one sealed segment (a page's size class is its
-        segment) so that compacting it frees enough: the segment needing the fewest.
+        segment) so that compacting it frees enough: the deadest idle sealed segment (the one
+        compaction takes first), found in O(log n) (``DeadOrder``), not by walking them all.
 
         Compacting a segment copies its live pages forward, so it can run only while they fit in
         the free space, and it frees the segment's dead bytes.
@@ -181,18 +184,13 @@ class SsdTier(SegmentWriter, Tier):
             return None
         deficit = self._used_bytes + padded - (self.capacity_bytes - self._reserve_bytes)
         free = self.capacity_bytes - self._used_bytes
-        best: tuple[int, int] | None = None
-        for seg in self._segments.values():
-            if seg is self._active or seg.is_compacting or seg.num_inflight or not seg.size_bytes:
-                continue
-            delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
-            if best is None or delete < best[0]:
-                best = (delete, seg.segment_id)
-        if best is None:  # only the active segment holds pages: it must fill and seal first
+        seg = self._dead_order.first(self._is_idle_sealed)
+        if seg is None:  # only the active segment holds pages: it must fill and seal first
             return RoomNeed(nbytes=deficit)
-        if best[0] == 0:
+        delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
+        if delete == 0:
             return None
-        return RoomNeed(nbytes=best[0], size_class=best[1])
+        return RoomNeed(nbytes=delete, size_class=seg.segment_id)
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._index.get(key)
@@ -348,6 +346,8 @@ class SsdTier(SegmentWriter, Tier):
             seg = self._segments[entry.segment_id]
             seg.live_bytes += entry.padded
             seg.keys.add(key)
+        for seg in self._segments.values():
+            self._dead_order.note(seg)
         self._next_segment_id = max(sizes, default=0) + 1
         try:
             await self._lmdb.commit()
@@ -413,6 +413,7 @@ class SsdTier(SegmentWriter, Tier):
         for seg in list(self._segments.values()):
             await seg.handle.close()
         self._segments.clear()
+        self._dead_order = DeadOrder()
         self._active = None
         await self._lmdb.close()
         if self._lock_fd is not None:

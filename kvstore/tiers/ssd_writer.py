@@ -26,6 +26,7 @@ from kvstore.errors import CapacityError, CorruptPage, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.tiers.segments import (
+    DeadOrder,
     Segment,
     aligned,
     append,
@@ -93,6 +94,7 @@ class SegmentWriter:
     _unsynced_bytes: int
     _lmdb: LmdbIndex
     _emptied: set[Segment]
+    _dead_order: DeadOrder
     _compact_lock: asyncio.Lock
     _wake: asyncio.Event
     _flush_wake: asyncio.Event
@@ -175,6 +177,7 @@ class SegmentWriter:
                 raise
         seg = Segment(segment_id, path, handle, 0)
         self._segments[segment_id] = seg
+        self._dead_order.note(seg)
         self._active = seg
         return seg
 
@@ -314,14 +317,29 @@ class SegmentWriter:
         """Whether a page fits beside the space held back for compaction."""
         return self._used_bytes + padded <= self.capacity_bytes - self._reserve_bytes
 
-    def _compaction_candidates(self, forced: bool = False) -> list[Segment]:
-        """Sealed, idle segments at least ``compact_dead_fraction`` dead, deadest first; with
-        ``forced``, every one with dead bytes (a page that must fit, whatever it costs)."""
-        fraction = 0.0 if forced else self._config.compact_dead_fraction
-        found = [s for s in self._segments.values()
-                 if s is not self._active and not s.is_compacting and s.num_inflight == 0
-                 and s.size_bytes and s.dead_bytes > 0 and s.dead_bytes >= fraction * s.size_bytes]
-        return sorted(found, key=lambda s: s.dead_bytes, reverse=True)
+    def _is_idle_sealed(self, seg: Segment) -> bool:
+        """Whether ``seg`` could be compacted now: sealed, holding bytes, nothing in flight."""
+        return (seg is not self._active and not seg.is_compacting and seg.num_inflight == 0
+                and seg.size_bytes > 0)
+
+    def _compaction_victim(self, tried: set[Segment], free: int) -> Segment | None:
+        """The deadest idle sealed segment not in ``tried`` whose live pages fit in ``free``:
+        among those at least ``compact_dead_fraction`` dead first, then, since the store deleted
+        pages to make this room (``room_for`` counts every dead byte), among every one with
+        dead bytes. O(log n) per segment passed over (``DeadOrder``)."""
+        def takes(s: Segment) -> bool:
+            return (self._is_idle_sealed(s) and s.dead_bytes > 0 and s not in tried
+                    and s.live_bytes <= free)
+
+        fraction = self._config.compact_dead_fraction
+        threshold = fraction * self._config.segment_bytes
+        # Deadest first, so once the dead bytes fall below the fraction of a full segment no
+        # later one qualifies unless it is a short segment: those wait for the second pass.
+        seg = self._dead_order.first(lambda s: s.dead_bytes < threshold or (
+            takes(s) and s.dead_bytes >= fraction * s.size_bytes))
+        if seg is not None and seg.dead_bytes >= threshold:
+            return seg
+        return self._dead_order.first(takes)
 
     def _release(self, entry: IndexRecord) -> None:
         """A committed page left the index: its bytes are dead now."""
@@ -332,6 +350,8 @@ class SegmentWriter:
             self._note_if_empty(seg)
 
     def _note_if_empty(self, seg: Segment) -> None:
+        """After ``seg``'s live bytes dropped: reorder it, and queue it for removal if empty."""
+        self._dead_order.note(seg)
         if seg.live_bytes == 0 and seg.num_inflight == 0 and not seg.is_removed:
             self._emptied.add(seg)
 
@@ -354,6 +374,7 @@ class SegmentWriter:
     async def _remove_segment(self, seg: Segment) -> None:
         seg.is_removed = True
         self._segments.pop(seg.segment_id, None)
+        self._dead_order.discard(seg)
         if self._active is seg:
             self._active = None
         try:
@@ -371,10 +392,7 @@ class SegmentWriter:
         async with self._compact_lock:
             tried: set[Segment] = set()
             while not self._fits(padded) and not self._is_closing:
-                free = self.capacity_bytes - self._used_bytes
-                victim = next((s for forced in (False, True)
-                               for s in self._compaction_candidates(forced)
-                               if s not in tried and s.live_bytes <= free), None)
+                victim = self._compaction_victim(tried, self.capacity_bytes - self._used_bytes)
                 if victim is None:
                     return
                 tried.add(victim)
