@@ -4,10 +4,12 @@ Layout of ``config.path``: ``seg-000001.dat`` ... hold encoded pages back to bac
 to 4096 bytes (so O_DIRECT can read and write them); ``index/`` is an LMDB environment mapping a
 16-byte block key to (segment, offset, length, codec id, checksum, page meta); ``LOCK`` keeps a
 second process out. Writers queue pages; one writer task combines what is queued into one
-append from a page-aligned buffer. Segment files are created, opened and removed with aiofiles;
-appends and reads are positioned ``pwrite``/``preadv`` calls in worker threads, so an append can
-be in flight while the next batch is copied, and reads run side by side (O_DIRECT where the
-file system allows it, buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
+append from a page-aligned buffer. Segment files are removed with aiofiles; their descriptors
+are opened on demand and at most ``ssd.max_open_segments`` kept (``SegmentFiles``: least
+recently used closed first, never one in use). Appends and reads are positioned
+``pwrite``/``preadv`` calls in worker threads, so an append can be in flight while the next
+batch is copied, and reads run side by side (O_DIRECT where the file system allows it,
+buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
 ``ssd_index`` (the LMDB record format and its journal), ``ssd_writer`` (appends, group commits,
 compaction) and this module (the Tier API, recovery at open, reads).
 
@@ -73,12 +75,12 @@ from kvstore.tiers.segments import (
     DeadOrder,
     ReadBuffers,
     Segment,
+    SegmentFiles,
     aligned,
     check_page,
     find_pages,
     lock_directory,
     private_directory,
-    private_opener,
     probe_o_direct,
     read_page,
     scan_segments,
@@ -133,6 +135,7 @@ class SsdTier(SegmentWriter, Tier):
         self._unsynced_bytes = 0
         self._emptied: set[Segment] = set()
         self._dead_order = DeadOrder()  # segments by dead bytes, for room_for and reclaim
+        self._files = SegmentFiles(config.max_open_segments, o_direct=False)  # set at open
         self._compact_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._flush_wake = asyncio.Event()
@@ -295,6 +298,7 @@ class SsdTier(SegmentWriter, Tier):
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
                 probe_o_direct, self._dir)
+            self._files = SegmentFiles(self._config.max_open_segments, self._o_direct)
             await self._recover()
         except BaseException:
             await self._release_resources()
@@ -402,16 +406,16 @@ class SsdTier(SegmentWriter, Tier):
             log.warning("ssd segment %s: truncating %d bytes past its last indexed page",
                         path.name, size - end)
             await asyncio.to_thread(os.truncate, path, end)
-        opener = private_opener(self._o_direct)  # also tightens a segment of an older version
-        handle = await aiofiles.open(path, "rb", buffering=0, opener=opener)
-        self._segments[segment_id] = Segment(segment_id, path, handle, end)
+        seg = Segment(segment_id, path, end)
+        self._files.acquire(seg)  # tightens a segment of an older version; kept if room
+        self._files.release(seg)
+        self._segments[segment_id] = seg
         self._used_bytes += end
 
     async def _release_resources(self) -> None:
-        while any(seg.num_readers for seg in self._segments.values()):
+        while any(seg.num_users for seg in self._segments.values()):
             await asyncio.sleep(0.001)  # reads in worker threads still hold descriptors
-        for seg in list(self._segments.values()):
-            await seg.handle.close()
+        self._files.close_all()
         self._segments.clear()
         self._dead_order = DeadOrder()
         self._active = None
@@ -429,14 +433,15 @@ class SsdTier(SegmentWriter, Tier):
         seg = self._segments.get(entry.segment_id)
         if seg is None:
             raise CorruptPage(f"segment {entry.segment_id} is gone")
-        seg.num_readers += 1
+        try:
+            fd = self._files.acquire(seg)
+        except OSError as exc:
+            raise CorruptPage(f"segment {entry.segment_id} cannot be opened: {exc}") from None
         try:
             buf = self._read_buffers.take(entry.padded)
-            return await asyncio.to_thread(read_page, seg.handle.fileno(), entry, buf, verify)
+            return await asyncio.to_thread(read_page, fd, entry, buf, verify)
         finally:
-            seg.num_readers -= 1
-            if seg.is_removed and seg.num_readers == 0:
-                await seg.handle.close()
+            self._files.release(seg)  # closes it if evicted or removed meanwhile
 
     def _drop_corrupt(self, entry: IndexRecord, exc: CorruptPage) -> None:
         key = entry.meta.key

@@ -28,9 +28,9 @@ from kvstore.page import Page, PageMeta
 from kvstore.tiers.segments import (
     DeadOrder,
     Segment,
+    SegmentFiles,
     aligned,
     append,
-    private_opener,
     segment_path,
     sync_directory,
 )
@@ -95,6 +95,7 @@ class SegmentWriter:
     _lmdb: LmdbIndex
     _emptied: set[Segment]
     _dead_order: DeadOrder
+    _files: SegmentFiles
     _compact_lock: asyncio.Lock
     _wake: asyncio.Event
     _flush_wake: asyncio.Event
@@ -166,16 +167,15 @@ class SegmentWriter:
         segment_id = self._next_segment_id
         self._next_segment_id += 1
         path = segment_path(self._dir, segment_id)
-        handle = await aiofiles.open(path, "x+b", buffering=0,
-                                     opener=private_opener(self._o_direct))
+        seg = Segment(segment_id, path, 0)
+        self._files.create(seg)
         if self._config.fsync != "never":
             try:
                 await asyncio.to_thread(sync_directory, self._dir)
             except OSError:
-                await handle.close()
+                self._files.forget(seg)
                 await aiofiles.os.remove(path)
                 raise
-        seg = Segment(segment_id, path, handle, 0)
         self._segments[segment_id] = seg
         self._dead_order.note(seg)
         self._active = seg
@@ -186,7 +186,11 @@ class SegmentWriter:
         """Fill the buffer, append it after the segment's previous batch, then commit."""
         nbytes = sum(p.padded for p in batch)
         try:
-            await asyncio.to_thread(append, seg.handle.fileno(), buffer, batch, nbytes)
+            fd = self._files.acquire(seg)
+            try:
+                await asyncio.to_thread(append, fd, buffer, batch, nbytes)
+            finally:
+                self._files.release(seg)
         except OSError as exc:
             seg.is_broken = True
             log.error("ssd append of %d bytes to %s failed: %s", nbytes, seg.path.name, exc)
@@ -210,7 +214,7 @@ class SegmentWriter:
             return
         if policy == "always" or any(p.relocate_from is not None for p in batch):
             try:
-                await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
+                await self._fdatasync(seg)
             except OSError as exc:
                 seg.is_broken = True  # after a failed fsync the file's state is unknown
                 log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
@@ -219,6 +223,13 @@ class SegmentWriter:
         for p in batch:
             self._stage(p)
         await self._finish(batch)
+
+    async def _fdatasync(self, seg: Segment) -> None:
+        fd = self._files.acquire(seg)
+        try:
+            await asyncio.to_thread(os.fdatasync, fd)
+        finally:
+            self._files.release(seg)
 
     def _stage(self, p: PendingWrite) -> None:
         """Enter an appended page in the in-memory index and the journal (or count it dead)."""
@@ -252,7 +263,7 @@ class SegmentWriter:
         batch, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
         for seg in {p.segment for p in batch}:
             try:
-                await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
+                await self._fdatasync(seg)
             except OSError as exc:
                 seg.is_broken = True
                 log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
@@ -382,8 +393,7 @@ class SegmentWriter:
         except FileNotFoundError:
             pass
         self._used_bytes -= seg.size_bytes  # only now: the bytes never outlive the bound
-        if seg.num_readers == 0:
-            await seg.handle.close()  # else the last reader closes it
+        self._files.forget(seg)  # closed now, or by its last user
 
     async def _reclaim(self, padded: int) -> None:
         """Compact dead segments until a page of ``padded`` bytes fits, or nothing is left:
