@@ -164,6 +164,9 @@ class SsdConfig(TierSettings):
     read_bytes_per_s: float = 0.9e9
     read_fixed_s: float = 1e-4
     segment_bytes: int = 256 << 20  # a segment file is sealed at this size
+    # Segment file descriptors kept open (least recently used closed, reopened on demand):
+    # 600 GB of 256 MiB segments is ~2300 files, past a 1024 soft limit.
+    max_open_segments: int = 256
     fsync: str = "batch"  # "always": fsync before the index commit; "batch"; "never"
     fsync_interval_s: float = 0.05  # how often "batch" flushes
     o_direct: bool = True  # use O_DIRECT when the file system allows it
@@ -174,8 +177,10 @@ class SsdConfig(TierSettings):
 
     def __post_init__(self) -> None:
         self._check_common("ssd")
-        if self.segment_bytes < 1 << 20:
-            raise ConfigError(f"ssd.segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
+        if self.segment_bytes < 64 << 10:
+            raise ConfigError(f"ssd.segment_bytes must be >= 64 KiB, got {self.segment_bytes}")
+        if self.max_open_segments < 1:
+            raise ConfigError(f"ssd.max_open_segments must be >= 1, got {self.max_open_segments}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"ssd.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
         if self.fsync_interval_s <= 0:

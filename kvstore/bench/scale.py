@@ -408,5 +408,103 @@ def plot(rows: Sequence[Mapping[str, Any]], stretches: Sequence[Mapping[str, Any
     return path
 
 
-__all__ = ["DEFAULT_SIZES", "OPS", "QUICK_SIZES", "SCALE_SPEC", "ScaleConfig", "parse_sizes",
-           "plot", "run_scale_bench", "store_config", "write_scale_report"]
+SSD_FULL_SEGMENTS = (100, 1_000, 5_000)
+SSD_FULL_SEGMENT_BYTES = 64 << 10  # sixteen 4 KiB pages to a segment
+SSD_FULL_PAYLOAD = 3_500  # a page of payload + header that pads to one 4 KiB block
+
+
+async def _ssd_full_run(root: Path, segments: int, puts: int, profile: Any = None
+                        ) -> dict[str, float]:
+    """Fill an SSD tier of ``segments`` segments' worth, then time ``puts`` puts into it as
+    full, each making its room as the store does: delete the oldest page while ``room_for``
+    says it does not fit (so every put asks ``room_for`` and reclaims)."""
+    from kvstore.keys import BlockKey
+    from kvstore.tiers.ssd import SsdTier
+
+    tier = SsdTier(SsdConfig(path=str(root), capacity_bytes=segments * SSD_FULL_SEGMENT_BYTES,
+                             segment_bytes=SSD_FULL_SEGMENT_BYTES, fsync="never",
+                             o_direct=False))
+    await tier.open()
+    payload = bytes(SSD_FULL_PAYLOAD)
+    order: list[BlockKey] = []
+    oldest = 0
+
+    async def put(i: int) -> None:
+        nonlocal oldest
+        key = BlockKey(i.to_bytes(16, "little"))
+        meta = PageMeta(key=key, namespace=bytes(16), parent=None, block_index=0,
+                        tenant="bench", model_id="bench", codec="raw", codec_id=1)
+        page = encode_page(meta, payload)
+        while tier.room_for(len(page)) is not None and oldest < len(order):
+            await tier.delete(order[oldest])
+            oldest += 1
+        if not await tier.write(key, page, meta):
+            raise KVStoreError(f"ssd-full bench: page {i} was refused with room made")
+        order.append(key)
+
+    try:
+        i = 0
+        while tier.room_for(4096) is None:  # fill to capacity
+            await put(i)
+            i += 1
+        for _ in range(puts // 4):  # warm: full, segments dying and compacting
+            await put(i)
+            i += 1
+        stored = tier.stats().extra["segments"]
+        if profile is not None:
+            profile.enable()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(puts):
+            await put(i)
+            i += 1
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if profile is not None:
+            profile.disable()
+        return {"segments": segments, "segments_held": stored, "puts": puts,
+                "us_per_put": elapsed / puts * 1e6, "cpu_us_per_put": cpu / puts * 1e6,
+                "compactions": tier.stats().extra["compactions"]}
+    finally:
+        await tier.close()
+
+
+def run_ssd_full_bench(segment_counts: Sequence[int] = SSD_FULL_SEGMENTS, puts: int = 2_000,
+                       work_dir: str | None = None, profile: bool = False
+                       ) -> list[dict[str, float]]:
+    """Per-put cost of a full SSD tier (4 KiB pages in 64 KiB segments) at each segment count;
+    with ``profile``, the cProfile of the timed puts of the largest count is printed."""
+    import asyncio
+    import cProfile
+    import pstats
+
+    rows = []
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        for n, segments in enumerate(segment_counts):
+            prof = cProfile.Profile() if profile and n == len(segment_counts) - 1 else None
+            rows.append(asyncio.run(_ssd_full_run(Path(tmp) / f"ssd-{segments}", segments,
+                                                  puts, prof)))
+            print(rows[-1], flush=True)
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+    return rows
+
+
+def _main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.scale")
+    parser.add_argument("--ssd-full", action="store_true", required=True,
+                        help="time puts into a full SSD tier at several segment counts")
+    parser.add_argument("--segments", default="100,1000,5000")
+    parser.add_argument("--puts", type=int, default=2_000)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    run_ssd_full_bench(parse_sizes(args.segments), args.puts, args.work_dir, args.profile)
+
+
+__all__ = ["DEFAULT_SIZES", "OPS", "QUICK_SIZES", "SCALE_SPEC", "SSD_FULL_SEGMENTS",
+           "ScaleConfig", "parse_sizes", "plot", "run_scale_bench", "run_ssd_full_bench",
+           "store_config", "write_scale_report"]
+
+if __name__ == "__main__":
+    _main()

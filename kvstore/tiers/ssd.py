@@ -4,10 +4,12 @@ Layout of ``config.path``: ``seg-000001.dat`` ... hold encoded pages back to bac
 to 4096 bytes (so O_DIRECT can read and write them); ``index/`` is an LMDB environment mapping a
 16-byte block key to (segment, offset, length, codec id, checksum, page meta); ``LOCK`` keeps a
 second process out. Writers queue pages; one writer task combines what is queued into one
-append from a page-aligned buffer. Segment files are created, opened and removed with aiofiles;
-appends and reads are positioned ``pwrite``/``preadv`` calls in worker threads, so an append can
-be in flight while the next batch is copied, and reads run side by side (O_DIRECT where the
-file system allows it, buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
+append from a page-aligned buffer. Segment files are removed with aiofiles; their descriptors
+are opened on demand and at most ``ssd.max_open_segments`` kept (``SegmentFiles``: least
+recently used closed first, never one in use). Appends and reads are positioned
+``pwrite``/``preadv`` calls in worker threads, so an append can be in flight while the next
+batch is copied, and reads run side by side (O_DIRECT where the file system allows it,
+buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
 ``ssd_index`` (the LMDB record format and its journal), ``ssd_writer`` (appends, group commits,
 compaction) and this module (the Tier API, recovery at open, reads).
 
@@ -70,14 +72,15 @@ from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
 from kvstore.tiers.segments import (
     ALIGN_BYTES,
+    DeadOrder,
     ReadBuffers,
     Segment,
+    SegmentFiles,
     aligned,
     check_page,
     find_pages,
     lock_directory,
     private_directory,
-    private_opener,
     probe_o_direct,
     read_page,
     scan_segments,
@@ -131,6 +134,8 @@ class SsdTier(SegmentWriter, Tier):
         self._unsynced: list[PendingWrite] = []  # appended, waiting for the "batch" flusher
         self._unsynced_bytes = 0
         self._emptied: set[Segment] = set()
+        self._dead_order = DeadOrder()  # segments by dead bytes, for room_for and reclaim
+        self._files = SegmentFiles(config.max_open_segments, o_direct=False)  # set at open
         self._compact_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._flush_wake = asyncio.Event()
@@ -171,7 +176,8 @@ class SsdTier(SegmentWriter, Tier):
     def room_for(self, nbytes: int) -> RoomNeed | None:
         """None if a page of ``nbytes`` fits now, possibly after the write compacts a segment;
         else the live bytes to delete from one sealed segment (a page's size class is its
-        segment) so that compacting it frees enough: the segment needing the fewest.
+        segment) so that compacting it frees enough: the deadest idle sealed segment (the one
+        compaction takes first), found in O(log n) (``DeadOrder``), not by walking them all.
 
         Compacting a segment copies its live pages forward, so it can run only while they fit in
         the free space, and it frees the segment's dead bytes.
@@ -181,18 +187,13 @@ class SsdTier(SegmentWriter, Tier):
             return None
         deficit = self._used_bytes + padded - (self.capacity_bytes - self._reserve_bytes)
         free = self.capacity_bytes - self._used_bytes
-        best: tuple[int, int] | None = None
-        for seg in self._segments.values():
-            if seg is self._active or seg.is_compacting or seg.num_inflight or not seg.size_bytes:
-                continue
-            delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
-            if best is None or delete < best[0]:
-                best = (delete, seg.segment_id)
-        if best is None:  # only the active segment holds pages: it must fill and seal first
+        seg = self._dead_order.first(self._is_idle_sealed)
+        if seg is None:  # only the active segment holds pages: it must fill and seal first
             return RoomNeed(nbytes=deficit)
-        if best[0] == 0:
+        delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
+        if delete == 0:
             return None
-        return RoomNeed(nbytes=best[0], size_class=best[1])
+        return RoomNeed(nbytes=delete, size_class=seg.segment_id)
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._index.get(key)
@@ -297,6 +298,7 @@ class SsdTier(SegmentWriter, Tier):
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
                 probe_o_direct, self._dir)
+            self._files = SegmentFiles(self._config.max_open_segments, self._o_direct)
             await self._recover()
         except BaseException:
             await self._release_resources()
@@ -348,6 +350,8 @@ class SsdTier(SegmentWriter, Tier):
             seg = self._segments[entry.segment_id]
             seg.live_bytes += entry.padded
             seg.keys.add(key)
+        for seg in self._segments.values():
+            self._dead_order.note(seg)
         self._next_segment_id = max(sizes, default=0) + 1
         try:
             await self._lmdb.commit()
@@ -402,17 +406,18 @@ class SsdTier(SegmentWriter, Tier):
             log.warning("ssd segment %s: truncating %d bytes past its last indexed page",
                         path.name, size - end)
             await asyncio.to_thread(os.truncate, path, end)
-        opener = private_opener(self._o_direct)  # also tightens a segment of an older version
-        handle = await aiofiles.open(path, "rb", buffering=0, opener=opener)
-        self._segments[segment_id] = Segment(segment_id, path, handle, end)
+        seg = Segment(segment_id, path, end)
+        self._files.acquire(seg)  # tightens a segment of an older version; kept if room
+        self._files.release(seg)
+        self._segments[segment_id] = seg
         self._used_bytes += end
 
     async def _release_resources(self) -> None:
-        while any(seg.num_readers for seg in self._segments.values()):
+        while any(seg.num_users for seg in self._segments.values()):
             await asyncio.sleep(0.001)  # reads in worker threads still hold descriptors
-        for seg in list(self._segments.values()):
-            await seg.handle.close()
+        self._files.close_all()
         self._segments.clear()
+        self._dead_order = DeadOrder()
         self._active = None
         await self._lmdb.close()
         if self._lock_fd is not None:
@@ -428,14 +433,15 @@ class SsdTier(SegmentWriter, Tier):
         seg = self._segments.get(entry.segment_id)
         if seg is None:
             raise CorruptPage(f"segment {entry.segment_id} is gone")
-        seg.num_readers += 1
+        try:
+            fd = self._files.acquire(seg)
+        except OSError as exc:
+            raise CorruptPage(f"segment {entry.segment_id} cannot be opened: {exc}") from None
         try:
             buf = self._read_buffers.take(entry.padded)
-            return await asyncio.to_thread(read_page, seg.handle.fileno(), entry, buf, verify)
+            return await asyncio.to_thread(read_page, fd, entry, buf, verify)
         finally:
-            seg.num_readers -= 1
-            if seg.is_removed and seg.num_readers == 0:
-                await seg.handle.close()
+            self._files.release(seg)  # closes it if evicted or removed meanwhile
 
     def _drop_corrupt(self, entry: IndexRecord, exc: CorruptPage) -> None:
         key = entry.meta.key

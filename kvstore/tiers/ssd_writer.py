@@ -26,10 +26,11 @@ from kvstore.errors import CapacityError, CorruptPage, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.tiers.segments import (
+    DeadOrder,
     Segment,
+    SegmentFiles,
     aligned,
     append,
-    private_opener,
     segment_path,
     sync_directory,
 )
@@ -93,6 +94,8 @@ class SegmentWriter:
     _unsynced_bytes: int
     _lmdb: LmdbIndex
     _emptied: set[Segment]
+    _dead_order: DeadOrder
+    _files: SegmentFiles
     _compact_lock: asyncio.Lock
     _wake: asyncio.Event
     _flush_wake: asyncio.Event
@@ -164,17 +167,17 @@ class SegmentWriter:
         segment_id = self._next_segment_id
         self._next_segment_id += 1
         path = segment_path(self._dir, segment_id)
-        handle = await aiofiles.open(path, "x+b", buffering=0,
-                                     opener=private_opener(self._o_direct))
+        seg = Segment(segment_id, path, 0)
+        self._files.create(seg)
         if self._config.fsync != "never":
             try:
                 await asyncio.to_thread(sync_directory, self._dir)
             except OSError:
-                await handle.close()
+                self._files.forget(seg)
                 await aiofiles.os.remove(path)
                 raise
-        seg = Segment(segment_id, path, handle, 0)
         self._segments[segment_id] = seg
+        self._dead_order.note(seg)
         self._active = seg
         return seg
 
@@ -183,7 +186,11 @@ class SegmentWriter:
         """Fill the buffer, append it after the segment's previous batch, then commit."""
         nbytes = sum(p.padded for p in batch)
         try:
-            await asyncio.to_thread(append, seg.handle.fileno(), buffer, batch, nbytes)
+            fd = self._files.acquire(seg)
+            try:
+                await asyncio.to_thread(append, fd, buffer, batch, nbytes)
+            finally:
+                self._files.release(seg)
         except OSError as exc:
             seg.is_broken = True
             log.error("ssd append of %d bytes to %s failed: %s", nbytes, seg.path.name, exc)
@@ -207,7 +214,7 @@ class SegmentWriter:
             return
         if policy == "always" or any(p.relocate_from is not None for p in batch):
             try:
-                await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
+                await self._fdatasync(seg)
             except OSError as exc:
                 seg.is_broken = True  # after a failed fsync the file's state is unknown
                 log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
@@ -216,6 +223,13 @@ class SegmentWriter:
         for p in batch:
             self._stage(p)
         await self._finish(batch)
+
+    async def _fdatasync(self, seg: Segment) -> None:
+        fd = self._files.acquire(seg)
+        try:
+            await asyncio.to_thread(os.fdatasync, fd)
+        finally:
+            self._files.release(seg)
 
     def _stage(self, p: PendingWrite) -> None:
         """Enter an appended page in the in-memory index and the journal (or count it dead)."""
@@ -249,7 +263,7 @@ class SegmentWriter:
         batch, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
         for seg in {p.segment for p in batch}:
             try:
-                await asyncio.to_thread(os.fdatasync, seg.handle.fileno())
+                await self._fdatasync(seg)
             except OSError as exc:
                 seg.is_broken = True
                 log.error("ssd fdatasync of %s failed: %s", seg.path.name, exc)
@@ -314,14 +328,29 @@ class SegmentWriter:
         """Whether a page fits beside the space held back for compaction."""
         return self._used_bytes + padded <= self.capacity_bytes - self._reserve_bytes
 
-    def _compaction_candidates(self, forced: bool = False) -> list[Segment]:
-        """Sealed, idle segments at least ``compact_dead_fraction`` dead, deadest first; with
-        ``forced``, every one with dead bytes (a page that must fit, whatever it costs)."""
-        fraction = 0.0 if forced else self._config.compact_dead_fraction
-        found = [s for s in self._segments.values()
-                 if s is not self._active and not s.is_compacting and s.num_inflight == 0
-                 and s.size_bytes and s.dead_bytes > 0 and s.dead_bytes >= fraction * s.size_bytes]
-        return sorted(found, key=lambda s: s.dead_bytes, reverse=True)
+    def _is_idle_sealed(self, seg: Segment) -> bool:
+        """Whether ``seg`` could be compacted now: sealed, holding bytes, nothing in flight."""
+        return (seg is not self._active and not seg.is_compacting and seg.num_inflight == 0
+                and seg.size_bytes > 0)
+
+    def _compaction_victim(self, tried: set[Segment], free: int) -> Segment | None:
+        """The deadest idle sealed segment not in ``tried`` whose live pages fit in ``free``:
+        among those at least ``compact_dead_fraction`` dead first, then, since the store deleted
+        pages to make this room (``room_for`` counts every dead byte), among every one with
+        dead bytes. O(log n) per segment passed over (``DeadOrder``)."""
+        def takes(s: Segment) -> bool:
+            return (self._is_idle_sealed(s) and s.dead_bytes > 0 and s not in tried
+                    and s.live_bytes <= free)
+
+        fraction = self._config.compact_dead_fraction
+        threshold = fraction * self._config.segment_bytes
+        # Deadest first, so once the dead bytes fall below the fraction of a full segment no
+        # later one qualifies unless it is a short segment: those wait for the second pass.
+        seg = self._dead_order.first(lambda s: s.dead_bytes < threshold or (
+            takes(s) and s.dead_bytes >= fraction * s.size_bytes))
+        if seg is not None and seg.dead_bytes >= threshold:
+            return seg
+        return self._dead_order.first(takes)
 
     def _release(self, entry: IndexRecord) -> None:
         """A committed page left the index: its bytes are dead now."""
@@ -332,6 +361,8 @@ class SegmentWriter:
             self._note_if_empty(seg)
 
     def _note_if_empty(self, seg: Segment) -> None:
+        """After ``seg``'s live bytes dropped: reorder it, and queue it for removal if empty."""
+        self._dead_order.note(seg)
         if seg.live_bytes == 0 and seg.num_inflight == 0 and not seg.is_removed:
             self._emptied.add(seg)
 
@@ -354,6 +385,7 @@ class SegmentWriter:
     async def _remove_segment(self, seg: Segment) -> None:
         seg.is_removed = True
         self._segments.pop(seg.segment_id, None)
+        self._dead_order.discard(seg)
         if self._active is seg:
             self._active = None
         try:
@@ -361,8 +393,7 @@ class SegmentWriter:
         except FileNotFoundError:
             pass
         self._used_bytes -= seg.size_bytes  # only now: the bytes never outlive the bound
-        if seg.num_readers == 0:
-            await seg.handle.close()  # else the last reader closes it
+        self._files.forget(seg)  # closed now, or by its last user
 
     async def _reclaim(self, padded: int) -> None:
         """Compact dead segments until a page of ``padded`` bytes fits, or nothing is left:
@@ -371,10 +402,7 @@ class SegmentWriter:
         async with self._compact_lock:
             tried: set[Segment] = set()
             while not self._fits(padded) and not self._is_closing:
-                free = self.capacity_bytes - self._used_bytes
-                victim = next((s for forced in (False, True)
-                               for s in self._compaction_candidates(forced)
-                               if s not in tried and s.live_bytes <= free), None)
+                victim = self._compaction_victim(tried, self.capacity_bytes - self._used_bytes)
                 if victim is None:
                     return
                 tried.add(victim)
