@@ -642,10 +642,11 @@ class DramTier(SlotTier):
         ``protected`` (one a lease pins, or one being copied down the chain right now) are
         passed over while another step has none: one pinned block would otherwise refuse
         every room-making that picked its step."""
-        steps = list(arena.keys_by_step.values())
-        if protected is not None:
-            steps = [keys for keys in steps if not any(map(protected, keys))] or steps
-        keys = min(steps, key=len)
+        if protected is None:
+            keys = min(arena.keys_by_step.values(), key=len)
+        else:  # emptiest first, and only as many steps' blocks looked at as it takes
+            steps = sorted(arena.keys_by_step.values(), key=len)
+            keys = next((k for k in steps if not any(map(protected, k))), steps[0])
         nbytes = sum(self._entries[key].slot.slot_bytes for key in keys)
         return RoomNeed(nbytes=nbytes, tenant=arena.tenant, keys=frozenset(keys))
 
