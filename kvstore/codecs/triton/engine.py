@@ -138,7 +138,7 @@ def _fp4_to_engine(src, scales_off, ts_off, slab, r, ok, layer, eng,
     if IS_NV:
         ts = tl.load(_at(src, tl.float32, ts_off) + slab)
         scale = _e4m3_value(byte) * ts
-    else:  # 2^(byte - 127) as float32 bits, subnormal for bytes 0 and 1; 255 is NaN
+    else:  # 2^(byte - 127) as float32 bits (subnormal for byte 0); byte 255 is NaN
         scale = tl.where(byte >= 1, byte << 23, 0x400000).to(tl.float32, bitcast=True)
         scale = tl.where(byte == 255, float("nan"), scale)
     scale = scale[:, :, None]
