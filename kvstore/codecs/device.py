@@ -123,6 +123,9 @@ def device_layout(codec: str, spec: KVSpec) -> DeviceLayout:
         from kvstore.codecs import kivi
 
         cls = kivi.Int4Codec if codec == "int4" else kivi.Int2Codec
+        if spec.head_dim % 8:  # the kernels decode codes in units of eight channels
+            raise CodecError(f"{codec} device pages need head_dim a multiple of 8, got "
+                             f"{spec.head_dim}")
         group = cls().group_for(spec.block_tokens)
         shapes = kivi.section_shapes(shape, cls.bits, group)
         dtypes = (torch.uint8, torch.float16, spec.torch_dtype, torch.uint8, torch.float16)

@@ -154,6 +154,8 @@ def test_bad_inputs_name_what_is_wrong():
         to_engine(layout, device_layout("raw", spec_of(torch.float16)), [base], [0])
     with pytest.raises(CodecError, match="no device kernels"):
         device_layout("fp8_e4m3+zstd", spec)
+    with pytest.raises(CodecError, match="multiple of 8"):  # KIVI codes go in units of eight
+        device_layout("int4", KVSpec(num_layers=1, num_kv_heads=1, head_dim=12, block_tokens=4))
     with pytest.raises(InvalidArgument, match="layers"):
         EngineLayout.of(caches[:2], spec)
     with pytest.raises(InvalidArgument, match="matches no known layout"):
