@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ class BlockLocation:
     length: int  # page bytes
 
 
-class _BlockTable:
+class _BlockTable(ABC):
     """The blocks of one lease or reservation as arrays, one entry per block: keys (16 bytes
     each), which of ``regions`` each lies in, its offset and length. Built once by whoever
     makes it (the store, the wire), read with numpy by the GPU path (one vectorised pass over
@@ -113,8 +114,9 @@ class _BlockTable:
     def _items(self) -> Iterator[object]:
         return (self._item(i) for i in range(len(self)))
 
+    @abstractmethod
     def _item(self, i: int) -> object:
-        raise NotImplementedError
+        """Entry ``i`` as its value type (``BlockLocation``, ``SlotGrant``)."""
 
     def __iter__(self) -> Iterator[object]:
         return self._items()

@@ -4,6 +4,7 @@ transport (a blocking or an asyncio channel) and the zero-copy paths around it."
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -244,11 +245,10 @@ class DataSocket:
         """A connection for ``ticket``'s transfer; None (and streaming for a while) when the
         data socket cannot be reached."""
         address = self._address(ticket)
-        try:
+        # Firewalled, or the daemon went: the ticket expires there on its own.
+        with contextlib.suppress(OSError):
             if address is not None:
                 return connect(address, self._timeout_s)
-        except OSError:
-            pass  # firewalled, or the daemon went: the ticket expires there on its own
         self.refused()
         return None
 

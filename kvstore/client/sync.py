@@ -246,11 +246,9 @@ class Client:
                 if sock is None:
                     call.cancel()
                     return _NO_DATA_SOCKET
-                try:
+                with contextlib.suppress(OSError):  # the stream's status says why it stopped
                     datapath.receive_get(sock, assembler.ticket.ticket, self._data.token,
                                          assembler.target)
-                except OSError:
-                    pass  # the stream's status says why the daemon stopped
                 assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
 
