@@ -198,51 +198,98 @@ def _staged_load(rig: Rig, codec: str, ring) -> None:
 
 def _end_to_end_rows(tokens: int, prefill_ms: float, root: str) -> list[dict]:
     """``EngineCache.save`` then ``load`` of a ``tokens`` prefix through a real daemon: from
-    its HBM pool, and from its DRAM tier (raw and fp8 pages) with no GPU tier above it."""
+    its HBM pool, from its DRAM tier (raw and fp8 pages) with no GPU tier above it, and from
+    its SSD (fp8 pages): two prefixes written through to the SSD, DRAM room for one and a
+    fifth, loaded in turns so each load reads most of its prefix back from the SSD."""
     from kvstore.client import Client
     from kvstore.client.gpu import EngineCache
-    from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
+    from kvstore.config import (
+        DramConfig,
+        HbmConfig,
+        KVStoreConfig,
+        ServerConfig,
+        SsdConfig,
+        TierConfig,
+    )
     from kvstore.keys import Namespace
     from kvstore.server.daemon import DaemonThread
 
     blocks = tokens // SPEC.block_tokens
     nbytes = blocks * SPEC.block_bytes
     rows = []
-    setups = [("HBM pool", "raw"), ("DRAM arena", "raw"), ("DRAM arena", "fp8_e4m3")]
+    setups = [("HBM pool", "raw"), ("DRAM arena", "raw"), ("DRAM arena", "fp8_e4m3"),
+              ("SSD", "fp8_e4m3")]
+    ns = Namespace(model_id="bench", spec=SPEC, tenant="default")
+    shape = (2, 2 * blocks, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
     for i, (tier, codec) in enumerate(setups):
         hbm = TierConfig("hbm", "hbm", HbmConfig(capacity_bytes=2 * nbytes, codec=codec))
         dram = TierConfig("dram", "dram", DramConfig(capacity_bytes=2 * nbytes + (1 << 30),
                                                      chunk_bytes=256 << 20, codec=codec))
-        config = KVStoreConfig(tiers=(hbm, dram) if tier == "HBM pool" else (dram,),
-                               server=ServerConfig(socket_path=f"{root}/e2e{i}.sock",
-                                                   log_level="WARNING"))
-        ns = Namespace(model_id="bench", spec=SPEC, tenant="default")
-        prompt = list(range(tokens))
-        with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
-            shape = (2, 2 * blocks, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
-            caches = [torch.randn(shape, device="cuda").to(torch.bfloat16)
-                      for _ in range(SPEC.num_layers)]
-            with EngineCache(client, ns, caches) as engine:
-                pages = torch.randperm(2 * blocks)[:blocks].tolist()
-                engine.save(prompt, pages)
-                torch.cuda.synchronize()
-                times, source = [], ""
-                for _ in range(6):
-                    target = torch.randperm(2 * blocks)[:blocks].tolist()
-                    start = time.perf_counter()
-                    handle = engine.load(prompt, target, advice=False)
-                    handle.wait()
-                    times.append((time.perf_counter() - start) * 1e3)
-                    source = handle.source
-                    if handle.matched_tokens != tokens:
-                        raise KVStoreError(f"bench gpu: end-to-end load matched "
-                                           f"{handle.matched_tokens} of {tokens} tokens")
-            ms = sorted(times[1:])[len(times[1:]) // 2]
+        chain = {"HBM pool": (hbm, dram), "DRAM arena": (dram,)}.get(tier)
+        prompts = [list(range(tokens))]
+        if tier == "SSD":
+            encoded = nbytes // 2  # fp8 pages: half the bytes; DRAM holds one prefix and a bit
+            dram = TierConfig("dram", "dram", DramConfig(
+                capacity_bytes=encoded * 6 // 5, chunk_bytes=64 << 20, codec=codec))
+            ssd = TierConfig("ssd", "ssd", SsdConfig(
+                path=f"{root}/ssd{i}", capacity_bytes=4 * encoded + (1 << 30), codec=codec,
+                write_through=True, admit_after_accesses=0, fsync="never"))
+            chain = (dram, ssd)
+            prompts.append(list(range(tokens, 2 * tokens)))
+        config = KVStoreConfig(tiers=chain, server=ServerConfig(
+            socket_path=f"{root}/e2e{i}.sock", log_level="WARNING"))
+        caches = [torch.randn(shape, device="cuda").to(torch.bfloat16)
+                  for _ in range(SPEC.num_layers)]
+        with DaemonThread(config) as daemon, Client(daemon.unix_address) as client, \
+                EngineCache(client, ns, caches) as engine:
+            for prompt in prompts:
+                engine.save(prompt, torch.randperm(2 * blocks)[:blocks].tolist())
+            torch.cuda.synchronize()
+            if tier == "SSD":
+                _wait_for_ssd(client, 2 * blocks)
+                direct = client.stats().tiers["ssd"].extra.get("o_direct")
+            times, source, from_ssd = [], "", []
+            for rep in range(6):
+                prompt = prompts[rep % len(prompts)]
+                if tier == "SSD":  # the other prefix's load pushed this one out of DRAM
+                    hit = client.lookup(ns, prompt)
+                    from_ssd.append(hit.tokens_per_tier.get("ssd", 0) / tokens)
+                more, source = _timed_loads(engine, prompt, blocks, 1)
+                times += more
+        if tier == "SSD":
+            source += (", O_DIRECT" if direct else ", buffered reads") + (
+                f", {min(from_ssd[2:]):.0%} of each prefix on the SSD only")
+        ms = sorted(times[2:])[len(times[2:]) // 2]  # the first loads pin the arena's memory
         rows.append({"section": "ready", "path": f"{tokens} tokens, EngineCache.load from "
                      f"the daemon's {tier} ({source})", "codec": codec, "ms": ms,
                      "gbps": nbytes / (ms * 1e6), "ceiling": "full prefill",
                      "ceiling_gbps": prefill_ms, "ratio": prefill_ms / ms, "aim": ""})
     return rows
+
+
+def _wait_for_ssd(client, blocks: int) -> None:
+    """Until the SSD holds ``blocks`` blocks (the write-through runs in the background)."""
+    deadline = time.monotonic() + 120
+    while client.stats().tiers["ssd"].num_blocks < blocks:
+        if time.monotonic() > deadline:
+            raise KVStoreError("bench gpu: the SSD tier never took the saved prefix")
+        time.sleep(0.05)
+
+
+def _timed_loads(engine, prompt: list[int], blocks: int, reps: int) -> tuple[list[float], str]:
+    """Wall ms of ``reps`` loads of ``prompt`` into random engine pages, and their source."""
+    times, source = [], ""
+    for _ in range(reps):
+        target = torch.randperm(2 * blocks)[:blocks].tolist()
+        start = time.perf_counter()
+        handle = engine.load(prompt, target, advice=False)
+        handle.wait()
+        times.append((time.perf_counter() - start) * 1e3)
+        source = handle.source
+        if handle.matched_tokens != len(prompt):
+            raise KVStoreError(f"bench gpu: end-to-end load matched {handle.matched_tokens} "
+                               f"of {len(prompt)} tokens")
+    return times, source
 
 
 def _copy_ms(src: torch.Tensor) -> float:
@@ -448,7 +495,7 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
                          "codec": codec, "ms": layer_ms, "gbps": math.nan,
                          "ceiling": "whole prefix", "ceiling_gbps": full_ms,
                          "ratio": full_ms / layer_ms, "aim": ""})
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory(dir=ssd_dir) as root:  # the SSD tier's segments too
         e2e_tokens = 256 if quick else 8192
         rows.extend(_end_to_end_rows(e2e_tokens, _prefill_s(e2e_tokens, flops) * 1e3, root))
     notes.append("ready rows: ceiling GB/s holds the full prefill's ms (ratio = prefill / "

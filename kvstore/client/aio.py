@@ -265,8 +265,8 @@ class AsyncClient:
         return await self._unary(requests.health())
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST) -> Lease:
-        return await self._unary(requests.acquire(ns, tokens, lease_s, medium))
+                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
+        return await self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block))
 
     async def release(self, lease_id: str) -> None:
         await self._unary(requests.release(lease_id))

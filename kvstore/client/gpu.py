@@ -95,6 +95,9 @@ class EngineCache:
         layout: a name from ``kvstore.spec.ENGINE_LAYOUTS`` when the shapes are ambiguous.
     """
 
+    # Blocks of the first piece a host load leases (``_load_host``); each next piece doubles.
+    FIRST_PIECE_BLOCKS = 32
+
     def __init__(self, client, ns: Namespace, kv_caches, *, layout: str | None = None) -> None:
         self.client = client
         self.ns = ns
@@ -271,29 +274,47 @@ class EngineCache:
     def _load_host(self, tokens: list[int], ids: torch.Tensor, stream) -> LoadHandle:
         """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
         staging ring and decoded into the engine as each chunk lands; without an arena this
-        client can map (a remote daemon), the socket path's ``get``."""
-        lease = None
+        client can map (a remote daemon), the socket path's ``get``.
+
+        The prefix is leased in pieces that double in size (``FIRST_PIECE_BLOCKS`` first): the
+        daemon brings the next piece into the arena (from its SSD or the shared tier) while the
+        ring moves the last one, and the first chunk is in flight after a short lease."""
         maps = getattr(getattr(self.client, "_zero_copy", None), "maps", None)
         if maps is not None and maps.channel is None:  # where the daemon hands out arenas
             maps.usable(self.client.health().arena_path)
-        if maps is not None and maps.channel:
-            lease = self.client.acquire(self.ns, tokens)
-        if lease is None:
+        if maps is None or not maps.channel:
             return self._load_streamed(tokens, ids, stream)
-        release = _releaser(self.client, lease)
-        if not lease.blocks or lease.codec not in DEVICE_CODECS:  # none, or zstd-framed pages
-            release()
-            return self._load_streamed(tokens, ids, stream) if lease.blocks else LoadHandle(
-                0, [], None)
-        try:
-            dev = device_layout(lease.codec, self.ns.spec)
-            pages = self._host_pages(maps, lease.blocks, dev)
-            ring = self._ring(dev)
-            events = ring.load(self.layout, dev, pages, ids[:len(pages)], stream)
-        except BaseException:
-            release()
-            raise
-        return self._handle(lease, events, release, "host arena")
+        bt = self.ns.spec.block_tokens
+        total = len(tokens) // bt
+        loaded, piece, last, dev = 0, self.FIRST_PIECE_BLOCKS, None, None
+        while loaded < total:
+            end = min(total, loaded + piece)
+            lease = self.client.acquire(self.ns, tokens[:end * bt], first_block=loaded)
+            release = _releaser(self.client, lease)
+            if not lease.blocks:
+                release()
+                break
+            if dev is None and lease.codec not in DEVICE_CODECS:  # zstd-framed pages
+                release()
+                return self._load_streamed(tokens, ids, stream)
+            try:
+                if dev is None or dev.codec != lease.codec:
+                    dev = device_layout(lease.codec, self.ns.spec)
+                pages = self._host_pages(maps, lease.blocks, dev)
+                got = len(pages)
+                events = self._ring(dev).load(self.layout, dev, pages, ids[loaded:loaded + got],
+                                              stream)
+            except BaseException:  # pieces launched before give their leases back as they land
+                release()
+                raise
+            self._releasing.submit(_release_after, events[-1], release)
+            last = events[-1]
+            loaded += got
+            if loaded < end:  # the stored prefix ends (or could not be brought in) here
+                break
+            piece *= 2
+        return LoadHandle(loaded * bt, [last] if loaded else [], None,
+                          "host arena" if loaded else "")
 
     def _host_pages(self, maps, blocks: BlockLocations, dev: DeviceLayout) -> HostPages:
         """Where the section bytes of leased host pages lie in this client's mappings of their

@@ -29,7 +29,7 @@ from kvstore.api import (
 )
 from kvstore.client.address import Target
 from kvstore.client.arena import fresh_tensor
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.convert import (
@@ -125,10 +125,13 @@ def health() -> Unary[HealthInfo]:
 
 
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
-            medium: Medium = Medium.HOST) -> Unary[Lease]:
+            medium: Medium = Medium.HOST, first_block: int = 0) -> Unary[Lease]:
+    if first_block < 0:
+        raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
     request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                                 lease_s=lease_s or 0.0, medium=Medium(medium).value,
-                                packed=True)  # the blocks as one table (lease_from_proto)
+                                packed=True,  # the blocks as one table (lease_from_proto)
+                                first_block=first_block)
     return Unary("Acquire", request, lease_from_proto)
 
 

@@ -334,10 +334,11 @@ class Client:
         return self._unary(requests.health())
 
     def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                medium: Medium = Medium.HOST) -> Lease:
+                medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
         """Pin the matched prefix in the DRAM arena (``medium`` "device": the GPU pool) until
-        :meth:`release` or the deadline."""
-        return self._unary(requests.acquire(ns, tokens, lease_s, medium))
+        :meth:`release` or the deadline; from block ``first_block`` on (the lease's
+        ``matched_tokens`` still count from the start of ``tokens``)."""
+        return self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block))
 
     def release(self, lease_id: str) -> None:
         self._unary(requests.release(lease_id))

@@ -402,18 +402,20 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "first_block")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
     packed: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
+    first_block: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "region", "offset", "length", "medium")

@@ -356,7 +356,7 @@ class KVStoreService(pbg.KVStoreServicer):
         lease_s = self._lease_s(request.lease_s)
         session = self._sessions.of_call(context.invocation_metadata(), current_caller())
         lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
-                                          medium_from_proto(request.medium))
+                                          medium_from_proto(request.medium), request.first_block)
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
         return lease_to_proto(lease, packed=request.packed)

@@ -480,15 +480,15 @@ class Store:
     # delegate to them.
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST) -> Lease:
+                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
         ``release`` or the lease's deadline; blocks only the shared tier holds are brought in
-        first, as for ``get``."""
+        first, as for ``get``. ``first_block``: pin the prefix's blocks from this one on."""
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
         self._hints.arrived(ns.tenant, keys)
         await self._adopt_shared(ns, keys)
-        return await self._leases.acquire(ns, keys, lease_s, Medium(medium))
+        return await self._leases.acquire(ns, keys, lease_s, Medium(medium), first_block)
 
     async def release(self, lease_id: str) -> None:
         self._check_open()

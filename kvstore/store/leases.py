@@ -40,6 +40,9 @@ from kvstore.tiers.base import CheckedCopies, DevicePages, Slot, SlotTier
 log = logging.getLogger("kvstore.leases")
 
 REAPER_INTERVAL_S = 0.25  # how often expired leases and reservations are reclaimed
+# Promotions one acquire keeps in flight: SSD reads of 2 MiB pages in worker threads overlap
+# (one at a time, a read waits on the disk's latency and nothing else runs on it).
+PROMOTE_WINDOW = 16
 # What decoding a garbage payload can raise: CodecError (a ValueError) for what the codecs
 # check, the rest from torch and struct on what they do not.
 _DECODE_FAILURES = (ValueError, RuntimeError, TypeError, IndexError, OverflowError, MemoryError,
@@ -190,28 +193,62 @@ class LeaseManager:
     # ------------------------------------------------------------------------------ leases
 
     async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
-                      medium: Medium = Medium.HOST) -> Lease:
+                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
         """Pin the stored prefix of ``keys`` in the fastest slot tier of ``medium`` (promoting
-        into it)."""
+        into it, up to ``PROMOTE_WINDOW`` blocks at once).
+
+        ``first_block``: pin only the prefix's blocks from this one on (a client loading a long
+        prefix in pieces holds the earlier ones already); the lease's ``matched_tokens`` still
+        count from the prompt's start.
+        """
+        if first_block < 0:
+            raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
         deadline = self._deadline(lease_s)
         self._leases.check_room(ns.tenant)
         link = self._slot_link(medium)
         tier: SlotTier = link.tier  # type: ignore[assignment]
         entries = self._dir.match_prefix(keys)
-        self._dir.pin(entries)
-        held: list[BlockEntry] = []
+        wanted = entries[first_block:]
+        self._dir.pin(wanted)
+        landed = 0
         try:
-            for entry in entries:
-                if link.name not in entry.sizes and not await self._placement.promote(entry,
-                                                                                      link):
-                    break
-                held.append(entry)
+            landed = await self._promote_prefix(wanted, link)
         finally:
-            self._dir.unpin(entries[len(held):])
+            self._dir.unpin(wanted[landed:])
+        held = wanted[:landed]
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
-        return Lease(hold.held_id, hold.deadline, len(held) * ns.spec.block_tokens,
+        matched = min(len(entries), first_block + landed)
+        return Lease(hold.held_id, hold.deadline, matched * ns.spec.block_tokens,
                      _locations(tier, [entry.meta.key for entry in held]), link.codec.name)
+
+    async def _promote_prefix(self, entries: list[BlockEntry], link: Link) -> int:
+        """How many of ``entries``, in order from the first, are in ``link``'s tier once those
+        missing there are promoted, ``PROMOTE_WINDOW`` at a time (reads from an SSD or the
+        shared tier overlap). Promotions past the first that fails are not started; those in
+        flight then finish before this returns."""
+        n = 0
+        while n < len(entries) and link.name in entries[n].sizes:
+            n += 1
+        if n == len(entries):
+            return n
+        window = asyncio.Semaphore(PROMOTE_WINDOW)
+        failed = False
+
+        async def land(entry: BlockEntry) -> bool:
+            async with window:
+                return not failed and await self._placement.promote(entry, link)
+
+        tasks = [asyncio.ensure_future(land(entry)) for entry in entries[n:]]
+        try:
+            for task in tasks:
+                if not await task:
+                    break
+                n += 1
+        finally:
+            failed = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return n
 
     def release(self, lease_id: str) -> None:
         self._dir.unpin(self._leases.pop(lease_id).entries)

@@ -17,7 +17,7 @@ from kvstore.config import (
     TierConfig,
     config_from_mapping,
 )
-from kvstore.errors import CapacityError, ConfigError
+from kvstore.errors import CapacityError, ConfigError, InvalidArgument
 from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
 from kvstore.store import Store
@@ -350,3 +350,75 @@ async def test_a_block_a_lower_codec_refuses_never_breaks_other_puts(tmp_path):
             got = await store.get(other, tokens)
             assert got is not None and got.shape == kv.shape
         assert store.stats().counters.dropped >= 10
+
+
+def _flip_in_segments(directory, data: bytes) -> None:
+    """Damage the stored copy of ``data`` (found by content) in the SSD's segment files."""
+    import os
+
+    for seg in sorted(directory.glob("seg-*.dat")):
+        blob = seg.read_bytes()
+        at = blob.find(data)
+        if at >= 0:
+            fd = os.open(seg, os.O_WRONLY)
+            try:
+                middle = at + len(data) // 2
+                os.pwrite(fd, bytes(b ^ 0xFF for b in blob[middle:middle + 8]), middle)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+    raise AssertionError("bytes not found in any segment")
+
+
+def _dram_and_ssd(tmp_path) -> KVStoreConfig:
+    return KVStoreConfig(tiers=(TierConfig("hot", "dram", dram()),
+                                TierConfig("cold", "ssd", ssd(tmp_path))))
+
+
+async def _on_the_ssd_only(store: Store, ns: Namespace, tokens, kv) -> None:
+    """Put ``tokens`` and push them out of the DRAM tier with another prompt."""
+    await store.put(ns, tokens, kv)
+    await store.put(ns, random_tokens(16 * BLOCKS_PER_MIB, seed=99),
+                    random_kv(SPEC, 16 * BLOCKS_PER_MIB, seed=99))
+    assert (await store.lookup(ns, tokens)).tokens_per_tier == {"cold": len(tokens)}
+
+
+async def test_an_acquire_brings_an_ssd_prefix_in_and_leases_from_first_block(tmp_path):
+    """Ten blocks only the SSD holds: one acquire promotes them (several at once) and leases
+    all ten in prefix order; first_block leases the tail only, with matched_tokens still
+    counted from the prompt's start; a first_block past the match leases nothing."""
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 10, seed=21), random_kv(SPEC, 16 * 10, seed=21)
+    async with Store(_dram_and_ssd(tmp_path)) as store:
+        await _on_the_ssd_only(store, ns, tokens, kv)
+        lease = await store.acquire(ns, tokens)
+        assert lease.matched_tokens == 160 and len(lease.blocks) == 10
+        assert [lease.blocks.key(i) for i in range(10)] == block_keys(ns, tokens)
+        assert (await store.lookup(ns, tokens)).tokens_per_tier == {"hot": 160}
+        tail = await store.acquire(ns, tokens, first_block=4)
+        assert tail.matched_tokens == 160 and len(tail.blocks) == 6
+        assert [tail.blocks.key(i) for i in range(6)] == block_keys(ns, tokens)[4:]
+        past = await store.acquire(ns, tokens, first_block=12)
+        assert past.matched_tokens == 160 and len(past.blocks) == 0
+        for held in (lease, tail, past):
+            await store.release(held.lease_id)
+        with pytest.raises(InvalidArgument, match="first_block"):
+            await store.acquire(ns, tokens, first_block=-1)
+        assert store.stats().active_leases == 0
+
+
+async def test_an_acquire_stops_at_the_first_block_that_cannot_be_brought_in(tmp_path):
+    """Block 5 of ten is damaged on the SSD: the lease holds blocks 0-4 only, none after the
+    gap, even though promotions of later blocks were in flight beside it."""
+    ns = namespace()
+    tokens, kv = random_tokens(16 * 10, seed=22), random_kv(SPEC, 16 * 10, seed=22)
+    async with Store(_dram_and_ssd(tmp_path)) as store:
+        await _on_the_ssd_only(store, ns, tokens, kv)
+        _flip_in_segments(tmp_path / "ssd", kv[0, 0, 80:96].contiguous().view(
+            torch.uint8).numpy().tobytes())
+        lease = await store.acquire(ns, tokens)
+        assert lease.matched_tokens == 80 and len(lease.blocks) == 5
+        assert [lease.blocks.key(i) for i in range(5)] == block_keys(ns, tokens)[:5]
+        await store.release(lease.lease_id)
+        assert torch.equal(await store.get(ns, tokens), kv[:, :, :80])
