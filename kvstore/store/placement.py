@@ -329,7 +329,7 @@ class Placement:
                 return False
             if target.name in entry.sizes:  # another promotion won the race
                 return True
-            ok = await self.write(target, entry.meta, bytes(data))
+            ok = await self.write(target, entry.meta, data)  # the source stays pinned till then
         finally:
             self._dir.unpin([entry])
         return ok
