@@ -108,6 +108,11 @@ class TierSettings:
                               f"got {self.eviction!r}")
 
 
+# Codecs of device pools: those the engine kernels encode and decode
+# (kvstore.codecs.device.ENCODABLE, kept equal by a test).
+HBM_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4")
+
+
 @dataclass(frozen=True, slots=True)
 class HbmConfig(TierSettings):
     """The GPU tier: one device pool per tenant, exported over CUDA IPC (``[[tiers]]`` only)."""
@@ -129,10 +134,9 @@ class HbmConfig(TierSettings):
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"hbm.device must be 'cuda', 'cuda:N' or 'cpu', got "
                               f"{self.device!r}")
-        base = self.codec.split("+")[0]
-        if "+" in self.codec or base not in ("raw", "fp8_e4m3"):
-            raise ConfigError(f"hbm.codec must be raw or fp8_e4m3 (codecs with engine kernels), "
-                              f"got {self.codec!r}")
+        if self.codec not in HBM_CODECS:
+            raise ConfigError(f"hbm.codec must be one of {', '.join(HBM_CODECS)} (the codecs the "
+                              f"engine kernels encode and decode), got {self.codec!r}")
 
 
 @dataclass(frozen=True, slots=True)

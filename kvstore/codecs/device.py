@@ -23,7 +23,7 @@ from kvstore.spec import KVSpec
 SECTION_ALIGN = 256  # bytes; every section (and slot) starts on this boundary
 # Their order is the kernels' numbering (kvstore.codecs.triton.engine).
 DEVICE_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2")
-ENCODABLE = ("raw", "fp8_e4m3")  # codecs the engine kernels also encode (save)
+ENCODABLE = ("raw", "fp8_e4m3", "nvfp4", "mxfp4")  # codecs the engine kernels also encode
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,13 +197,78 @@ def test_fp4_pages_decode_into_the_engine(codec, dtype, head_dim, host):
     layout = EngineLayout.of(caches, spec)
     ids = [4, 0, 7]
     to_engine(layout, dev, [base + i * dev.nbytes for i in range(n)], ids, host=host)
-    with pytest.raises(CodecError, match="do not encode"):
-        from kvstore.codecs.triton.engine import from_engine
-
-        from_engine(layout, dev, [base], [0])
     for i, page in enumerate(ids):
         parts = Fp4Parts(*(t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)))
         assert_decoded(read_block(layout, page).cpu(), dequantize_reference(parts, dtype))
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("name", "dtype", "head_dim", "heads", "block_tokens"), [
+    ("flashinfer", torch.bfloat16, 64, 2, 4),   # one chunk of rows, mostly masked
+    ("flash", torch.float16, 96, 2, 4),         # fused; blocks of the padded head_dim masked
+    ("flash_hnd", torch.bfloat16, 64, 4, 32),   # 128 rows: two chunks of a slab
+])
+def test_fp4_saves_encode_each_block_as_the_reference(codec, name, dtype, head_dim, heads,
+                                                     block_tokens):
+    """Engine pages encoded into nvfp4 / mxfp4 device pages are byte for byte the references'
+    encoding of each block (nvfp4's tensor scale from that block's slab); a slab holding NaN
+    marks its tensor scale (nvfp4) or its block's scale (mxfp4); the pages decode back."""
+    from kvstore.codecs.fp4 import (
+        E8M0_NAN,
+        Fp4Parts,
+        dequantize_reference,
+        mxfp4_quantize_reference,
+        nvfp4_quantize_reference,
+    )
+    from kvstore.codecs.triton.engine import from_engine, page_tensors, to_engine
+
+    spec = KVSpec(num_layers=2, num_kv_heads=heads, head_dim=head_dim,
+                  block_tokens=block_tokens, dtype=dtype)
+    quantize = nvfp4_quantize_reference if codec == "nvfp4" else mxfp4_quantize_reference
+    fused = name in ("flash", "fused_hnd")
+    src = EngineLayout.of(engine_cache(name, spec, dtype, fused), spec)
+    for t in src.tensors:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(dtype))
+    scales = {0: 1.0, 3: 1e30 if dtype == torch.bfloat16 else 1e3, 5: 1e-20 if
+              dtype == torch.bfloat16 else 1e-3}
+    for page, scale in scales.items():  # magnitudes near both ends of the dtype's range
+        for layer in range(spec.num_layers):
+            for half in src.block_view(layer, page):
+                half.mul_(scale)
+    k, _ = src.block_view(1, 6)
+    k[0, 0, 3] = float("nan")  # page 6: layer 1's K slab holds a NaN
+    dev = device_layout(codec, spec)
+    ids = [3, 0, 5, 6, 8]
+    pool, base = aligned_pool(len(ids) * dev.nbytes)
+    addrs = [base + i * dev.nbytes for i in range(len(ids))]
+    from_engine(src, dev, addrs, ids)
+    for i, page in enumerate(ids):
+        got = [t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)]
+        want = quantize(read_block(src, page).cpu()).sections()
+        if page == 6:
+            if codec == "nvfp4":
+                assert torch.isnan(got[2][1, 0]) and torch.isfinite(got[2][0]).all()
+            else:
+                assert int(got[1][1, 0, 0, 0, 0]) == E8M0_NAN
+            continue
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.contiguous().view(torch.uint8))
+    dst = EngineLayout.of(engine_cache(name, spec, dtype, fused), spec)
+    to_engine(dst, dev, addrs[:3], [1, 2, 4])
+    for i, page in enumerate([1, 2, 4]):
+        parts = Fp4Parts(*(t.cpu() for t in page_tensors(pool, dev, i * dev.nbytes)))
+        assert_decoded(read_block(dst, page).cpu(), dequantize_reference(parts, dtype))
+
+
+def test_kivi_pages_are_not_encoded_by_the_engine_kernels():
+    from kvstore.codecs.triton.engine import from_engine
+
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=16, block_tokens=4)
+    layout = EngineLayout.of(engine_cache("flashinfer", spec, torch.bfloat16, False), spec)
+    dev = device_layout("int4", spec)
+    _, base = aligned_pool(dev.nbytes)
+    with pytest.raises(CodecError, match="do not encode"):
+        from_engine(layout, dev, [base], [0])
 
 
 @pytest.mark.parametrize("codec", ["int4", "int2"])
@@ -236,3 +301,14 @@ def test_kivi_pages_decode_into_the_engine(codec, block_tokens, host):
         got = read_block(layout, page).cpu()
         assert not torch.isnan(got).any()
         assert_decoded(got, want)
+
+
+def test_device_pools_take_exactly_the_codecs_the_kernels_encode():
+    from kvstore.codecs.device import ENCODABLE
+    from kvstore.config import HBM_CODECS, HbmConfig
+    from kvstore.errors import ConfigError
+
+    assert HBM_CODECS == ENCODABLE
+    assert HbmConfig(codec="nvfp4", device="cpu").codec == "nvfp4"
+    with pytest.raises(ConfigError, match="hbm.codec must be one of"):
+        HbmConfig(codec="int4", device="cpu")

@@ -71,7 +71,7 @@ async def test_puts_land_in_hbm_spill_to_dram_and_come_back_exact():
 
 
 @needs_kernels
-@pytest.mark.parametrize("codec", ["raw", "fp8_e4m3"])
+@pytest.mark.parametrize("codec", ["raw", "fp8_e4m3", "nvfp4", "mxfp4"])
 async def test_engine_writes_device_slots_and_the_store_serves_them(codec):
     """A writer reserves device slots, encodes its paged cache into them with the engine
     kernel, commits; a get (through the tier's host page) returns what the cache held."""
@@ -99,13 +99,13 @@ async def test_engine_writes_device_slots_and_the_store_serves_them(codec):
             assert torch.equal(got, kv)
         else:
             rel = (got.float() - kv.float()).norm() / kv.float().norm()
-            assert 0 < rel < 0.05
+            assert 0 < rel < (0.05 if codec == "fp8_e4m3" else 0.2)
         assert (await store.lookup(ns, tokens)).tokens_per_tier == {"gpu": 48}
 
 
 async def test_device_tier_refuses_what_it_cannot_hold():
     with pytest.raises(ConfigError, match="engine kernels"):
-        HbmConfig(codec="nvfp4")
+        HbmConfig(codec="int2")
     with pytest.raises(ConfigError, match="pool_bytes"):
         HbmConfig(capacity_bytes=MiB, pool_bytes=2 * MiB)
     async with Store(chain(MiB)) as store:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvstore.codecs.device import ENCODABLE, SECTION_ALIGN, DeviceLayout
 from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
-from kvstore.codecs.triton.fp4 import _e4m3_value
+from kvstore.codecs.triton.fp4 import _e2m1_code, _e4m3_value, _mx_scales, _nv_scales
 from kvstore.codecs.triton.fp8 import _quantise_rows
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
@@ -35,6 +35,11 @@ WARPS = 4
 # flight per program pay.
 DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (64, 8), "nvfp4": (32, 4), "mxfp4": (64, 4),
                 "int4": (64, 4), "int2": (64, 4)}
+# fp4 saves: one program per (block, layer, K/V) slab, its rows in chunks of this many, so
+# nvfp4's tensor scale (one per slab) is known before the slab's first block is quantised.
+FP4_SAVE_TILES = {"nvfp4": (64, 4), "mxfp4": (64, 4)}
+_AMAX_TO_TS = tl.constexpr(448.0 * 6.0)  # nvfp4_tensor_scales: slab amax / (448 * 6)
+_TS_MIN = tl.constexpr(2.0**-126)
 HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (128, 4), "nvfp4": (128, 4), "mxfp4": (64, 4),
               "int4": (128, 4), "int2": (128, 4)}
 
@@ -62,10 +67,21 @@ def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, tok
     chunk = pid % chunks
     local = (pid // chunks) % num_slabs
     b = pid // (chunks * num_slabs)
+    rows = chunk * R + tl.arange(0, R)
+    ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, layer0 * 2 + local, rows,
+                                  kv_stride, block_stride, token_stride, head_stride, H, BT,
+                                  FP16, ALIGNED)
+    return b, layer0 * 2 + local, rows, ok, layer, eng
+
+
+@triton.jit
+def _engine_rows(table_ptr, num_blocks, b, local, slab, rows, kv_stride, block_stride,
+                 token_stride, head_stride, H: tl.constexpr, BT: tl.constexpr,
+                 FP16: tl.constexpr, ALIGNED: tl.constexpr):
+    """Which ``rows`` (token x head) of slab ``slab`` exist, the engine tensor of its layer
+    (``local``: the slab's index in the launch) and their element offsets in it."""
     ids_ptr = table_ptr + num_blocks
     layers_ptr = table_ptr + 2 * num_blocks
-    slab = layer0 * 2 + local
-    rows = chunk * R + tl.arange(0, R)
     ok = rows < BT * H
     token = rows // H
     head = rows % H
@@ -79,7 +95,7 @@ def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, tok
            + head.to(tl.int64) * head_stride)
     if ALIGNED:  # every stride is a multiple of 8 elements: rows start on 16 bytes
         eng = tl.multiple_of(eng, 8)
-    return b, slab, rows, ok, layer, eng
+    return ok, layer, eng
 
 
 @triton.jit
@@ -294,6 +310,70 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                  scale.to(tl.bfloat16), mask=ok)
 
 
+@triton.jit
+def _fp4_from_engine_kernel(table_ptr, num_blocks, num_slabs, scales_off,
+                            kv_stride, block_stride, token_stride, head_stride,
+                            H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+                            D_PAD: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
+                            ALIGNED: tl.constexpr, IS_NV: tl.constexpr, TS_OFF: tl.constexpr):
+    """Encode one slab (layer, K/V) of one block into nvfp4 or mxfp4 device pages, bytes as
+    ``kvstore.codecs.fp4``'s references make them for the block.
+
+    nvfp4's tensor scale is the slab's amax / (448 * 6): the slab's rows are read once for
+    it (|x| as integer bits, so a NaN wins and marks the slab) and again, from cache, to
+    quantise them; mxfp4 reads them once.
+    """
+    BLOCK: tl.constexpr = 16 if IS_NV else 32
+    NB: tl.constexpr = D_PAD // BLOCK  # scale blocks per row, padding included
+    CHUNKS: tl.constexpr = (BT * H + R - 1) // R
+    pid = tl.program_id(0).to(tl.int64)
+    local = pid % num_slabs
+    b = pid // num_slabs
+    dst = tl.multiple_of(tl.load(table_ptr + b), 16)
+    cols = tl.arange(0, D_PAD)
+    if IS_NV:
+        amax = tl.zeros((R,), dtype=tl.int32)
+        for c in tl.static_range(CHUNKS):
+            rows = c * R + tl.arange(0, R)
+            ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows,
+                                          kv_stride, block_stride, token_stride, head_stride,
+                                          H, BT, FP16, ALIGNED)
+            mask = ok[:, None] & (cols < D)[None, :]
+            x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
+            bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            amax = tl.maximum(amax, tl.max(bits, axis=1))
+        slab_amax = tl.max(amax, axis=0).to(tl.float32, bitcast=True)
+        ts = tl.math.div_rn(slab_amax, _AMAX_TO_TS)  # a NaN amax stays NaN
+        ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
+        tl.store(_at(dst, tl.float32, TS_OFF) + local, ts)
+        inv_six_ts = tl.math.div_rn(1.0, ts * 6.0)
+    for c in tl.static_range(CHUNKS):
+        rows = c * R + tl.arange(0, R)
+        ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
+                                      block_stride, token_stride, head_stride, H, BT, FP16,
+                                      ALIGNED)
+        mask = ok[:, None] & (cols < D)[None, :]
+        x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        blocks = tl.reshape(x, (R, NB, BLOCK))
+        if IS_NV:
+            block_amax = tl.max(tl.abs(blocks), axis=2)
+            byte, inv_scale = _nv_scales(block_amax, ts, inv_six_ts)
+        else:
+            bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+            byte, inv_scale = _mx_scales(bits)
+        even, odd = tl.split(tl.reshape(x, (R, NB, BLOCK // 2, 2)))
+        codes = (_e2m1_code(even, inv_scale[:, :, None])
+                 | (_e2m1_code(odd, inv_scale[:, :, None]) << 4))
+        r = (local * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
+        half = tl.arange(0, D_PAD // 2)
+        tl.store(_at(dst, tl.uint8) + r[:, None] * (D // 2) + half[None, :],
+                 tl.reshape(codes, (R, D_PAD // 2)).to(tl.uint8),
+                 mask=ok[:, None] & (half < D // 2)[None, :])
+        nb = tl.arange(0, NB)
+        tl.store(_at(dst, tl.uint8, scales_off) + r[:, None] * (D // BLOCK) + nb[None, :],
+                 byte.to(tl.uint8), mask=ok[:, None] & (nb < D // BLOCK)[None, :])
+
+
 def _host_ints(values: torch.Tensor | list[int], name: str) -> torch.Tensor:
     """``values`` as a 1-D int64 CPU tensor (a device tensor is copied back: a sync)."""
     t = torch.as_tensor(values, dtype=torch.int64)
@@ -392,14 +472,41 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
                 block_ids: torch.Tensor | list[int], stream: torch.cuda.Stream | None = None,
                 hw_round: bool | None = None, tile: tuple[int, int] | None = None) -> None:
     """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
-    are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``)."""
+    are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``), nvfp4
+    and mxfp4 pages to ``kvstore.codecs.fp4``'s references of each block."""
     if dev.codec not in ENCODABLE:
         raise CodecError(f"the engine kernels decode {dev.codec} pages but do not encode them; "
                          f"saves take {list(ENCODABLE)}")
+    if dev.engine_codec in (NVFP4, MXFP4):
+        _launch_fp4_save(layout, dev, dst, block_ids, stream, tile)
+        return
     if hw_round is None:
         hw_round = not interpreter_enabled()
     _launch(_from_engine_kernel, layout, dev, dst, block_ids, stream, None, tile, HW_ROUND=hw_round,
             enable_fp_fusion=False)
+
+
+def _launch_fp4_save(layout: EngineLayout, dev: DeviceLayout, dst, block_ids,
+                     stream: torch.cuda.Stream | None, tile: tuple[int, int] | None) -> None:
+    """One program per (block, layer, K/V) slab: ``_fp4_from_engine_kernel``."""
+    layers = range(layout.num_layers)
+    with on_device(layout.device), _on_stream(layout, stream):
+        table = _table(layout, dev, dst, block_ids, layers)
+        n = (table.numel() - len(layers)) // 2
+        if n == 0:
+            return
+        rows, warps = tile or FP4_SAVE_TILES[dev.codec]
+        strides = (layout.kv_stride, layout.block_stride, layout.token_stride,
+                   layout.head_stride)
+        aligned = all(s % 8 == 0 for s in strides) and all(
+            p % 16 == 0 for p in layout.layer_ptrs)
+        is_nv = dev.engine_codec == NVFP4
+        _fp4_from_engine_kernel[(n * 2 * len(layers),)](
+            table, n, 2 * len(layers), dev.sections[1].offset, *strides,
+            H=layout.num_kv_heads, BT=layout.block_tokens, D=layout.head_dim,
+            D_PAD=triton.next_power_of_2(layout.head_dim), R=rows,
+            FP16=layout.dtype == torch.float16, ALIGNED=aligned, IS_NV=is_nv,
+            TS_OFF=dev.sections[2].offset if is_nv else 0, num_warps=warps)
 
 
 def page_tensors(pool: torch.Tensor, dev: DeviceLayout, offset: int) -> list[torch.Tensor]:
