@@ -10,6 +10,7 @@ import sys
 import torch
 
 from kvstore.bench.gpu import Rig, _aligned, _bench, _copy_ms
+from kvstore.codecs.device import ENCODABLE
 from kvstore.codecs.triton.engine import from_engine, to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
@@ -38,9 +39,12 @@ for codec in os.environ.get("CODECS", "raw,fp8_e4m3,nvfp4,mxfp4,int4,int2").spli
         r["host_load_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
         ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile))
         r["host_load_narrow_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
-        if codec in ("raw", "fp8_e4m3"):
+        if codec in ENCODABLE:
             ms = _bench(lambda: from_engine(rig.layout, dev, tgt, rig.ids, tile=tile))
             r["hbm_save"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
+        if codec in ("nvfp4", "mxfp4"):
+            ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
+            r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         if codec == "raw":
             ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h

@@ -216,6 +216,7 @@ class Lease:
     matched_tokens: int
     blocks: BlockLocations
     codec: str = ""  # the codec chain of the leased pages (one slot tier, one codec)
+    tier: str = ""  # the name of the tier whose slots hold them
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, BlockLocations):

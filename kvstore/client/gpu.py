@@ -31,7 +31,7 @@ from typing import Self
 import numpy as np
 import torch
 
-from kvstore.api import BlockLocations, Lease, Medium, SlotGrants
+from kvstore.api import BlockLocations, Lease, LookupResult, Medium, SlotGrants
 from kvstore.codecs.base import unpack_blob
 from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
@@ -231,6 +231,7 @@ class EngineCache:
         if not len(ids):
             return LoadHandle(0, [], None)
         bt = self.ns.spec.block_tokens
+        hit = None
         if advice:
             hit = self.client.lookup(self.ns, tokens)
             worth = hit.matched_tokens if hit.advised_tokens is None else hit.advised_tokens
@@ -240,7 +241,7 @@ class EngineCache:
         lease = self._try_device(lambda: self.client.acquire(self.ns, tokens,
                                                              medium=Medium.DEVICE))
         if lease is None:
-            return self._load_host(tokens, ids, stream)
+            return self._load_host(tokens, ids, stream, hit)
         release = _releaser(self.client, lease)
         if not lease.blocks:
             release()
@@ -271,14 +272,17 @@ class EngineCache:
             events.append(self._event(stream))
         return events
 
-    def _load_host(self, tokens: list[int], ids: torch.Tensor, stream) -> LoadHandle:
+    def _load_host(self, tokens: list[int], ids: torch.Tensor, stream,
+                   hit: LookupResult | None = None) -> LoadHandle:
         """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
         staging ring and decoded into the engine as each chunk lands; without an arena this
         client can map (a remote daemon), the socket path's ``get``.
 
-        The prefix is leased in pieces that double in size (``FIRST_PIECE_BLOCKS`` first): the
-        daemon brings the next piece into the arena (from its SSD or the shared tier) while the
-        ring moves the last one, and the first chunk is in flight after a short lease."""
+        A prefix longer than ``FIRST_PIECE_BLOCKS`` is leased in pieces, so its first chunk
+        is in flight after a short lease: the rest in one piece when the arena holds it all
+        (``hit``, the lookup, says so), else in pieces that double in size, so the daemon
+        brings the next piece in from its SSD or the shared tier while the ring moves the
+        last."""
         maps = getattr(getattr(self.client, "_zero_copy", None), "maps", None)
         if maps is not None and maps.channel is None:  # where the daemon hands out arenas
             maps.usable(self.client.health().arena_path)
@@ -310,9 +314,12 @@ class EngineCache:
             self._releasing.submit(_release_after, events[-1], release)
             last = events[-1]
             loaded += got
-            if loaded < end:  # the stored prefix ends (or could not be brought in) here
+            if loaded < end or loaded == total:  # the stored prefix ends here, or is in
                 break
-            piece *= 2
+            if hit is None:
+                hit = self.client.lookup(self.ns, tokens)
+            in_arena = hit.tokens_per_tier.get(lease.tier, 0) >= hit.matched_tokens
+            piece = total if in_arena else 2 * piece
         return LoadHandle(loaded * bt, [last] if loaded else [], None,
                           "host arena" if loaded else "")
 

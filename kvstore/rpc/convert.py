@@ -208,7 +208,8 @@ def _table_from_proto(msg: pb.BlockTable, grants: bool) -> BlockLocations | Slot
 def lease_to_proto(lease: Lease, packed: bool = False) -> pb.AcquireResponse:
     """The reply to an Acquire; ``packed``: the blocks as one BlockTable (the request asked)."""
     msg = pb.AcquireResponse(lease_id=lease.lease_id, deadline=lease.deadline,
-                             matched_tokens=lease.matched_tokens, codec=lease.codec)
+                             matched_tokens=lease.matched_tokens, codec=lease.codec,
+                             tier=lease.tier)
     if packed:
         msg.table.CopyFrom(_table_to_proto(lease.blocks))
     else:
@@ -228,7 +229,8 @@ def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
                           region=b.region, offset=b.offset, length=b.length)
             for b in msg.blocks)
     return Lease(lease_id=msg.lease_id, deadline=msg.deadline,
-                 matched_tokens=msg.matched_tokens, blocks=blocks, codec=msg.codec)
+                 matched_tokens=msg.matched_tokens, blocks=blocks, codec=msg.codec,
+                 tier=msg.tier)
 
 
 def reservation_to_proto(reservation: Reservation, packed: bool = False) -> pb.ReserveResponse:

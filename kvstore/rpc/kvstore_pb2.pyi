@@ -432,20 +432,22 @@ class BlockLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec", "table")
+    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec", "table", "tier")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     deadline: float
     matched_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     codec: str
     table: BlockTable
-    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
+    tier: str
+    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

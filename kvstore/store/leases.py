@@ -220,7 +220,8 @@ class LeaseManager:
         self._dir.touch(held)
         matched = min(len(entries), first_block + landed)
         return Lease(hold.held_id, hold.deadline, matched * ns.spec.block_tokens,
-                     _locations(tier, [entry.meta.key for entry in held]), link.codec.name)
+                     _locations(tier, [entry.meta.key for entry in held]), link.codec.name,
+                     link.name)
 
     async def _promote_prefix(self, entries: list[BlockEntry], link: Link) -> int:
         """How many of ``entries``, in order from the first, are in ``link``'s tier once those

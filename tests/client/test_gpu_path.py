@@ -86,35 +86,42 @@ def test_save_then_load_into_another_cache(tmp_path, tiers, layerwise):
 
 def test_a_host_load_brings_an_ssd_prefix_in_piece_by_piece(tmp_path):
     """A daemon restarted over its SSD holds the prefix there only: the host load leases it in
-    pieces of 2 then 4 blocks (the last one short), each brought into the arena and decoded
-    into its engine pages; every lease goes back and the prefix is in DRAM afterwards."""
+    pieces of 2, 4, then the last block, each brought into the arena and decoded into its
+    engine pages; every lease goes back. Loaded again, from the arena now, it takes one short
+    piece and then the rest at once."""
     config = small_config(tmp_path, ssd={"write_through": True})
     ns = Namespace(model_id="m", spec=SPEC, tenant="default")
-    tokens = list(range(5 * 16))
-    src, src_pages = engine(poison=False), [0, 1, 2, 3, 4]
+    tokens = list(range(7 * 16))
+    src, src_pages = engine(poison=False), [0, 1, 2, 3, 4, 5, 6]
     with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
-        assert EngineCache(client, ns, src).save(tokens, src_pages) == 80
+        assert EngineCache(client, ns, src).save(tokens, src_pages) == 112
         for _ in range(200):  # the write-through to the SSD runs in the background
-            if client.stats().tiers["ssd"].num_blocks == 5:
+            if client.stats().tiers["ssd"].num_blocks == 7:
                 break
             time.sleep(0.01)
-        assert client.stats().tiers["ssd"].num_blocks == 5
+        assert client.stats().tiers["ssd"].num_blocks == 7
+
+    def acquires(daemon) -> int:
+        return int(daemon.metrics.registry.get_sample_value(
+            "kvstore_rpc_latency_seconds_count", {"method": "Acquire"}) or 0)
+
     with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
-        assert client.lookup(ns, tokens).tokens_per_tier == {"ssd": 80}
-        dst, dst_pages = engine(poison=True), [9, 5, 11, 6, 8]
-        with EngineCache(client, ns, dst) as loader:
-            loader.FIRST_PIECE_BLOCKS = 2
-            handle = loader.load(tokens, dst_pages)
-            assert handle.wait() == 80 and handle.source == "host arena"
-        acquires = daemon.metrics.registry.get_sample_value(
-            "kvstore_rpc_latency_seconds_count", {"method": "Acquire"})
-        assert acquires == 3  # the probe for a device pool (none here), blocks 0-1, then 2-4
-        assert same_pages(src, src_pages, dst, dst_pages)
-        untouched = [p for p in range(PAGES) if p not in dst_pages]
-        assert all(torch.isnan(t[:, untouched]).all() for t in dst)
-        assert client.stats().active_leases == 0
-        assert client.lookup(ns, tokens).tokens_per_tier == {"dram": 80}
-        assert client.stats().counters.promotions >= 5
+        assert client.lookup(ns, tokens).tokens_per_tier == {"ssd": 112}
+        for again in (False, True):
+            dst, dst_pages = engine(poison=True), [9, 5, 11, 6, 8, 7, 10]
+            before = acquires(daemon)
+            with EngineCache(client, ns, dst) as loader:
+                loader.FIRST_PIECE_BLOCKS = 2
+                handle = loader.load(tokens, dst_pages, advice=False)
+                assert handle.wait() == 112 and handle.source == "host arena"
+            # the probe for a device pool (none here), then the pieces
+            assert acquires(daemon) - before == (3 if again else 4)
+            assert same_pages(src, src_pages, dst, dst_pages)
+            untouched = [p for p in range(PAGES) if p not in dst_pages]
+            assert all(torch.isnan(t[:, untouched]).all() for t in dst)
+            assert client.stats().active_leases == 0
+            assert client.lookup(ns, tokens).tokens_per_tier == {"dram": 112}
+        assert client.stats().counters.promotions >= 7
 
 
 @pytest.mark.parametrize(("codec", "tolerance"), [("fp8_e4m3", 0.05), ("nvfp4", 0.15),
