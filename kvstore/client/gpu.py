@@ -103,6 +103,7 @@ class EngineCache:
         self.ns = ns
         self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
         self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
+        self._arena_tier: str | None = None  # the tier host leases come from (seen once)
         self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
         self._rings: dict[str, StagingRing] = {}
         self._pinned: dict[int, int] = {}  # registered arena mappings: base -> bytes
@@ -278,11 +279,10 @@ class EngineCache:
         staging ring and decoded into the engine as each chunk lands; without an arena this
         client can map (a remote daemon), the socket path's ``get``.
 
-        A prefix longer than ``FIRST_PIECE_BLOCKS`` is leased in pieces, so its first chunk
-        is in flight after a short lease: the rest in one piece when the arena holds it all
-        (``hit``, the lookup, says so), else in pieces that double in size, so the daemon
-        brings the next piece in from its SSD or the shared tier while the ring moves the
-        last."""
+        A prefix the arena holds whole (``hit``, the lookup, says so) is leased at once. A
+        longer one than ``FIRST_PIECE_BLOCKS`` that the daemon must bring in from its SSD or
+        the shared tier is leased in pieces that double in size, so the daemon brings the next
+        piece in while the ring moves the last."""
         maps = getattr(getattr(self.client, "_zero_copy", None), "maps", None)
         if maps is not None and maps.channel is None:  # where the daemon hands out arenas
             maps.usable(self.client.health().arena_path)
@@ -291,6 +291,10 @@ class EngineCache:
         bt = self.ns.spec.block_tokens
         total = len(tokens) // bt
         loaded, piece, last, dev = 0, self.FIRST_PIECE_BLOCKS, None, None
+        if total > piece and self._arena_tier is not None:  # known from an earlier lease
+            hit = hit or self.client.lookup(self.ns, tokens)
+            if hit.tokens_per_tier.get(self._arena_tier, 0) >= hit.matched_tokens:
+                piece = total  # all in the arena already: one lease
         while loaded < total:
             end = min(total, loaded + piece)
             lease = self.client.acquire(self.ns, tokens[:end * bt], first_block=loaded)
@@ -314,6 +318,7 @@ class EngineCache:
             self._releasing.submit(_release_after, events[-1], release)
             last = events[-1]
             loaded += got
+            self._arena_tier = lease.tier
             if loaded < end or loaded == total:  # the stored prefix ends here, or is in
                 break
             if hit is None:

@@ -37,7 +37,7 @@ DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (64, 8), "nvfp4": (32, 4), "mxfp4": 
                 "int4": (64, 4), "int2": (64, 4)}
 # fp4 saves: one program per (block, layer, K/V) slab, its rows in chunks of this many, so
 # nvfp4's tensor scale (one per slab) is known before the slab's first block is quantised.
-FP4_SAVE_TILES = {"nvfp4": (64, 4), "mxfp4": (64, 4)}
+FP4_SAVE_TILES = {"nvfp4": (32, 4), "mxfp4": (32, 4)}  # H200 sweep: 0.40 / 0.57 of a copy
 _AMAX_TO_TS = tl.constexpr(448.0 * 6.0)  # nvfp4_tensor_scales: slab amax / (448 * 6)
 _TS_MIN = tl.constexpr(2.0**-126)
 HOST_TILES = {"raw": (128, 8), "fp8_e4m3": (128, 4), "nvfp4": (128, 4), "mxfp4": (64, 4),
