@@ -492,8 +492,10 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
                         block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
                         codec=codec.name, codec_id=codec.codec_id)
         payload = codec.prepare(block)
-        length = page_bytes(payload.nbytes, meta)
+        # Aligned: the daemon's NaN/Inf check of the section, and copies of it, run faster.
+        length = page_bytes(payload, meta)
         if length > grant.capacity_bytes:
             raise CapacityError(f"page of {length} bytes exceeds its "
                                 f"{grant.capacity_bytes}-byte slot")
-        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload)
+        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload,
+                   aligned=True)
