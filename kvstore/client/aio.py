@@ -33,7 +33,7 @@ from kvstore.client.arena import (
 )
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import KVStoreError, LeaseNotFound
+from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
@@ -234,7 +234,13 @@ class AsyncClient:
 
     async def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
                           ) -> torch.Tensor | None:
-        lease = await self.acquire(ns, tokens)
+        try:
+            lease = await self.acquire(ns, tokens)
+        except CapacityError:  # at the lease quota: see Client._acquire_to_read
+            if not self._cleanups:
+                raise
+            await self.flush_releases()
+            lease = await self.acquire(ns, tokens)
         read = asyncio.ensure_future(
             asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease, out))
         try:

@@ -38,7 +38,7 @@ from kvstore.client.arena import (
 )
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
@@ -268,9 +268,20 @@ class Client:
                 assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
 
+    def _acquire_to_read(self, ns: Namespace, tokens: Tokens) -> Lease:
+        """Acquire; a tenant at its lease quota while late Releases of this client are still
+        on their way waits for them and asks once more."""
+        try:
+            return self.acquire(ns, tokens)
+        except CapacityError:
+            if not self._late.is_pending:
+                raise
+        self._late.flush()
+        return self.acquire(ns, tokens)
+
     def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
                     ) -> torch.Tensor | None:
-        lease = self.acquire(ns, tokens)
+        lease = self._acquire_to_read(ns, tokens)
         try:
             kv = read_lease(self._zero_copy.maps, ns, lease, out)
         finally:
@@ -301,7 +312,7 @@ class Client:
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
-                lease = self.acquire(ns, tokens)
+                lease = self._acquire_to_read(ns, tokens)
                 try:
                     num_blocks = visit_lease(self._zero_copy.maps, ns, lease, visit,
                                              first_block)
@@ -438,6 +449,11 @@ class LateReleases:
                                                 name="kvstore-release")
                 self._thread.start()
         self._queue.put(lease_id)
+
+    @property
+    def is_pending(self) -> bool:
+        """Whether a queued Release is not answered yet."""
+        return self._queue.unfinished_tasks > 0
 
     def flush(self) -> None:
         """Wait until every queued Release was answered."""

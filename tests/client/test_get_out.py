@@ -4,6 +4,7 @@ a client that dies mid-copy holds nothing past its session or its deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from kvstore.client import AsyncClient, Client
 from kvstore.client import sync as sync_module
+from kvstore.config import QuotaConfig
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
@@ -118,6 +120,24 @@ def test_a_late_release_still_frees_its_pins(tmp_path, monkeypatch):
         client.flush_releases()
         assert len(sent) == 1 and active_leases(client) == 0
         assert client.evict(model_id=NS.model_id) == 4
+
+
+def test_a_tenant_at_its_lease_quota_waits_for_its_late_releases(tmp_path):
+    """With one open lease allowed, the second get's Acquire is refused while the first get's
+    Release is still on its way: the client waits for it and asks again, it does not fail."""
+    config = dataclasses.replace(small_config(tmp_path), quota=QuotaConfig(max_open_leases=1))
+    kv = random_kv(SPEC, 64)
+    gate = threading.Event()
+    with DaemonThread(config) as daemon, Client(daemon.unix_address, zero_copy=True) as client:
+        client.put(NS, TOKENS, kv)
+        release = client.release
+        client._late = sync_module.LateReleases(lambda lease_id: (gate.wait(0.5),
+                                                                  release(lease_id)))
+        assert torch.equal(client.get(NS, TOKENS), kv)
+        assert torch.equal(client.get(NS, TOKENS), kv)  # the first Release still held back
+        gate.set()
+        client.flush_releases()
+        assert active_leases(client) == 0
 
 
 def test_a_lease_that_expired_mid_read_is_not_trusted(tmp_path, monkeypatch):
