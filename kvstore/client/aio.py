@@ -209,9 +209,16 @@ class AsyncClient:
             request = requests.get_request(ns, tokens, data_socket=True)
             kv = await self._call(lambda: self._get_stream(request))
             if kv is not _NO_DATA_SOCKET:
-                return await asyncio.to_thread(fill_out, kv, out)
+                return await self._fill_out(kv, out)
         request = requests.get_request(ns, tokens)
-        kv = await self._call(lambda: self._get_stream(request))
+        return await self._fill_out(await self._call(lambda: self._get_stream(request)), out)
+
+    @staticmethod
+    async def _fill_out(kv: torch.Tensor | None, out: torch.Tensor | None
+                        ) -> torch.Tensor | None:
+        """``kvstore.client.arena.fill_out``, its copy in a worker thread."""
+        if kv is None or out is None:
+            return kv
         return await asyncio.to_thread(fill_out, kv, out)
 
     async def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None | object:

@@ -90,6 +90,9 @@ async def test_async_get_into_the_callers_buffer(tmp_path):
             out = torch.empty(SPEC.shape(64), dtype=SPEC.torch_dtype)
             got = await client.get(NS, TOKENS, out=out)
             assert got.data_ptr() == out.data_ptr() and torch.equal(got, kv)
+            streamed = torch.empty(SPEC.shape(80), dtype=SPEC.torch_dtype)
+            got = await client.get(NS, list(range(80)), zero_copy=False, out=streamed)
+            assert got.data_ptr() == streamed.data_ptr() and torch.equal(got, kv)
             for bad, named in _bad_outs():
                 with pytest.raises(InvalidArgument, match=named):
                     await client.get(NS, TOKENS, out=bad)
