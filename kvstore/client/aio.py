@@ -22,10 +22,18 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import ZeroCopy, must_abort, read_lease, write_reservation
+from kvstore.client.arena import (
+    ZeroCopy,
+    check_get_out,
+    check_in_time,
+    fill_out,
+    must_abort,
+    read_lease,
+    write_reservation,
+)
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import KVStoreError, LeaseNotFound
+from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
@@ -111,10 +119,7 @@ class AsyncClient:
         The abort runs as its own task, shielded: a caller cancelled again meanwhile still
         leaves no reservation behind, and :meth:`aclose` waits for it.
         """
-        cleanup = asyncio.ensure_future(self._abort_after(reservation_id, write))
-        self._cleanups.add(cleanup)
-        cleanup.add_done_callback(self._cleanups.discard)
-        await asyncio.shield(cleanup)
+        await asyncio.shield(self._later(self._abort_after(reservation_id, write)))
 
     async def _abort_after(self, reservation_id: str, write: asyncio.Future[None]) -> None:
         # A cancelled caller does not stop the worker thread writing the slots: freeing them
@@ -189,22 +194,32 @@ class AsyncClient:
                 await self._give_back(reservation.reservation_id, write)
             raise
 
-    async def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
-                  ) -> torch.Tensor | None:
-        """The K/V of the longest stored prefix of ``tokens``, or None if nothing matched."""
+    async def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The K/V of the longest stored prefix of ``tokens``, or None if nothing matched;
+        ``out``: see :meth:`kvstore.client.Client.get`."""
+        check_get_out(ns, len(tokens), out)
         use, strict = await self._zero_copy_mode(zero_copy)
         if use:
             try:
-                return await self._get_shared(ns, tokens)
+                return await self._get_shared(ns, tokens, out)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
         if self._data.usable:
             request = requests.get_request(ns, tokens, data_socket=True)
             kv = await self._call(lambda: self._get_stream(request))
             if kv is not _NO_DATA_SOCKET:
-                return kv
+                return await self._fill_out(kv, out)
         request = requests.get_request(ns, tokens)
-        return await self._call(lambda: self._get_stream(request))
+        return await self._fill_out(await self._call(lambda: self._get_stream(request)), out)
+
+    @staticmethod
+    async def _fill_out(kv: torch.Tensor | None, out: torch.Tensor | None
+                        ) -> torch.Tensor | None:
+        """``kvstore.client.arena.fill_out``, its copy in a worker thread."""
+        if kv is None or out is None:
+            return kv
+        return await asyncio.to_thread(fill_out, kv, out)
 
     async def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None | object:
         """See Client._get_stream; the socket work runs in a worker thread."""
@@ -224,14 +239,39 @@ class AsyncClient:
                 assembler.target = None
         return assembler.result()
 
-    async def _get_shared(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
-        lease = await self.acquire(ns, tokens)
+    async def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
+                          ) -> torch.Tensor | None:
         try:
-            kv = await asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease)
+            lease = await self.acquire(ns, tokens)
+        except CapacityError:  # at the lease quota: see Client._acquire_to_read
+            if not self._cleanups:
+                raise
+            await self.flush_releases()
+            lease = await self.acquire(ns, tokens)
+        read = asyncio.ensure_future(
+            asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease, out))
+        try:
+            kv = await asyncio.shield(read)
         finally:
-            # LeaseNotFound here means the lease expired mid-read (see Client._get_shared).
-            await self.release(lease.lease_id)
+            # Released in a task of its own once the copy stopped (a cancelled caller does not
+            # stop the thread reading the pages): the caller does not wait for the round trip
+            # (see Client._get_shared), and aclose does.
+            self._later(self._release_after(lease.lease_id, read))
+        check_in_time(lease)  # expired mid-read: the caller falls back (Client._get_shared)
         return kv
+
+    def _later(self, work: Awaitable[None]) -> asyncio.Future[None]:
+        """Run ``work`` as a task :meth:`aclose` waits for."""
+        cleanup = asyncio.ensure_future(work)
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+        return cleanup
+
+    async def _release_after(self, lease_id: str, read: asyncio.Future) -> None:
+        with contextlib.suppress(Exception):  # the read's error already reached the caller
+            await read
+        with contextlib.suppress(KVStoreError):  # expired, or the daemon went: nothing held
+            await self.release(lease_id)
 
     # --------------------------------------------------------------------------- control path
 
@@ -282,11 +322,16 @@ class AsyncClient:
         """Give a reservation's slots back unpublished; LeaseNotFound for an unknown id."""
         await self._unary(requests.abort(reservation_id))
 
+    async def flush_releases(self) -> None:
+        """See :meth:`kvstore.client.Client.flush_releases`."""
+        if self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+
     # ------------------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
-        if self._cleanups:  # aborts of interrupted puts still on their way
+        if self._cleanups:  # aborts and releases still on their way
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._hold is not None:
             self._hold.cancel()

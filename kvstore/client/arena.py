@@ -331,20 +331,77 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease) -> torch.Tensor | None:
+def check_get_out(ns: Namespace, num_tokens: int, out: torch.Tensor | None) -> None:
+    """InvalidArgument unless ``out`` (a get's caller-owned result buffer; None: a fresh
+    tensor per get) can hold the K/V of every full block of ``num_tokens`` tokens: a
+    C-contiguous CPU tensor of the namespace's dtype, shaped ``[L, 2, T, H, D]`` with ``T`` at
+    least those blocks' tokens (a buffer sized for the longest prompt serves shorter ones)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise InvalidArgument(f"out must be a torch.Tensor, got {type(out).__name__}")
+    spec = ns.spec
+    if out.device.type != "cpu":
+        raise InvalidArgument(f"out must be a CPU tensor, got one on {out.device}")
+    if out.dtype != spec.torch_dtype:
+        raise InvalidArgument(f"out is {out.dtype}; the namespace's K/V are {spec.torch_dtype}")
+    need = num_tokens // spec.block_tokens * spec.block_tokens
+    expected = spec.shape(need)
+    if (out.dim() != len(expected) or out.shape[:2] != expected[:2]
+            or out.shape[3:] != expected[3:] or out.shape[2] < need):
+        raise InvalidArgument(f"out has shape {tuple(out.shape)}; a get of {num_tokens} tokens "
+                              f"needs {tuple(expected)} (or more tokens on dim 2)")
+    if not out.is_contiguous():
+        raise InvalidArgument("out must be contiguous (C order), as torch.empty makes it")
+
+
+def check_in_time(lease: Lease) -> None:
+    """LeaseNotFound if ``lease`` had expired by now: its pins may have lapsed while its pages
+    were read, so what was read may be another block's and must not be used.
+
+    Deadlines are the daemon's ``time.time()``, and a client reading the arena shares its host
+    (and so its clock): a read that ends before the deadline read pinned pages. This is what
+    lets a client send the Release after the caller has its data.
+    """
+    if time.time() >= lease.deadline:
+        raise LeaseNotFound(f"lease {lease.lease_id} expired while its pages were read")
+
+
+def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The K/V of a lease's pinned pages, each verified once (``ArenaMaps.page``: its page
     checksum against its key, or none in published memory) and then decoded without checking
-    the blob checksum inside it again."""
+    the blob checksum inside it again.
+
+    Args:
+        out: where to write them (checked by ``check_get_out``); the result is then its first
+            ``matched_tokens`` tokens, a view of it. None: a fresh tensor (``fresh_tensor``).
+    """
     maps.drop_retired()
     if not lease.blocks:
         return None
     bt = ns.spec.block_tokens
-    out = fresh_tensor(ns.spec.shape(len(lease.blocks) * bt), ns.spec.torch_dtype)
+    num_tokens = len(lease.blocks) * bt
+    if out is None:
+        out = fresh_tensor(ns.spec.shape(num_tokens), ns.spec.torch_dtype)
+    else:
+        check_get_out(ns, num_tokens, out)
+        out = out[:, :, :num_tokens]
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
         page = maps.page(loc.region, loc.offset, loc.length, loc.key)
         _decode_into(page.payload, out[:, :, i * bt : (i + 1) * bt])
     return out
+
+
+def fill_out(kv: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``kv`` (a get's result that did not come through the arena) as the caller asked for it:
+    copied into the front of ``out`` (a view of those tokens returned), or as it is."""
+    if kv is None or out is None:
+        return kv
+    front = out[:, :, : kv.shape[2]]
+    np.copyto(as_array(front), as_array(kv))
+    return front
 
 
 def _decode_into(payload: memoryview, out: torch.Tensor) -> None:
@@ -435,8 +492,10 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
                         block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
                         codec=codec.name, codec_id=codec.codec_id)
         payload = codec.prepare(block)
-        length = page_bytes(payload.nbytes, meta)
+        # Aligned: the daemon's NaN/Inf check of the section, and copies of it, run faster.
+        length = page_bytes(payload, meta)
         if length > grant.capacity_bytes:
             raise CapacityError(f"page of {length} bytes exceeds its "
                                 f"{grant.capacity_bytes}-byte slot")
-        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload)
+        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload,
+                   aligned=True)

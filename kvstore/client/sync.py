@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,9 @@ from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.arena import (
     BlockVisitor,
     ZeroCopy,
+    check_get_out,
+    check_in_time,
+    fill_out,
     must_abort,
     read_lease,
     visit_lease,
@@ -33,7 +38,7 @@ from kvstore.client.arena import (
 )
 from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import InvalidArgument, KVStoreError, LeaseNotFound, NotFound
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
+log = logging.getLogger("kvstore.client")
 
 
 class Client:
@@ -80,6 +86,7 @@ class Client:
         self._hold: grpc.Call | None = None
         self._data = DataSocket(data_socket, self._settings.target, token,
                                 self._settings.timeout_s)
+        self._late = LateReleases(self.release)
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -212,16 +219,25 @@ class Client:
                            f"block {first_block} must be stored before more are added to them")
         return torch.cat((stored, kv), dim=2)
 
-    def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None
-            ) -> torch.Tensor | None:
-        """The K/V of the longest stored prefix of ``tokens``, or None if nothing matched."""
+    def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The K/V of the longest stored prefix of ``tokens``, or None if nothing matched.
+
+        Args:
+            out: a buffer of the caller's to write the K/V into (a C-contiguous CPU tensor of
+                the namespace's dtype and shape, with at least the full-block tokens of
+                ``tokens`` on dim 2; InvalidArgument otherwise): reusing a warm one spares
+                a fresh tensor's page faults. The result is then a view of its front,
+                ``out[:, :, :matched_tokens]``; past it ``out`` is left as it was.
+        """
+        check_get_out(ns, len(tokens), out)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
-                return self._get_shared(ns, tokens)
+                return self._get_shared(ns, tokens, out)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
-        return self._get(ns, tokens)
+        return fill_out(self._get(ns, tokens), out)
 
     def _get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
         """A Get over the data socket where the daemon offers one, else streamed."""
@@ -252,14 +268,30 @@ class Client:
                 assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
 
-    def _get_shared(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
-        lease = self.acquire(ns, tokens)
+    def _acquire_to_read(self, ns: Namespace, tokens: Tokens) -> Lease:
+        """Acquire; a tenant at its lease quota while late Releases of this client are still
+        on their way waits for them and asks once more."""
         try:
-            kv = read_lease(self._zero_copy.maps, ns, lease)
+            return self.acquire(ns, tokens)
+        except CapacityError:
+            if not self._late.is_pending:
+                raise
+        self._late.flush()
+        return self.acquire(ns, tokens)
+
+    def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        lease = self._acquire_to_read(ns, tokens)
+        try:
+            kv = read_lease(self._zero_copy.maps, ns, lease, out)
         finally:
-            # LeaseNotFound here means the lease expired mid-read: the slots may have been
-            # reused, so the caller falls back instead of trusting what was read.
-            self.release(lease.lease_id)
+            # The Release goes from a worker thread: the caller has its data once the copy
+            # ends, a round trip sooner (the lease stays bounded by its deadline, and by this
+            # process's session should it die first).
+            self._late.send(lease.lease_id)
+        # Expired mid-read: the slots may have been reused, so the caller falls back instead
+        # of trusting what was read.
+        check_in_time(lease)
         return kv
 
     def read_blocks(self, ns: Namespace, tokens: Tokens, visit: BlockVisitor, *,
@@ -280,11 +312,14 @@ class Client:
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
-                lease = self.acquire(ns, tokens)
+                lease = self._acquire_to_read(ns, tokens)
                 try:
-                    return visit_lease(self._zero_copy.maps, ns, lease, visit, first_block)
+                    num_blocks = visit_lease(self._zero_copy.maps, ns, lease, visit,
+                                             first_block)
                 finally:
-                    self.release(lease.lease_id)
+                    self._late.send(lease.lease_id)  # see _get_shared
+                check_in_time(lease)
+                return num_blocks
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
         kv = self._get(ns, tokens)
@@ -364,10 +399,17 @@ class Client:
         expired."""
         self._unary(requests.abort(reservation_id))
 
+    def flush_releases(self) -> None:
+        """Wait until the daemon answered the Release of every lease an earlier get or
+        read_blocks read (they are sent after those calls return): an evict right after a
+        get then finds nothing of it pinned."""
+        self._late.flush()
+
     # ------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
+        self._late.close()
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
@@ -379,6 +421,63 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class LateReleases:
+    """Releases sent from a worker thread, after the call that read the lease returned.
+
+    A get's caller has its data once the copy out of the arena ends; the Release round trip
+    (a millisecond or more) need not be on its path. A lease still held meanwhile is bounded
+    by its deadline (the reader checks it did not pass, ``check_in_time``) and, should this
+    process die, by its session. At most ``MAX_PENDING`` wait: a caller getting faster than
+    the worker releases waits for room, so late releases never pile up toward the tenant's
+    lease quota.
+    """
+
+    MAX_PENDING = 8
+
+    def __init__(self, release: Callable[[str], None]) -> None:
+        self._release = release
+        self._queue: queue.Queue[str | None] = queue.Queue(self.MAX_PENDING)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def send(self, lease_id: str) -> None:
+        """Queue ``lease_id``'s Release (the worker starts at the first)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvstore-release")
+                self._thread.start()
+        self._queue.put(lease_id)
+
+    @property
+    def is_pending(self) -> bool:
+        """Whether a queued Release is not answered yet."""
+        return self._queue.unfinished_tasks > 0
+
+    def flush(self) -> None:
+        """Wait until every queued Release was answered."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Send what is queued, then stop the worker."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while (lease_id := self._queue.get()) is not None:
+            try:
+                self._release(lease_id)
+            except KVStoreError as exc:  # expired, or the daemon went: nothing is held then
+                log.debug("late release of lease %s: %s", lease_id, exc)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 def _drain_hold(call, opened: threading.Event) -> None:

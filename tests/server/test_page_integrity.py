@@ -103,6 +103,7 @@ async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec)
             steps = set(dram.published_regions("acme")) & set(maps.regions)  # the ones read
             assert len(steps) >= 2
             assert {f"kvstore-{name}" for name in steps} <= _mapped_memfds()
+            await acme.flush_releases()  # the get's lease, released after it returned
             assert await daemon.store.evict(tenant="acme") == 200
             other = random_tokens(16 * 400, seed=5)
             assert await zeta.put(zeta_ns, other, random_kv(spec, 16 * 400, seed=5),
