@@ -213,9 +213,10 @@ def _lookup_rows(client: Client, echo: Echo, repeats: int) -> list[dict]:
         result = client.lookup(ns, tokens)
         if result.matched_tokens != num_tokens:
             raise KVStoreError(f"lookup bench: {result.matched_tokens} of {num_tokens} matched")
-        request = pb.LookupRequest(namespace=namespace_to_proto(ns),
-                                   tokens=tokens_to_bytes(tokens)).ByteSize()
-        response = pb.LookupResponse(keys=list(result.keys), matched_tokens=num_tokens,
+        # the echo carries what the client and the daemon send: the keys packed
+        request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                                   packed=True).ByteSize()
+        response = pb.LookupResponse(packed_keys=b"".join(result.keys), matched_tokens=num_tokens,
                                      num_tokens=num_tokens,
                                      tokens_per_tier=result.tokens_per_tier).ByteSize()
         index: dict[bytes, None] = {}

@@ -76,7 +76,8 @@ def _block_infos(response: pb.ListBlocksResponse) -> list[BlockInfo]:
 
 
 def lookup(ns: Namespace, tokens: Tokens) -> Unary[LookupResult]:
-    request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+    request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                               packed=True)  # the keys as one bytes field (lookup_from_proto)
     return Unary("Lookup", request, lookup_from_proto)
 
 

@@ -3,11 +3,20 @@ size class, so a tier that frees room one slot for one slot finds its victims di
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress
+from operator import attrgetter
 
 from kvstore.keys import BlockKey
 from kvstore.policy.base import EvictionOrder, Footprint
+
+_SIZE_CLASS = attrgetter("size_class")
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run a lazy ``map`` of calls to its end, in C (a deque that keeps nothing)."""
+    deque(calls, maxlen=0)
 
 
 class LruOrder(EvictionOrder):
@@ -37,12 +46,21 @@ class LruOrder(EvictionOrder):
             self._by_class.setdefault(footprint.size_class, OrderedDict())[key] = None
 
     def touch_chain(self, keys: Sequence[BlockKey], group: bytes | None = None) -> None:
-        # Children first, parents last: the parent ends up more recent than every child.
-        for key in reversed(keys):
-            footprint = self._order.get(key)
-            if footprint is not None:
-                self._order.move_to_end(key)
-                self._by_class[footprint.size_class].move_to_end(key)
+        # Children first, parents last: the parent ends up more recent than every child. Each
+        # pass runs in C (filter and map over the dicts' own methods), no Python code per key:
+        # a 2048-block chain cost 0.9 ms as a Python loop on the 2-core box (2026-12-01).
+        held = list(filter(self._order.__contains__, reversed(keys)))
+        if not held:
+            return
+        _consume(map(self._order.move_to_end, held))
+        if len(self._by_class) == 1:  # one size class (a tier of one block size): all of them
+            for same in self._by_class.values():
+                _consume(map(same.move_to_end, held))
+            return
+        classes = list(map(_SIZE_CLASS, map(self._order.__getitem__, held)))
+        for size_class in set(classes):  # few classes: one C pass over the chain each
+            _consume(map(self._by_class[size_class].move_to_end,
+                         compress(held, map(size_class.__eq__, classes))))
 
     def remove(self, key: BlockKey) -> None:
         footprint = self._order.pop(key, None)

@@ -53,15 +53,17 @@ class TensorHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "tokens")
+    __slots__ = ("namespace", "tokens", "packed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys", "advised_tokens", "cluster_tokens")
+    __slots__ = ("num_tokens", "matched_tokens", "tokens_per_tier", "keys", "advised_tokens", "cluster_tokens", "packed_keys")
     class TokensPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,13 +84,15 @@ class LookupResponse(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ADVISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     matched_tokens: int
     tokens_per_tier: _containers.ScalarMap[str, int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     advised_tokens: int
     cluster_tokens: _containers.ScalarMap[str, int]
-    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ..., cluster_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, num_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tokens_per_tier: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., advised_tokens: _Optional[int] = ..., cluster_tokens: _Optional[_Mapping[str, int]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "tokens", "tensor", "ticket")

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -316,6 +317,17 @@ async def serve(config: KVStoreConfig) -> Daemon:
     return daemon
 
 
+def freeze_startup_heap() -> int:
+    """Collect what start-up left behind, then move every object still alive (modules, torch,
+    grpc, the config: about 180k of them) out of the collector's generations for good, so no
+    later collection walks them. A full collection over them took 110-180 ms on the 2-core box
+    (2026-12-01), a stall of every call in flight, due each time the blocks stored since the
+    last one reach a quarter of the objects alive. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _run(config: KVStoreConfig) -> int:
     # Handlers first: a SIGTERM while the sockets come up (they exist before serve returns)
     # stops the daemon cleanly once it is up, instead of killing it half-started.
@@ -324,6 +336,7 @@ async def _run(config: KVStoreConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     daemon = await serve(config)
+    freeze_startup_heap()
     try:
         await stop.wait()
         _log.info("draining", extra={"grace_s": config.server.shutdown_grace_s})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from kvstore.errors import DeadlineExceeded, RateLimited, shown
@@ -108,10 +108,15 @@ class StreamClock:
     async def next(self, stream: AsyncIterator[T], what: str) -> T | None:
         """The stream's next message, None at its end; DeadlineExceeded past the deadline."""
         try:
-            async with asyncio.timeout_at(self.deadline):
-                return await anext(stream)
+            return await self.wait(anext(stream), what)
         except StopAsyncIteration:
             return None
+
+    async def wait(self, step: Awaitable[T], what: str) -> T:
+        """``step`` (a read of the stream), or DeadlineExceeded once the deadline passes."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await step
         except TimeoutError:
             raise DeadlineExceeded(
                 f"{what}: no progress for {self.idle_s:g} s (server.stream_idle_timeout_s); "

@@ -145,7 +145,7 @@ class KVStoreService(pbg.KVStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         ns = self._namespace(request.namespace, "look up")
         result = await self._store.lookup(ns, self._tokens(request.tokens))
-        return lookup_to_proto(result)
+        return lookup_to_proto(result, packed=request.packed)
 
     def _checked_put(self, header: pb.PutHeader) -> tuple[Namespace, np.ndarray, int]:
         """A Put header's namespace (the caller may write it), tokens and tensor bytes."""

@@ -5,19 +5,19 @@ The directory is the store's single source of truth about which tier holds which
 touched only from the store's event loop, so it needs no locks. Tiers are names here, as the
 chain gave them: the directory never knows what a tier is.
 
-A touch (a chain was used) reaches the eviction orders on the loop's next turn, after the
-request that made it has answered, or before anything reads or changes an order, whichever
-comes first: no decision ever sees an order without it, and a 32k-token lookup does not wait for
-2048 re-rankings per tier.
+A touch (a chain was used) reaches the eviction orders and the blocks' hit counters on the
+loop's next turn, after the request that made it has answered, or before anything reads or
+changes an order or reads the counters, whichever comes first: no decision ever sees an order
+without it, and a 32k-token lookup does not wait for 2048 re-rankings per tier.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from operator import attrgetter
 
 from kvstore.api import BlockInfo
@@ -27,7 +27,7 @@ from kvstore.policy.base import EvictionOrder, Footprint, RoomNeed
 from kvstore.policy.lru import LruOrder
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: C code scans lists of entries
 class BlockEntry:
     """What the store knows about one block."""
 
@@ -65,8 +65,9 @@ class BlockDirectory:
         self._rank = {name: i for i, name in enumerate(tier_names)}  # chain position
         # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
         self._usage: dict[str, dict[str, int]] = {name: {} for name in tier_names}
-        # Chains used and not yet applied to the orders, oldest first (see the module doc).
-        self._touches: list[tuple[Sequence[BlockKey], bytes | None]] = []
+        # Chains used and not yet applied to the orders, oldest first (see the module doc):
+        # (keys, entries, namespace, whether it counts as a hit).
+        self._touches: list[tuple[Sequence[BlockKey], list[BlockEntry], bytes | None, bool]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +79,7 @@ class BlockDirectory:
         return self._entries.get(key)
 
     def entries(self) -> Iterator[BlockEntry]:
+        self.apply_touches()  # the entries' hit counters are read from here
         return iter(list(self._entries.values()))
 
     def place(self, meta: PageMeta, tier: str, nbytes: int, footprint: Footprint) -> BlockEntry:
@@ -129,35 +131,33 @@ class BlockDirectory:
 
     def match_prefix(self, keys: Iterable[BlockKey]) -> list[BlockEntry]:
         """Entries of the longest prefix of ``keys`` that is stored."""
-        # Every key is probed in C (map over dict.get) and the list cut at the first miss: a
-        # 32k-token prefix is 2048 probes, cheaper than a Python loop that stops early.
-        found = list(map(self._entries.get, keys))
-        try:
-            return found[:found.index(None)]
-        except ValueError:
-            return found
+        # Probed in C (map over dict.get), stopping at the first miss (takewhile over bool:
+        # an entry is always true, a miss is None); no Python code runs per block.
+        return list(takewhile(bool, map(self._entries.get, keys)))
 
     def tokens_per_tier(self, entries: Sequence[BlockEntry], block_tokens: int
                         ) -> dict[str, int]:
         """Tokens of ``entries`` by the fastest tier holding each, in chain order (counted in
         C over each entry's ``fastest``: no Python code runs per block)."""
-        counts = Counter(map(_FASTEST, entries))
-        return {name: counts[name] * block_tokens for name in self._rank if counts[name]}
+        fastest = list(map(_FASTEST, entries))
+        counts = {}
+        for name in self._rank:  # a C pass per tier (list.count: the names are one object each)
+            if count := fastest.count(name):
+                counts[name] = count * block_tokens
+        return counts
 
     def touch(self, entries: list[BlockEntry], hit: bool = True,
               keys: Sequence[BlockKey] | None = None) -> None:
-        """A prefix chain was used: bump counters and eviction order, parents last.
+        """A prefix chain was used: bump counters and eviction order, parents last (both on
+        the loop's next turn, see the module doc).
 
         ``keys``, when the caller has them, are the entries' keys in the same order.
         """
-        if hit:
-            for entry in entries:
-                entry.hits += 1
         if not entries:
             return
         if keys is None:
             keys = [e.meta.key for e in entries]
-        self._touches.append((keys, entries[0].meta.namespace))
+        self._touches.append((keys, entries, entries[0].meta.namespace, hit))
         if len(self._touches) > 1:
             return  # already scheduled
         try:
@@ -166,10 +166,14 @@ class BlockDirectory:
             self.apply_touches()
 
     def apply_touches(self) -> None:
-        """Apply the touches not applied yet to every order, in the order they were made."""
+        """Apply the touches not applied yet to every order and hit counter, in the order they
+        were made."""
         while self._touches:
             touches, self._touches = self._touches, []
-            for keys, group in touches:
+            for keys, entries, group, hit in touches:
+                if hit:
+                    for entry in entries:
+                        entry.hits += 1
                 for order in self._orders.values():
                     order.touch_chain(keys, group)
 
@@ -215,6 +219,7 @@ class BlockDirectory:
         return self._orders[tier].coldest(nbytes, self.is_protected)
 
     def info(self, entry: BlockEntry, now: float | None = None) -> BlockInfo:
+        self.apply_touches()  # its hit counter
         now = time.time() if now is None else now
         return BlockInfo(
             key=entry.meta.key,

@@ -50,3 +50,45 @@ def test_a_touched_chain_is_evicted_from_its_tail():
     order.remove(key(9))
     order.remove(key(9))  # idempotent
     assert order.charge(key(9)) == 0 and len(order) == 3
+
+
+def _per_key_touch(order: list[BlockKey], chain: list[BlockKey]) -> None:
+    """The rule touch_chain implements, one key at a time: children first, parents last."""
+    for k in reversed(chain):
+        if k in order:
+            order.remove(k)
+            order.append(k)
+
+
+def test_touch_chain_ranks_each_class_as_touching_key_by_key():
+    """touch_chain moves a chain in C passes per size class; the ranks must be those of the
+    per-key rule, in the whole order and in each class, with keys the tier does not hold."""
+    import random
+
+    rng = random.Random(7)
+    order = LruOrder()
+    classes = {key(i): rng.choice((4096, 8192, 16384)) for i in range(60)}
+    expected: list[BlockKey] = []
+    for k, size_class in classes.items():
+        order.add(k, Footprint(size_class=size_class, nbytes=size_class))
+        expected.append(k)
+    for _ in range(40):
+        start = rng.randrange(0, 70)
+        chain = [key(i) for i in range(start, start + rng.randrange(1, 30))]  # some not held
+        order.touch_chain(chain)
+        _per_key_touch(expected, chain)
+    assert order.coldest(10**9, never) == expected
+    for size_class in (4096, 8192, 16384):
+        assert order.coldest(10**9, never, size_class) == [
+            k for k in expected if classes[k] == size_class]
+
+
+def test_touch_chain_of_one_class_and_of_nothing_held():
+    order = LruOrder()
+    for i in range(5):
+        order.add(key(i), Footprint(size_class=8, nbytes=8))
+    order.touch_chain([key(1), key(3), key(7)])  # key 7 is not held
+    assert order.coldest(100, never) == [key(0), key(2), key(4), key(3), key(1)]
+    assert order.coldest(100, never, 8) == [key(0), key(2), key(4), key(3), key(1)]
+    order.touch_chain([key(20), key(21)])  # nothing held: nothing moves
+    assert order.coldest(100, never) == [key(0), key(2), key(4), key(3), key(1)]

@@ -113,13 +113,49 @@ def test_namespace_fields_all_travel(spec):
     assert namespace_from_proto(namespace_to_proto(ns)).to_dict() == ns.to_dict()
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("advised", [None, 0, 48])
-def test_lookup_round_trip_keeps_the_advice(advised):
+def test_lookup_round_trip_keeps_the_advice(advised, packed):
     """No advice and an advice of zero tokens are different answers and must stay so."""
     result = LookupResult(num_tokens=70, matched_tokens=64, tokens_per_tier={"dram": 32, "ssd": 32},
                           keys=(BlockKey(bytes(16)),), advised_tokens=advised,
                           cluster_tokens={"host-b": 128} if advised else {})
-    assert lookup_from_proto(lookup_to_proto(result)) == result
+    assert lookup_from_proto(lookup_to_proto(result, packed=packed)) == result
+
+
+@pytest.mark.parametrize("num_keys", [0, 1, 3, 2048])
+def test_packed_lookup_keys_arrive_as_the_same_tuple_of_keys(num_keys):
+    keys = tuple(BlockKey(i.to_bytes(16, "little")) for i in range(num_keys))
+    result = LookupResult(num_tokens=16 * num_keys + 5, matched_tokens=16 * num_keys,
+                          tokens_per_tier={"dram": 16 * num_keys} if num_keys else {}, keys=keys)
+    packed = lookup_to_proto(result, packed=True)
+    assert not packed.keys and packed.packed_keys == b"".join(keys)
+    assert list(lookup_to_proto(result).keys) == list(keys) and not lookup_to_proto(
+        result).packed_keys  # an older client, which does not ask, gets the repeated field
+    back = lookup_from_proto(pb.LookupResponse.FromString(packed.SerializeToString()))
+    assert back == result and all(type(k) is bytes for k in back.keys)
+
+
+def test_malformed_packed_lookup_keys_are_refused():
+    with pytest.raises(InvalidArgument, match="not a whole number of 16-byte keys"):
+        lookup_from_proto(pb.LookupResponse(packed_keys=bytes(24)))
+    with pytest.raises(InvalidArgument, match="keys and packed_keys"):
+        lookup_from_proto(pb.LookupResponse(packed_keys=bytes(16), keys=[bytes(16)]))
+
+
+def test_a_namespace_built_once_is_reused_and_a_bad_one_never_remembered(ns):
+    """The daemon reuses the Namespace of a message it has seen; a message that fails
+    validation fails every time, and the same fields with another value give another one."""
+    first = namespace_from_proto(namespace_to_proto(ns))
+    assert namespace_from_proto(namespace_to_proto(ns)) is first
+    other = namespace_to_proto(ns)
+    other.tenant = "someone-else"
+    assert namespace_from_proto(other).tenant == "someone-else"
+    bad = namespace_to_proto(ns)
+    bad.tp_size = 0
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="tp_size"):
+            namespace_from_proto(bad)
 
 
 def test_locations_and_grants_round_trip_with_their_medium():

@@ -141,3 +141,26 @@ def test_daemon_thread_runs_a_coroutine_on_the_daemons_loop(tmp_path, spec):
     coro = daemon.store.lookup(ns, tokens)
     with pytest.raises(KVStoreError, match="not running"):
         DaemonThread(config).call(coro)  # never started
+
+
+def test_freezing_the_startup_heap_keeps_it_out_of_later_collections():
+    """What start-up leaves alive is frozen (no later collection walks it); its garbage is
+    collected first, not frozen with it. In a subprocess: freezing is for the whole process."""
+    code = """
+import gc, weakref
+from kvstore.server.daemon import freeze_startup_heap
+class Node: pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+gone = weakref.ref(a)
+del a, b  # a cycle: only the collector frees it
+kept = [Node()]
+frozen = freeze_startup_heap()
+assert gone() is None, "start-up garbage was frozen"
+assert frozen == gc.get_freeze_count() > 10_000, frozen
+assert not any(o is kept for o in gc.get_objects()), "a live start-up object is still tracked"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -65,6 +65,25 @@ async def test_lookup_returns_store_types(aclient, ns, spec):
     assert await aclient.get(ns, random_tokens(32, seed=5), zero_copy=True) is None
 
 
+
+async def test_lookup_answers_packed_keys_to_who_asks_and_repeated_keys_to_older_clients(
+        daemon, aclient, ns, spec):
+    """The client asks for packed keys (one bytes field); a request without ``packed`` (an
+    older client) gets the same keys in the repeated field, and nothing packed."""
+    tokens = random_tokens(80)
+    await aclient.put(ns, tokens[:48], random_kv(spec, 48))
+    expected = block_keys(ns, tokens[:48])
+    request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        stub = pbg.KVStoreStub(channel)
+        old = await stub.Lookup(request)
+        request.packed = True
+        new = await stub.Lookup(request)
+    assert list(old.keys) == expected and not old.packed_keys
+    assert new.packed_keys == b"".join(expected) and not new.keys
+    assert (old.matched_tokens, new.matched_tokens) == (48, 48)
+    assert (await aclient.lookup(ns, tokens)).keys == tuple(expected)
+
 async def test_stats_list_evict_hint_health(aclient, ns, spec):
     tokens = random_tokens(48)
     await aclient.put(ns, tokens, random_kv(spec, 48), zero_copy=False)

@@ -96,3 +96,21 @@ async def test_touches_on_a_loop_apply_on_its_next_turn_or_before_any_order_is_r
     d.touch(d.match_prefix([key(1)]))
     d.place(meta(3), "hot", 10, SLOT)  # a change to an order applies them first
     assert order.coldest(10, never) == [key(2)]
+
+
+async def test_hits_of_a_touch_on_a_loop_are_counted_before_anyone_reads_them():
+    """A lookup's hits are counted with its touch, after the reply; whoever reads the counters
+    (a block's info, the entries a stats call walks) sees them counted."""
+    d = BlockDirectory(["hot"])
+    for i in range(2):
+        d.place(meta(i), "hot", 10, SLOT)
+    entries = d.match_prefix([key(0), key(1)])
+    d.touch(entries)
+    assert [d.info(e).hits for e in entries] == [1, 1]
+    d.touch(entries)
+    assert sorted(e.hits for e in d.entries()) == [2, 2]
+    d.touch(entries)
+    d.touch(entries, hit=False)
+    await asyncio.sleep(0)
+    assert [e.hits for e in entries] == [3, 3]
+
