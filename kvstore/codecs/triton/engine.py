@@ -319,18 +319,27 @@ def _fp4_from_engine_kernel(table_ptr, num_blocks, num_slabs, scales_off,
     """Encode one slab (layer, K/V) of one block into nvfp4 or mxfp4 device pages, bytes as
     ``kvstore.codecs.fp4``'s references make them for the block.
 
-    nvfp4's tensor scale is the slab's amax / (448 * 6): the slab's rows are read once for
-    it (|x| as integer bits, so a NaN wins and marks the slab) and again, from cache, to
-    quantise them; mxfp4 reads them once.
+    nvfp4's tensor scale is the slab's amax / (448 * 6) (|x| as integer bits, so a NaN wins
+    and marks the slab): a slab of at most R rows is read once, a taller one once for its
+    amax and again, from cache, to quantise it; mxfp4 reads it once.
     """
-    BLOCK: tl.constexpr = 16 if IS_NV else 32
-    NB: tl.constexpr = D_PAD // BLOCK  # scale blocks per row, padding included
     CHUNKS: tl.constexpr = (BT * H + R - 1) // R
     pid = tl.program_id(0).to(tl.int64)
     local = pid % num_slabs
     b = pid // num_slabs
     dst = tl.multiple_of(tl.load(table_ptr + b), 16)
     cols = tl.arange(0, D_PAD)
+    if CHUNKS == 1:  # the whole slab in one tile: read once
+        rows = tl.arange(0, R)
+        ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
+                                      block_stride, token_stride, head_stride, H, BT, FP16,
+                                      ALIGNED)
+        mask = ok[:, None] & (cols < D)[None, :]
+        x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        ts = _slab_scale(x, dst, local, IS_NV, TS_OFF)
+        _fp4_encode_rows(x, rows, ok, local, dst, scales_off, ts, H, BT, D, D_PAD, R, IS_NV)
+        return
+    ts = 1.0
     if IS_NV:
         amax = tl.zeros((R,), dtype=tl.int32)
         for c in tl.static_range(CHUNKS):
@@ -342,11 +351,7 @@ def _fp4_from_engine_kernel(table_ptr, num_blocks, num_slabs, scales_off,
             x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
             bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
             amax = tl.maximum(amax, tl.max(bits, axis=1))
-        slab_amax = tl.max(amax, axis=0).to(tl.float32, bitcast=True)
-        ts = tl.math.div_rn(slab_amax, _AMAX_TO_TS)  # a NaN amax stays NaN
-        ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
-        tl.store(_at(dst, tl.float32, TS_OFF) + local, ts)
-        inv_six_ts = tl.math.div_rn(1.0, ts * 6.0)
+        ts = _tensor_scale(tl.max(amax, axis=0), dst, local, TS_OFF)
     for c in tl.static_range(CHUNKS):
         rows = c * R + tl.arange(0, R)
         ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
@@ -354,24 +359,54 @@ def _fp4_from_engine_kernel(table_ptr, num_blocks, num_slabs, scales_off,
                                       ALIGNED)
         mask = ok[:, None] & (cols < D)[None, :]
         x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        blocks = tl.reshape(x, (R, NB, BLOCK))
-        if IS_NV:
-            block_amax = tl.max(tl.abs(blocks), axis=2)
-            byte, inv_scale = _nv_scales(block_amax, ts, inv_six_ts)
-        else:
-            bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-            byte, inv_scale = _mx_scales(bits)
-        even, odd = tl.split(tl.reshape(x, (R, NB, BLOCK // 2, 2)))
-        codes = (_e2m1_code(even, inv_scale[:, :, None])
-                 | (_e2m1_code(odd, inv_scale[:, :, None]) << 4))
-        r = (local * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
-        half = tl.arange(0, D_PAD // 2)
-        tl.store(_at(dst, tl.uint8) + r[:, None] * (D // 2) + half[None, :],
-                 tl.reshape(codes, (R, D_PAD // 2)).to(tl.uint8),
-                 mask=ok[:, None] & (half < D // 2)[None, :])
-        nb = tl.arange(0, NB)
-        tl.store(_at(dst, tl.uint8, scales_off) + r[:, None] * (D // BLOCK) + nb[None, :],
-                 byte.to(tl.uint8), mask=ok[:, None] & (nb < D // BLOCK)[None, :])
+        _fp4_encode_rows(x, rows, ok, local, dst, scales_off, ts, H, BT, D, D_PAD, R, IS_NV)
+
+
+@triton.jit
+def _tensor_scale(amax_bits, dst, local, TS_OFF: tl.constexpr):
+    """nvfp4's tensor scale of a slab from its amax (int32 bits of |x|: a NaN stays NaN),
+    stored in the page."""
+    ts = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), _AMAX_TO_TS)
+    ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
+    tl.store(_at(dst, tl.float32, TS_OFF) + local, ts)
+    return ts
+
+
+@triton.jit
+def _slab_scale(x, dst, local, IS_NV: tl.constexpr, TS_OFF: tl.constexpr):
+    """The tensor scale of a slab held whole in float32 ``x`` (nvfp4), or 1 (mxfp4 has
+    none)."""
+    if IS_NV:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return _tensor_scale(tl.max(tl.max(bits, axis=1), axis=0), dst, local, TS_OFF)
+    return 1.0
+
+
+@triton.jit
+def _fp4_encode_rows(x, rows, ok, local, dst, scales_off, ts, H: tl.constexpr,
+                     BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr,
+                     IS_NV: tl.constexpr):
+    """Quantise float32 rows ``x`` [R, D_PAD] of slab ``local`` into the page at ``dst``."""
+    BLOCK: tl.constexpr = 16 if IS_NV else 32
+    NB: tl.constexpr = D_PAD // BLOCK  # scale blocks per row, padding included
+    blocks = tl.reshape(x, (R, NB, BLOCK))
+    if IS_NV:
+        block_amax = tl.max(tl.abs(blocks), axis=2)
+        byte, inv_scale = _nv_scales(block_amax, ts, tl.math.div_rn(1.0, ts * 6.0))
+    else:
+        bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+        byte, inv_scale = _mx_scales(bits)
+    even, odd = tl.split(tl.reshape(x, (R, NB, BLOCK // 2, 2)))
+    codes = (_e2m1_code(even, inv_scale[:, :, None])
+             | (_e2m1_code(odd, inv_scale[:, :, None]) << 4))
+    r = (local * (BT * H) + rows).to(tl.int64)  # the row in the canonical block
+    half = tl.arange(0, D_PAD // 2)
+    tl.store(_at(dst, tl.uint8) + r[:, None] * (D // 2) + half[None, :],
+             tl.reshape(codes, (R, D_PAD // 2)).to(tl.uint8),
+             mask=ok[:, None] & (half < D // 2)[None, :])
+    nb = tl.arange(0, NB)
+    tl.store(_at(dst, tl.uint8, scales_off) + r[:, None] * (D // BLOCK) + nb[None, :],
+             byte.to(tl.uint8), mask=ok[:, None] & (nb < D // BLOCK)[None, :])
 
 
 def _host_ints(values: torch.Tensor | list[int], name: str) -> torch.Tensor:
