@@ -28,6 +28,7 @@ from kvstore.client.arena import (
     check_in_time,
     fill_out,
     must_abort,
+    put_pieces,
     read_lease,
     write_reservation,
 )
@@ -180,19 +181,23 @@ class AsyncClient:
             raise translate(err) from None
 
     async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
+        """Reserve, write and commit ``kv``, piece by piece (``put_pieces``)."""
         requests.check_put(ns, tokens, kv)
-        reservation = await self.reserve(ns, tokens)
-        write = asyncio.ensure_future(
-            asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation))
-        committing = False
-        try:
-            await asyncio.shield(write)
-            committing = True
-            return await self.commit(reservation.reservation_id)
-        except BaseException as exc:
-            if must_abort(exc, committing):
-                await self._give_back(reservation.reservation_id, write)
-            raise
+        written = 0
+        for end in put_pieces(ns, len(tokens)):
+            reservation = await self.reserve(ns, tokens[:end])
+            write = asyncio.ensure_future(
+                asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation))
+            committing = False
+            try:
+                await asyncio.shield(write)
+                committing = True
+                written += await self.commit(reservation.reservation_id)
+            except BaseException as exc:
+                if must_abort(exc, committing):
+                    await self._give_back(reservation.reservation_id, write)
+                raise
+        return written
 
     async def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor | None:

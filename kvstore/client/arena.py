@@ -74,6 +74,10 @@ from kvstore.rpc.fdpass import (
 PROBE_RETRY_S = 1.0
 _clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
 HUGE_PAGE_BYTES = 2 << 20
+# A shared-memory put of more K/V than this reserves and commits it in pieces this big: a
+# piece's staging slots and its published copies are both in the DRAM tier until its commit
+# ends, so a whole prompt at once would need twice its size there.
+PUT_PIECE_BYTES = 256 << 20
 HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
 
 
@@ -468,6 +472,16 @@ def must_abort(exc: BaseException, committing: bool) -> bool:
     interrupted (KeyboardInterrupt, cancellation), since a Commit the daemon answered has
     already published or freed the slots."""
     return not committing or not isinstance(exc, Exception)
+
+
+def put_pieces(ns: Namespace, num_tokens: int, first_block: int = 0) -> list[int]:
+    """Where the pieces of a shared-memory put of ``num_tokens`` end, in tokens (each piece
+    is reserved as the prompt up to its end; ``PUT_PIECE_BYTES`` of K/V at most a piece)."""
+    bt = ns.spec.block_tokens
+    per_piece = max(1, PUT_PIECE_BYTES // ns.spec.block_bytes)
+    total = num_tokens // bt
+    ends = list(range(first_block + per_piece, total, per_piece)) + [total]
+    return [end * bt for end in ends]
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,

@@ -32,6 +32,7 @@ from kvstore.client.arena import (
     check_in_time,
     fill_out,
     must_abort,
+    put_pieces,
     read_lease,
     visit_lease,
     write_reservation,
@@ -195,17 +196,21 @@ class Client:
 
     def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                     first_block: int = 0) -> int:
+        """Reserve, write and commit ``kv``, piece by piece (``put_pieces``)."""
         requests.check_put(ns, tokens[first_block * ns.spec.block_tokens:], kv)
-        reservation = self.reserve(ns, tokens)
-        committing = False
-        try:
-            write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block)
-            committing = True
-            return self.commit(reservation.reservation_id)
-        except BaseException as exc:
-            if must_abort(exc, committing):
-                self._give_back(reservation.reservation_id)
-            raise
+        written = 0
+        for end in put_pieces(ns, len(tokens), first_block):
+            reservation = self.reserve(ns, tokens[:end])
+            committing = False
+            try:
+                write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block)
+                committing = True
+                written += self.commit(reservation.reservation_id)
+            except BaseException as exc:
+                if must_abort(exc, committing):
+                    self._give_back(reservation.reservation_id)
+                raise
+        return written
 
     def _with_stored_head(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                           first_block: int) -> torch.Tensor:

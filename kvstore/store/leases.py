@@ -85,6 +85,9 @@ class ReservationHold:
     deadline: float
     ns: Namespace
     slots: list[ReservedSlot]
+    # The prompt's keys up to its last reserved block: what was stored of them when the
+    # commit makes room stays (a put in pieces never evicts its own head).
+    prefix: tuple[BlockKey, ...] = ()
 
     @property
     def tenant(self) -> str:
@@ -296,7 +299,9 @@ class LeaseManager:
             raise
         finally:
             self._dir.unpin(stored)
-        hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots))
+        prefix = tuple(keys[:slots[-1].block_index]) if slots else ()
+        hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots,
+                                                      prefix))
         return Reservation(hold.held_id, hold.deadline, link.codec.name,
                            _grants(tier, ns.tenant, slots))
 
@@ -330,12 +335,21 @@ class LeaseManager:
         return written
 
     async def _commit_host(self, hold: ReservationHold) -> list[BlockKey]:
-        """Claims first (room for each page, its copy and check started in a thread, side by
-        side), then every claim checked, and only then any published: all or nothing."""
-        claims: list[tuple[ReservedSlot, Any]] = []
+        """``_publish_host`` with the prompt's stored head pinned."""
         if hold.slots and not isinstance(hold.slots[0].link.tier, CheckedCopies):
             self._abort_slots(hold.tenant, hold.slots)
             raise NoSlotTier(f"tier {hold.slots[0].link.name} lends slots it cannot publish")
+        stored = [e for e in map(self._dir.get, hold.prefix) if e is not None]
+        self._dir.pin(stored)  # making room for these pages never evicts the prompt's head
+        try:
+            return await self._publish_host(hold)
+        finally:
+            self._dir.unpin(stored)
+
+    async def _publish_host(self, hold: ReservationHold) -> list[BlockKey]:
+        """Claims first (room for each page, its copy and check started in a thread, side by
+        side), then every claim checked, and only then any published: all or nothing."""
+        claims: list[tuple[ReservedSlot, Any]] = []
         try:
             for reserved in hold.slots:
                 claim = None if self._is_stored(reserved) else await self._claim(hold, reserved)
