@@ -476,12 +476,12 @@ def must_abort(exc: BaseException, committing: bool) -> bool:
 
 def put_pieces(ns: Namespace, num_tokens: int, first_block: int = 0) -> list[int]:
     """Where the pieces of a shared-memory put of ``num_tokens`` end, in tokens (each piece
-    is reserved as the prompt up to its end; ``PUT_PIECE_BYTES`` of K/V at most a piece)."""
+    is reserved as the prompt up to its end; ``PUT_PIECE_BYTES`` of K/V at most a piece). The
+    last ends with the prompt, a partial block included, as a put of one piece would."""
     bt = ns.spec.block_tokens
     per_piece = max(1, PUT_PIECE_BYTES // ns.spec.block_bytes)
-    total = num_tokens // bt
-    ends = list(range(first_block + per_piece, total, per_piece)) + [total]
-    return [end * bt for end in ends]
+    ends = range(first_block + per_piece, num_tokens // bt, per_piece)
+    return [end * bt for end in ends] + [num_tokens]
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,

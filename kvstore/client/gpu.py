@@ -291,13 +291,19 @@ class EngineCache:
         bt = self.ns.spec.block_tokens
         total = len(tokens) // bt
         loaded, piece, last, dev = 0, self.FIRST_PIECE_BLOCKS, None, None
-        if total > piece and self._arena_tier is not None:  # known from an earlier lease
+        if self._arena_tier == "":  # a daemon that leases no pieces (it names no tier)
+            piece = total
+        elif total > piece and self._arena_tier is not None:  # known from an earlier lease
             hit = hit or self.client.lookup(self.ns, tokens)
             if hit.tokens_per_tier.get(self._arena_tier, 0) >= hit.matched_tokens:
                 piece = total  # all in the arena already: one lease
         while loaded < total:
             end = min(total, loaded + piece)
             lease = self.client.acquire(self.ns, tokens[:end * bt], first_block=loaded)
+            if not lease.tier and end < total:  # such a daemon ignores first_block: lease all
+                _releaser(self.client, lease)()
+                end = total
+                lease = self.client.acquire(self.ns, tokens)
             release = _releaser(self.client, lease)
             if not lease.blocks:
                 release()

@@ -126,6 +126,33 @@ def test_a_host_load_brings_an_ssd_prefix_in_piece_by_piece(tmp_path):
         assert client.stats().counters.promotions >= 7
 
 
+def test_a_daemon_that_leases_no_pieces_gets_one_whole_lease(tmp_path, monkeypatch):
+    """A daemon from before pieces ignores first_block and names no tier in its leases: the
+    load sees that on its first piece and leases the whole prefix at once instead, so no
+    page lands in the wrong engine page."""
+    from kvstore.store import leases
+
+    acquire = leases.LeaseManager.acquire
+
+    async def older(self, ns, keys, lease_s, medium=leases.Medium.HOST, first_block=0):
+        lease = await acquire(self, ns, keys, lease_s, medium)
+        return dataclasses.replace(lease, tier="")
+
+    monkeypatch.setattr(leases.LeaseManager, "acquire", older)
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(5 * 16))
+    with DaemonThread(small_config(tmp_path)) as daemon, Client(daemon.unix_address) as client:
+        src, src_pages = engine(poison=False), [0, 1, 2, 3, 4]
+        EngineCache(client, ns, src).save(tokens, src_pages)
+        dst = engine(poison=True)
+        with EngineCache(client, ns, dst) as loader:
+            loader.FIRST_PIECE_BLOCKS = 2
+            for dst_pages in ([9, 5, 11, 6, 8], [1, 2, 3, 4, 0]):
+                assert loader.load(tokens, dst_pages, advice=False).wait() == 80
+                assert same_pages(src, src_pages, dst, dst_pages)
+        assert client.stats().active_leases == 0
+
+
 @pytest.mark.parametrize(("codec", "tolerance"), [("fp8_e4m3", 0.05), ("nvfp4", 0.15),
                                                   ("mxfp4", 0.2)])
 def test_lossy_pool_loads_within_codec_tolerance(tmp_path, codec, tolerance):

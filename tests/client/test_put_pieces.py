@@ -54,3 +54,13 @@ async def test_the_async_client_puts_in_pieces_too(small_tier, monkeypatch):
             assert await client.put(ns, tokens, kv, zero_copy=True) == 16 * BLOCKS
             assert (await client.get(ns, tokens)).equal(kv)
         assert _calls(daemon, "Commit") == 3
+
+
+def test_pieces_end_with_the_prompt_and_cover_it_once(monkeypatch):
+    monkeypatch.setattr(arena, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    assert arena.put_pieces(ns, 10) == [10]  # less than a block: the put as it was
+    assert arena.put_pieces(ns, 16 * 40 + 5) == [256, 512, 645]
+    assert arena.put_pieces(ns, 16 * 32) == [256, 512]
+    assert arena.put_pieces(ns, 16 * 40, first_block=30) == [640]
+    assert arena.put_pieces(ns, 16 * 60, first_block=10) == [416, 672, 928, 960]
