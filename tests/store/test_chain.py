@@ -327,9 +327,11 @@ async def test_hints_schedule_only_blocks_that_can_arrive_before_the_deadline(tm
                 break
             await asyncio.sleep(0.01)
         assert counters.hint_blocks == scheduled and counters.hint_skipped == 12 - scheduled
+        # On a busy machine some land after the deadline (late): they are promoted all the same.
+        promoted = counters.hint_landed + counters.hint_late
         hit = await store.lookup(ns, tokens)
-        assert hit.tokens_per_tier.get("mem", 0) == 16 * counters.hint_landed
-        assert await store.hint(ns, tokens, deadline_s=60) == 12 - counters.hint_landed
+        assert hit.tokens_per_tier.get("mem", 0) == 16 * promoted
+        assert await store.hint(ns, tokens, deadline_s=60) == 12 - promoted
         assert torch.equal(await store.get(ns, tokens), kv)
 
 
