@@ -23,6 +23,7 @@ from kvstore.spec import KVSpec
 from kvstore.store import Store
 
 from ..conftest import random_kv, random_tokens
+from ..tiers.test_ssd import flip_payload_bytes
 
 MiB = 1 << 20
 # 64 KiB of K/V per block: a raw page takes one 68 KiB slot, 15 to a 1 MiB arena chunk.
@@ -354,25 +355,6 @@ async def test_a_block_a_lower_codec_refuses_never_breaks_other_puts(tmp_path):
         assert store.stats().counters.dropped >= 10
 
 
-def _flip_in_segments(directory, data: bytes) -> None:
-    """Damage the stored copy of ``data`` (found by content) in the SSD's segment files."""
-    import os
-
-    for seg in sorted(directory.glob("seg-*.dat")):
-        blob = seg.read_bytes()
-        at = blob.find(data)
-        if at >= 0:
-            fd = os.open(seg, os.O_WRONLY)
-            try:
-                middle = at + len(data) // 2
-                os.pwrite(fd, bytes(b ^ 0xFF for b in blob[middle:middle + 8]), middle)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
-    raise AssertionError("bytes not found in any segment")
-
-
 def _dram_and_ssd(tmp_path) -> KVStoreConfig:
     return KVStoreConfig(tiers=(TierConfig("hot", "dram", dram()),
                                 TierConfig("cold", "ssd", ssd(tmp_path))))
@@ -417,7 +399,7 @@ async def test_an_acquire_stops_at_the_first_block_that_cannot_be_brought_in(tmp
     tokens, kv = random_tokens(16 * 10, seed=22), random_kv(SPEC, 16 * 10, seed=22)
     async with Store(_dram_and_ssd(tmp_path)) as store:
         await _on_the_ssd_only(store, ns, tokens, kv)
-        _flip_in_segments(tmp_path / "ssd", kv[0, 0, 80:96].contiguous().view(
+        flip_payload_bytes(tmp_path / "ssd", kv[0, 0, 80:96].contiguous().view(
             torch.uint8).numpy().tobytes())
         lease = await store.acquire(ns, tokens)
         assert lease.matched_tokens == 80 and len(lease.blocks) == 5
