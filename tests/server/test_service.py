@@ -255,3 +255,28 @@ async def test_acquire_and_reserve_answer_old_clients_with_a_message_per_block(
         assert [g.key for g in reservation.blocks] == keys
         assert [g.parent for g in reservation.blocks] == [None, *keys[:2]]
         assert [g.block_index for g in reservation.blocks] == [0, 1, 2]
+
+
+async def test_acquire_from_a_first_block_names_its_tier_and_takes_any_first_block(
+        daemon, aclient, ns, spec):
+    """An Acquire from block k leases blocks k.. only, counts matched tokens from the start and
+    names the tier whose slots hold them; a first_block past the match, up to the largest a
+    request can carry, leases nothing and is no error; the client refuses a negative one."""
+    from kvstore.rpc.convert import lease_from_proto
+
+    tokens = random_tokens(64, seed=21)
+    await aclient.put(ns, tokens, random_kv(spec, 64, seed=21))
+    keys = list(block_keys(ns, tokens))
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        stub = pbg.KVStoreStub(channel)
+        for first, held in ((0, 4), (3, 1), (4, 0), (2**32 - 1, 0)):
+            reply = await stub.Acquire(pb.AcquireRequest(
+                namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens), packed=True,
+                first_block=first))
+            lease = lease_from_proto(reply)
+            assert lease.matched_tokens == 64 and lease.tier == "dram"
+            assert [b.key for b in lease.blocks] == keys[first:first + held]
+            await stub.Release(pb.ReleaseRequest(lease_id=reply.lease_id))
+    with pytest.raises(InvalidArgument, match="first_block"):
+        await aclient.acquire(ns, tokens, first_block=-1)
+    assert (await aclient.stats()).active_leases == 0
