@@ -1,35 +1,41 @@
-"""How the staging ring's copies should be issued: merged runs, one copy per page, or one
-copy per chunk, for raw and fp8 pages in pinned host memory (2 GiB of 2 MiB blocks)."""
+"""The staging ring's chunk size, paired: pages of every codec in pinned host memory (2 GiB of
+2 MiB blocks) loaded through rings of 32 pages a chunk and of ``StagingRing.CHUNK_BYTES`` a
+chunk, alternating, against the pinned H2D link; and the kernel reading the pages in place.
+Run from the repository root on a CUDA machine: PYTHONPATH=. python3 bench/gpu_staged.py [blocks]
+(CHUNK_MIB=16,32 adds rings of those sizes).
+"""
 
+import os
+import statistics
 import sys
 
 import torch
 
-from kvstore.bench.gpu import Rig, _bench
-from kvstore.client import gpu
+from kvstore.bench.gpu import CODECS, Rig, _aligned, _bench, _staged_load
+from kvstore.client.gpu import StagingRing
+from kvstore.codecs.triton.engine import to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 rig = Rig(n, torch.device("cuda"))
-h2d_src = rig.hosts["raw"]
-print("host pinned:", h2d_src.is_pinned())
-for codec in ("raw", "fp8_e4m3"):
+src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device="cuda")
+pinned = _aligned(rig.engine_bytes, "cpu", pin=True)
+h2d = rig.engine_bytes / (_bench(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
+print(f"h2d {h2d:.1f} GB/s")
+for codec in CODECS:
     dev = rig.layouts[codec]
-    host = rig.hosts[codec]
-    pages = [host[i * dev.nbytes:i * dev.nbytes + dev.span] for i in range(n)]
-    print(codec, "page pinned:", pages[0].is_pinned(), "span", dev.span, "nbytes", dev.nbytes)
-    for label, runs in (("merged", gpu._runs), ("per page", lambda ps, s: enumerate(ps))):
-        gpu._runs_impl = runs
-        ring = gpu.StagingRing(dev, rig.device, 32)
-        orig = gpu._runs
-        gpu._runs = runs
-        try:
-            ms = _bench(lambda: ring.load(rig.layout, dev, pages, rig.ids.tolist()))
-        finally:
-            gpu._runs = orig
-        print(f"{codec:9} {label:9} {ms:8.2f} ms  {rig.engine_bytes / (ms * 1e6):6.1f} GB/s engine",
-              flush=True)
-    for chunk in (8, 32, 128):
-        ring = gpu.StagingRing(dev, rig.device, chunk)
-        ms = _bench(lambda: ring.load(rig.layout, dev, pages, rig.ids.tolist()))
-        print(f"{codec:9} chunk {chunk:3} {ms:8.2f} ms  {rig.engine_bytes / (ms * 1e6):6.1f} GB/s",
-              flush=True)
+    rings = {"32 pages": StagingRing(dev, rig.device, 32), "by bytes": StagingRing(dev, rig.device)}
+    for mib in os.environ.get("CHUNK_MIB", "").split(","):  # other chunk sizes, in MiB
+        if mib:
+            rings[f"{mib} MiB"] = StagingRing(dev, rig.device, max(1, (int(mib) << 20) // dev.span))
+    got = {label: [] for label in rings}
+    for rnd in range(4):
+        for label in (list(rings) if rnd % 2 == 0 else list(rings)[::-1]):
+            ms = _bench(lambda ring=rings[label]: _staged_load(rig, codec, ring), reps=10)
+            got[label].append(rig.engine_bytes / (ms * 1e6) / h2d)
+    addrs = rig.addrs(rig.hosts[codec], codec)
+    direct = rig.engine_bytes / (_bench(lambda: to_engine(rig.layout, dev, addrs, rig.ids,
+                                                          host=True)) * 1e6) / h2d
+    print(f"{codec:9} " + "  ".join(
+        f"{label} ({rings[label].chunk_pages} pages): median {statistics.median(v):.2f}x "
+        f"[{min(v):.2f}-{max(v):.2f}]" for label, v in got.items())
+        + f"  in place {direct:.2f}x", flush=True)

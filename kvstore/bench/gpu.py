@@ -438,9 +438,8 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
     # DMA'd in chunks into a device ring and decoded on the compute stream as they land.
     from kvstore.client.gpu import StagingRing
 
-    chunk_blocks = 32
-    rings = {codec: StagingRing(rig.layouts[codec], device, chunk_blocks)
-             for codec in rig.layouts}
+    rings = {codec: StagingRing(rig.layouts[codec], device) for codec in rig.layouts}
+    chunk_blocks = rings["fp8_e4m3"].chunk_pages  # the estimate of the SSD row below
     link_aims = {"raw": ">= 0.90 of H2D", "fp8_e4m3": ">= 1.85x H2D", "nvfp4": ">= 3.3x H2D",
                  "mxfp4": "", "int4": "", "int2": ""}
     best: dict[str, float] = {}
