@@ -21,22 +21,13 @@ from kvstore.config import QuotaConfig
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
-from tests.server.helpers import DaemonThread, small_config
+from tests.server.helpers import DaemonThread, small_config, wait_for
 
 from ..conftest import REPO_ROOT, random_kv
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
 NS = Namespace(model_id="m", spec=SPEC, tenant="acme")
 TOKENS = list(range(64))
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def active_leases(client: Client) -> int:

@@ -8,7 +8,6 @@ On a machine without CUDA the pool is host memory and the kernels run in Triton'
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from kvstore.config import DramConfig, HbmConfig, TierConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
-from ..server.helpers import DaemonThread, small_config
+from ..server.helpers import DaemonThread, small_config, wait_for
 
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_runnable(torch.device(DEVICE)),
@@ -94,11 +93,8 @@ def test_a_host_load_brings_an_ssd_prefix_in_piece_by_piece(tmp_path):
     src, src_pages = engine(poison=False), [0, 1, 2, 3, 4, 5, 6]
     with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
         assert EngineCache(client, ns, src).save(tokens, src_pages) == 112
-        for _ in range(200):  # the write-through to the SSD runs in the background
-            if client.stats().tiers["ssd"].num_blocks == 7:
-                break
-            time.sleep(0.01)
-        assert client.stats().tiers["ssd"].num_blocks == 7
+        # the write-through to the SSD runs in the background
+        assert wait_for(lambda: client.stats().tiers["ssd"].num_blocks == 7)
 
     def acquires(daemon) -> int:
         return int(daemon.metrics.registry.get_sample_value(
@@ -227,7 +223,6 @@ def test_staging_ring_copies_runs_of_neighbouring_pages_and_lands_every_page():
 def test_a_load_gives_its_lease_back_once_landed_without_a_wait(tmp_path, tiers):
     """The lease goes back from the cache's worker once the load's pages were read: an engine
     that never calls wait() holds no lease, and one that does never waits for the Release."""
-    import time
 
     config = with_hbm(small_config(tmp_path)) if tiers == "hbm" else small_config(tmp_path)
     ns = Namespace(model_id="m", spec=SPEC, tenant="default")
@@ -238,10 +233,7 @@ def test_a_load_gives_its_lease_back_once_landed_without_a_wait(tmp_path, tiers)
         cache = EngineCache(client, ns, dst)
         handle = cache.load(tokens, [5, 6, 7])
         assert handle.matched_tokens == 48
-        deadline = time.monotonic() + 10
-        while client.stats().active_leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert client.stats().active_leases == 0
+        assert wait_for(lambda: client.stats().active_leases == 0, interval_s=0.01)
         assert handle.wait() == 48  # still fine after the lease went back
         assert not torch.isnan(dst[0][:, [5, 6, 7]]).any()
         cache.close()

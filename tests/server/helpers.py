@@ -33,6 +33,16 @@ MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    """Whether ``predicate()`` came true within ``timeout_s`` (polled every ``interval_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
 def short_tmpdir() -> Path:
     """A fresh directory with a short path: Unix socket paths are limited to 107 bytes."""
     return Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))

@@ -24,7 +24,7 @@ from kvstore.rpc.status import translate
 from kvstore.spec import KVSpec
 
 from ..conftest import REPO_ROOT, random_kv
-from .helpers import DaemonThread, small_config
+from .helpers import DaemonThread, small_config, wait_for
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
 TOKENS = {"acme": "tok-acme", "globex": "tok-globex"}
@@ -37,15 +37,6 @@ def ns(tenant: str = "acme") -> Namespace:
 def held(client: Client) -> tuple[int, int]:
     stats = client.stats()
     return stats.active_leases, stats.active_reservations
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_a_crashed_client_gives_back_what_it_held_at_once(tmp_path):
