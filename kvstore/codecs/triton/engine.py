@@ -320,46 +320,44 @@ def _fp4_from_engine_kernel(table_ptr, num_blocks, num_slabs, scales_off,
     ``kvstore.codecs.fp4``'s references make them for the block.
 
     nvfp4's tensor scale is the slab's amax / (448 * 6) (|x| as integer bits, so a NaN wins
-    and marks the slab): a slab of at most R rows is read once, a taller one once for its
-    amax and again, from cache, to quantise it; mxfp4 reads it once.
+    and marks the slab): the slab is read once for it and again, from cache, to quantise it
+    (reading a slab once, held whole in one 128-row tile, was slower on an H200); mxfp4 reads
+    it once.
     """
     CHUNKS: tl.constexpr = (BT * H + R - 1) // R
     pid = tl.program_id(0).to(tl.int64)
     local = pid % num_slabs
     b = pid // num_slabs
     dst = tl.multiple_of(tl.load(table_ptr + b), 16)
-    cols = tl.arange(0, D_PAD)
-    if CHUNKS == 1:  # the whole slab in one tile: read once
-        rows = tl.arange(0, R)
-        ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
-                                      block_stride, token_stride, head_stride, H, BT, FP16,
-                                      ALIGNED)
-        mask = ok[:, None] & (cols < D)[None, :]
-        x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        ts = _slab_scale(x, dst, local, IS_NV, TS_OFF)
-        _fp4_encode_rows(x, rows, ok, local, dst, scales_off, ts, H, BT, D, D_PAD, R, IS_NV)
-        return
+    strides = (kv_stride, block_stride, token_stride, head_stride)
     ts = 1.0
     if IS_NV:
         amax = tl.zeros((R,), dtype=tl.int32)
         for c in tl.static_range(CHUNKS):
             rows = c * R + tl.arange(0, R)
-            ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows,
-                                          kv_stride, block_stride, token_stride, head_stride,
-                                          H, BT, FP16, ALIGNED)
-            mask = ok[:, None] & (cols < D)[None, :]
-            x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0)
-            bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            amax = tl.maximum(amax, tl.max(bits, axis=1))
+            x, _ = _slab_rows(table_ptr, num_blocks, b, local, rows, strides, H, BT, D, D_PAD,
+                              FP16, ALIGNED)
+            amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         ts = _tensor_scale(tl.max(amax, axis=0), dst, local, TS_OFF)
     for c in tl.static_range(CHUNKS):
         rows = c * R + tl.arange(0, R)
-        ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
-                                      block_stride, token_stride, head_stride, H, BT, FP16,
-                                      ALIGNED)
-        mask = ok[:, None] & (cols < D)[None, :]
-        x = tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x, ok = _slab_rows(table_ptr, num_blocks, b, local, rows, strides, H, BT, D, D_PAD,
+                           FP16, ALIGNED)
         _fp4_encode_rows(x, rows, ok, local, dst, scales_off, ts, H, BT, D, D_PAD, R, IS_NV)
+
+
+@triton.jit
+def _slab_rows(table_ptr, num_blocks, b, local, rows, strides, H: tl.constexpr,
+               BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP16: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """Float32 ``rows`` [R, D_PAD] of slab ``local`` of block ``b`` from the engine's cache
+    (0 where masked), and which rows exist."""
+    kv_stride, block_stride, token_stride, head_stride = strides
+    ok, layer, eng = _engine_rows(table_ptr, num_blocks, b, local, local, rows, kv_stride,
+                                  block_stride, token_stride, head_stride, H, BT, FP16, ALIGNED)
+    cols = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (cols < D)[None, :]
+    return tl.load(layer + eng[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32), ok
 
 
 @triton.jit
@@ -370,16 +368,6 @@ def _tensor_scale(amax_bits, dst, local, TS_OFF: tl.constexpr):
     ts = tl.where(ts < _TS_MIN, _TS_MIN, ts)
     tl.store(_at(dst, tl.float32, TS_OFF) + local, ts)
     return ts
-
-
-@triton.jit
-def _slab_scale(x, dst, local, IS_NV: tl.constexpr, TS_OFF: tl.constexpr):
-    """The tensor scale of a slab held whole in float32 ``x`` (nvfp4), or 1 (mxfp4 has
-    none)."""
-    if IS_NV:
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        return _tensor_scale(tl.max(tl.max(bits, axis=1), axis=0), dst, local, TS_OFF)
-    return 1.0
 
 
 @triton.jit
