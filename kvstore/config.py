@@ -117,8 +117,11 @@ HBM_CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4")
 class HbmConfig(TierSettings):
     """The GPU tier: one device pool per tenant, exported over CUDA IPC (``[[tiers]]`` only)."""
 
-    capacity_bytes: int = 8 << 30  # device memory all pools together may take
-    device: str = "cuda:0"  # "cpu" runs the tier on host memory (tests of the store's logic)
+    capacity_bytes: int = 8 << 30  # device memory all pools on one GPU together may take
+    # The GPUs of the tier, comma-separated ("cuda:0,cuda:1": a pool per tenant on each, each
+    # GPU up to capacity_bytes); "cpu" (or "cpu:0,cpu:1", as if two devices) runs the tier on
+    # host memory, for tests of the store's logic.
+    device: str = "cuda:0"
     pool_bytes: int = 0  # each tenant's pool; 0: the whole capacity (one tenant per GPU)
     high_watermark: float = 0.95
     low_watermark: float = 0.85
@@ -131,12 +134,28 @@ class HbmConfig(TierSettings):
         if self.pool_bytes < 0 or self.pool_bytes > self.capacity_bytes:
             raise ConfigError(f"hbm.pool_bytes must be in [0, capacity_bytes], got "
                               f"{self.pool_bytes}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"hbm.device must be 'cuda', 'cuda:N' or 'cpu', got "
-                              f"{self.device!r}")
+        devices = self.device_list()
+        if not devices or not all(_is_device(d) for d in devices):
+            raise ConfigError(f"hbm.device must be 'cuda', 'cuda:N', a comma-separated list of "
+                              f"those, or 'cpu', got {self.device!r}")
+        if len(set(devices)) != len(devices) or len({d[:3] for d in devices}) > 1:
+            raise ConfigError(f"hbm.device lists a device twice, or host and GPU devices "
+                              f"together: {self.device!r}")
         if self.codec not in HBM_CODECS:
             raise ConfigError(f"hbm.codec must be one of {', '.join(HBM_CODECS)} (the codecs the "
                               f"engine kernels encode and decode), got {self.codec!r}")
+
+    def device_list(self) -> list[str]:
+        """The tier's devices, in order ("cuda" is "cuda:0")."""
+        names = [d.strip() for d in self.device.split(",") if d.strip()]
+        return ["cuda:0" if d == "cuda" else d for d in names]
+
+
+def _is_device(name: str) -> bool:
+    kind, colon, index = name.partition(":")
+    if kind == "cpu" and not colon:
+        return True
+    return kind in ("cpu", "cuda") and colon == ":" and index.isdigit()
 
 
 @dataclass(frozen=True, slots=True)

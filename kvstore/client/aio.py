@@ -310,15 +310,17 @@ class AsyncClient:
         return await self._unary(requests.health())
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
-        return await self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block))
+                      medium: Medium = Medium.HOST, first_block: int = 0,
+                      device: str = "") -> Lease:
+        return await self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block,
+                                                  device))
 
     async def release(self, lease_id: str) -> None:
         await self._unary(requests.release(lease_id))
 
     async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST) -> Reservation:
-        return await self._unary(requests.reserve(ns, tokens, lease_s, medium))
+                      medium: Medium = Medium.HOST, device: str = "") -> Reservation:
+        return await self._unary(requests.reserve(ns, tokens, lease_s, medium, device))
 
     async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         return await self._unary(requests.commit(reservation_id, ready_event))

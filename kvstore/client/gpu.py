@@ -35,8 +35,8 @@ from kvstore.api import BlockLocations, Lease, LookupResult, Medium, SlotGrants
 from kvstore.codecs.base import unpack_blob
 from kvstore.codecs.device import DEVICE_CODECS, SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
-from kvstore.errors import InvalidArgument, KVStoreError, NoSlotTier
-from kvstore.ipc import map_region
+from kvstore.errors import InvalidArgument, KVStoreError, NoSlotTier, Unavailable
+from kvstore.ipc import device_id, map_region
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
 from kvstore.spec import EngineLayout
@@ -102,7 +102,9 @@ class EngineCache:
         self.client = client
         self.ns = ns
         self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
+        self._device_id = device_id(self.layout.device)  # sent with device slots' requests
         self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
+        self._warned_unreachable = False
         self._arena_tier: str | None = None  # the tier host leases come from (seen once)
         self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
         self._rings: dict[str, StagingRing] = {}
@@ -142,7 +144,7 @@ class EngineCache:
                    ) -> tuple[torch.Tensor, list]:
         """Each block's address in the device pools it names (each pool mapped once), one
         vectorised pass and one bounds check over the batch; and the pools."""
-        pools = [map_region(region) for region in blocks.regions]
+        pools = [map_region(region, self.layout.device) for region in blocks.regions]
         bases = np.array([pool.base for pool in pools], dtype=np.int64)
         sizes = np.array([pool.nbytes for pool in pools], dtype=np.int64)
         index = blocks.region_index.astype(np.intp)
@@ -161,6 +163,12 @@ class EngineCache:
         event = torch.cuda.Event(interprocess=interprocess)
         event.record(stream or torch.cuda.current_stream(self.layout.device))
         return event
+
+    def _unreachable(self, exc: Unavailable) -> None:
+        if not self._warned_unreachable:
+            log.warning("device pages of the daemon are out of this engine's reach (%s): "
+                        "using the host path", exc)
+            self._warned_unreachable = True
 
     def _try_device(self, call):
         """``call()`` on the daemon's device slots, or None when it lends none."""
@@ -183,7 +191,8 @@ class EngineCache:
         tokens, ids = self._blocks(tokens, block_ids)
         if not len(ids):
             return 0
-        res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE))
+        res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE,
+                                                           device=self._device_id))
         if res is None:
             return self._save_host(tokens, ids, stream)
         try:
@@ -191,7 +200,12 @@ class EngineCache:
             handle = b""
             if len(grants):
                 dev = device_layout(res.codec, self.ns.spec)
-                addrs, pools = self._addresses(grants, dev)
+                try:
+                    addrs, pools = self._addresses(grants, dev)
+                except Unavailable as exc:  # a pool on a GPU this engine cannot reach
+                    self._unreachable(exc)
+                    self.client.abort(res.reservation_id)
+                    return self._save_host(tokens, ids, stream)
                 from_engine(self.layout, dev, addrs,
                             ids[torch.from_numpy(grants.block_index.astype(np.int64))], stream)
                 if any(pool.keep == "ipc" for pool in pools):  # the daemon is another process
@@ -240,7 +254,8 @@ class EngineCache:
             if not tokens:
                 return LoadHandle(0, [], None)
         lease = self._try_device(lambda: self.client.acquire(self.ns, tokens,
-                                                             medium=Medium.DEVICE))
+                                                             medium=Medium.DEVICE,
+                                                             device=self._device_id))
         if lease is None:
             return self._load_host(tokens, ids, stream, hit)
         release = _releaser(self.client, lease)
@@ -250,6 +265,14 @@ class EngineCache:
         try:
             dev = device_layout(lease.codec, self.ns.spec)
             addrs, _ = self._addresses(lease.blocks, dev)
+        except Unavailable as exc:  # a pool on a GPU this engine cannot reach
+            release()
+            self._unreachable(exc)
+            return self._load_host(tokens, ids, stream, hit)
+        except BaseException:
+            release()
+            raise
+        try:
             events = self._decode(dev, addrs, ids[:len(addrs)], stream, layerwise)
         except BaseException:
             release()

@@ -126,13 +126,14 @@ def health() -> Unary[HealthInfo]:
 
 
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
-            medium: Medium = Medium.HOST, first_block: int = 0) -> Unary[Lease]:
+            medium: Medium = Medium.HOST, first_block: int = 0, device: str = ""
+            ) -> Unary[Lease]:
     if first_block < 0:
         raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
     request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                                 lease_s=lease_s or 0.0, medium=Medium(medium).value,
                                 packed=True,  # the blocks as one table (lease_from_proto)
-                                first_block=first_block)
+                                first_block=first_block, device=device)
     return Unary("Acquire", request, lease_from_proto)
 
 
@@ -141,10 +142,11 @@ def release(lease_id: str) -> Unary[None]:
 
 
 def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None,
-            medium: Medium = Medium.HOST) -> Unary[Reservation]:
+            medium: Medium = Medium.HOST, device: str = "") -> Unary[Reservation]:
     request = pb.ReserveRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                                 lease_s=lease_s or 0.0, medium=Medium(medium).value,
-                                packed=True)  # the slots as one table
+                                packed=True,  # the slots as one table
+                                device=device)
     return Unary("Reserve", request, reservation_from_proto)
 
 

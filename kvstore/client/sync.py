@@ -374,20 +374,23 @@ class Client:
         return self._unary(requests.health())
 
     def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
+                medium: Medium = Medium.HOST, first_block: int = 0, device: str = "") -> Lease:
         """Pin the matched prefix in the DRAM arena (``medium`` "device": the GPU pool) until
         :meth:`release` or the deadline; from block ``first_block`` on (the lease's
-        ``matched_tokens`` still count from the start of ``tokens``)."""
-        return self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block))
+        ``matched_tokens`` still count from the start of ``tokens``). ``device``: the caller's
+        GPU (``kvstore.ipc.device_id``), where the daemon brings blocks into device memory
+        while it has room there."""
+        return self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block, device))
 
     def release(self, lease_id: str) -> None:
         self._unary(requests.release(lease_id))
 
     def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                medium: Medium = Medium.HOST) -> Reservation:
-        """DRAM slots (``medium`` "device": GPU pool slots) for the blocks of ``tokens`` not
-        stored yet; publish with :meth:`commit`."""
-        return self._unary(requests.reserve(ns, tokens, lease_s, medium))
+                medium: Medium = Medium.HOST, device: str = "") -> Reservation:
+        """DRAM slots (``medium`` "device": GPU pool slots, on the writer's GPU ``device``
+        while the daemon has room there) for the blocks of ``tokens`` not stored yet; publish
+        with :meth:`commit`."""
+        return self._unary(requests.reserve(ns, tokens, lease_s, medium, device))
 
     def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Verify and publish the pages written into a reservation's slots; ``ready_event``

@@ -316,18 +316,20 @@ class ListBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "device")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
     packed: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
+    device: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("medium", "regions", "keys", "region_index", "offsets", "lengths", "block_index", "parents")
@@ -406,20 +408,22 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "first_block")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "first_block", "device")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
     packed: bool
     first_block: int
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., first_block: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "region", "offset", "length", "medium")

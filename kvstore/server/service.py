@@ -61,6 +61,7 @@ from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
 MAX_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
+MAX_DEVICE_NAME = 64  # "GPU-" and a UUID: 40
 MAX_LIST_LIMIT = 100_000
 DEFAULT_LIST_LIMIT = 1000
 MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
@@ -77,6 +78,14 @@ def max_put_bytes(config: KVStoreConfig) -> int:
     """The largest tensor one Put may carry. It is held in memory before the store sees it:
     bound it by what the fastest tier (memory) holds. Also the budget of all data tickets."""
     return max(config.server.max_message_bytes, config.tier_chain()[0].settings.capacity_bytes)
+
+
+def _device(name: str) -> str:
+    """A request's GPU name (``kvstore.ipc.device_id``), bounded: it only steers placement."""
+    if len(name) > MAX_DEVICE_NAME:
+        raise InvalidArgument(f"device names a GPU in at most {MAX_DEVICE_NAME} characters, got "
+                              f"{len(name)}")
+    return name
 
 
 def _require_unix(context, method: str, instead: str) -> None:
@@ -328,7 +337,8 @@ class KVStoreService(pbg.KVStoreServicer):
         lease_s = self._lease_s(request.lease_s)
         session = self._sessions.of_call(context.invocation_metadata(), current_caller())
         reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s,
-                                                medium_from_proto(request.medium))
+                                                medium_from_proto(request.medium),
+                                                _device(request.device))
         self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
         return reservation_to_proto(reservation, packed=request.packed)
@@ -356,7 +366,8 @@ class KVStoreService(pbg.KVStoreServicer):
         lease_s = self._lease_s(request.lease_s)
         session = self._sessions.of_call(context.invocation_metadata(), current_caller())
         lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
-                                          medium_from_proto(request.medium), request.first_block)
+                                          medium_from_proto(request.medium), request.first_block,
+                                          _device(request.device))
         self._grants.add(lease.lease_id, current_caller(), lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
         return lease_to_proto(lease, packed=request.packed)

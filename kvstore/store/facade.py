@@ -480,27 +480,31 @@ class Store:
     # delegate to them.
 
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
+                      medium: Medium = Medium.HOST, first_block: int = 0,
+                      device: str = "") -> Lease:
         """Pin the stored prefix of ``tokens`` where same-host clients map it, until
         ``release`` or the lease's deadline; blocks only the shared tier holds are brought in
-        first, as for ``get``. ``first_block``: pin the prefix's blocks from this one on."""
+        first, as for ``get``. ``first_block``: pin the prefix's blocks from this one on.
+        ``device``: the caller's GPU (``kvstore.ipc.device_id``), where blocks promoted into a
+        GPU tier land while it has room there."""
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
         self._hints.arrived(ns.tenant, keys)
         await self._adopt_shared(ns, keys)
-        return await self._leases.acquire(ns, keys, lease_s, Medium(medium), first_block)
+        return await self._leases.acquire(ns, keys, lease_s, Medium(medium), first_block,
+                                          device)
 
     async def release(self, lease_id: str) -> None:
         self._check_open()
         self._leases.release(lease_id)
 
     async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
-                      medium: Medium = Medium.HOST) -> Reservation:
-        """Slots of ``medium`` for the blocks of ``tokens`` not stored yet; publish them with
-        ``commit``."""
+                      medium: Medium = Medium.HOST, device: str = "") -> Reservation:
+        """Slots of ``medium`` for the blocks of ``tokens`` not stored yet (``device``: the
+        writer's GPU, as for ``acquire``); publish them with ``commit``."""
         self._check_open()
         return await self._leases.reserve(ns, await _keys(ns, token_array(tokens)), lease_s,
-                                          Medium(medium))
+                                          Medium(medium), device)
 
     async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Publish what a writer put into a reservation's slots; ``ready_event`` is the IPC

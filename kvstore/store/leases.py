@@ -35,7 +35,7 @@ from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, pa
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
-from kvstore.tiers.base import CheckedCopies, DevicePages, Slot, SlotTier
+from kvstore.tiers.base import NEAR_DEVICE, CheckedCopies, DevicePages, Slot, SlotTier
 
 log = logging.getLogger("kvstore.leases")
 
@@ -196,13 +196,15 @@ class LeaseManager:
     # ------------------------------------------------------------------------------ leases
 
     async def acquire(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
-                      medium: Medium = Medium.HOST, first_block: int = 0) -> Lease:
+                      medium: Medium = Medium.HOST, first_block: int = 0,
+                      device: str = "") -> Lease:
         """Pin the stored prefix of ``keys`` in the fastest slot tier of ``medium`` (promoting
         into it, up to ``PROMOTE_WINDOW`` blocks at once).
 
         ``first_block``: pin only the prefix's blocks from this one on (a client loading a long
         prefix in pieces holds the earlier ones already); the lease's ``matched_tokens`` still
-        count from the prompt's start.
+        count from the prompt's start. ``device``: the caller's GPU (``kvstore.ipc.device_id``),
+        where promotions into a tier of several GPUs land while it has room.
         """
         if first_block < 0:
             raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
@@ -214,9 +216,11 @@ class LeaseManager:
         wanted = entries[first_block:]
         self._dir.pin(wanted)
         landed = 0
+        near = NEAR_DEVICE.set(device)  # the promotions' tasks inherit it
         try:
             landed = await self._promote_prefix(wanted, link)
         finally:
+            NEAR_DEVICE.reset(near)
             self._dir.unpin(wanted[landed:])
         held = wanted[:landed]
         hold = self._leases.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
@@ -260,8 +264,9 @@ class LeaseManager:
     # ------------------------------------------------------------------------------ reservations
 
     async def reserve(self, ns: Namespace, keys: list[BlockKey], lease_s: float | None,
-                      medium: Medium = Medium.HOST) -> Reservation:
-        """Slots in the fastest slot tier for the blocks of ``keys`` not stored yet.
+                      medium: Medium = Medium.HOST, device: str = "") -> Reservation:
+        """Slots in the fastest slot tier for the blocks of ``keys`` not stored yet (``device``:
+        the writer's GPU, where a tier of several GPUs lends them while it has room).
 
         A reservation claims nothing: a second writer of the same prefix (a put, or another
         reservation) proceeds at once, and whichever publishes a block first keeps it, so a
@@ -281,6 +286,7 @@ class LeaseManager:
         stored = [e for e in map(self._dir.get, keys) if e is not None]
         self._dir.pin(stored)  # making room for later blocks never evicts earlier ones
         slots: list[ReservedSlot] = []
+        near = NEAR_DEVICE.set(device)
         try:
             for i, key in enumerate(keys):
                 if key in self._dir:
@@ -298,6 +304,7 @@ class LeaseManager:
             self._abort_slots(ns.tenant, slots)
             raise
         finally:
+            NEAR_DEVICE.reset(near)
             self._dir.unpin(stored)
         prefix = tuple(keys[:slots[-1].block_index]) if slots else ()
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots,
@@ -461,9 +468,13 @@ def _locations(tier: SlotTier, keys: list[BlockKey]) -> BlockLocations:
 
 
 def _grants(tier: SlotTier, tenant: str, slots: list[ReservedSlot]) -> SlotGrants:
-    """The slots of a reservation as one table: every slot lies in ``tenant``'s region."""
-    return SlotGrants(b"".join([r.key for r in slots]), tier.medium,
-                      [tier.region_of(tenant)] if slots else [], [0] * len(slots),
+    """The slots of a reservation as one table (in ``tenant``'s regions: one, but for a tier of
+    several GPUs whose preferred one was full)."""
+    regions = [tier.slot_region(r.slot, tenant) for r in slots]
+    names = list(dict.fromkeys(regions))
+    number = {name: i for i, name in enumerate(names)}
+    return SlotGrants(b"".join([r.key for r in slots]), tier.medium, names,
+                      [number[region] for region in regions],
                       [r.slot.offset for r in slots], [r.slot.slot_bytes for r in slots],
                       [r.block_index for r in slots],
                       b"".join([r.parent or bytes(KEY_BYTES) for r in slots]))

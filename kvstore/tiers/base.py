@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -27,6 +28,7 @@ from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
 __all__ = [
+    "NEAR_DEVICE",
     "CheckedCopies",
     "ClusterEntry",
     "DevicePages",
@@ -195,6 +197,11 @@ class SlotTier(Tier):
     def region_of(self, tenant: str) -> str:
         """What a client of ``tenant`` maps to reach that tenant's slots."""
 
+    def slot_region(self, slot: Slot, tenant: str) -> str:
+        """The region ``slot`` (lent to ``tenant``) lies in: ``region_of(tenant)`` unless the
+        tier lends a tenant slots in several regions."""
+        return self.region_of(tenant)
+
     def room_for_slot(self, nbytes: int, tenant: str,
                       protected: Callable[[BlockKey], bool] | None = None) -> RoomNeed | None:
         """None if ``allocate_slot(nbytes, tenant)`` can lend a slot now; else what to free
@@ -327,6 +334,12 @@ class DevicePages(Protocol):
                                ready_event: bytes = b"") -> int:
         """Make the device page in ``slot`` readable as ``key`` once the writer's event
         (``ready_event``, an IPC handle; empty: already written) fired; its host page bytes."""
+
+
+# The GPU (``kvstore.ipc.device_id``) whose kernels will use the device slots and pages a request
+# makes now: a tier of device pages on several GPUs puts them on that one when it has room
+# there. The store sets it around a reservation and a lease's promotions; "" prefers none.
+NEAR_DEVICE: ContextVar[str] = ContextVar("kvstore_near_device", default="")
 
 
 @runtime_checkable

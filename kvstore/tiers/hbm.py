@@ -1,10 +1,13 @@
-"""The HBM tier: device pages in one dedicated GPU allocation per tenant, exported over CUDA IPC.
+"""The HBM tier: device pages in one dedicated GPU allocation per tenant and GPU, exported over
+CUDA IPC.
 
-Each tenant's pages live in a pool of its own: one ``cudaMalloc`` (through cupy's runtime, never
-a piece of a caching allocator), cut into slots and exported once through a CUDA IPC memory
-handle. The handle goes only to that tenant's clients (in the ``region`` of their leases and
+Each tenant's pages live in pools of its own, one per GPU of the tier (``hbm.devices``): one
+``cudaMalloc`` (through cupy's runtime, never a piece of a caching allocator), cut into slots
+and exported once through a CUDA IPC memory handle. The handle goes only to that tenant's clients (in the ``region`` of their leases and
 reservations, after the token check), which map the pool once per process and address slots by
-offset. A CUDA IPC mapping cannot be made read-only, so a tenant can write its own pool at any
+offset. A block lies in one pool: a reservation's slots and a lease's promotions go to the
+GPU the request names (``NEAR_DEVICE``) while it has room, else to another of the tier's; an
+engine on one GPU reads a pool on another through peer access. A CUDA IPC mapping cannot be made read-only, so a tenant can write its own pool at any
 time: isolation is the pool, not a seal. Pages leave the pool (a get, a demotion) through this
 tier, which frames them as checksummed host pages; a lower tier never trusts the device bytes
 beyond the tenant that wrote them.
@@ -33,12 +36,12 @@ from kvstore.codecs.base import framing_bytes, unpack_blob
 from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.config import HbmConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable, shown
-from kvstore.ipc import export_cuda_pool, export_host_pool
+from kvstore.ipc import device_id, export_cuda_pool, export_host_pool
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page, page_bytes
 from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.spec import KVSpec
-from kvstore.tiers.base import SlotTier
+from kvstore.tiers.base import NEAR_DEVICE, SlotTier
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class _Pool:
     """One tenant's device allocation and the slots carved from it."""
 
     tenant: str
+    device: int  # which of the tier's devices
     region: str
     memory: torch.Tensor  # uint8 view of the whole allocation
     nbytes: int
@@ -125,7 +129,9 @@ class HbmTier(SlotTier):
     def __init__(self, config: HbmConfig, name: str = "hbm") -> None:
         self.name = name
         self.config = config
-        self._pools: dict[str, _Pool] = {}
+        self._devices = [torch.device(d) for d in config.device_list()]
+        self._device_ids: dict[str, int] = {}  # device_id -> index in _devices (once open)
+        self._pools: dict[tuple[str, int], _Pool] = {}  # (tenant, device) -> its pool
         self._entries: dict[BlockKey, _Entry] = {}
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
         self._slot_of_page: dict[int, int] = {}  # host page bytes -> device slot bytes
@@ -135,8 +141,7 @@ class HbmTier(SlotTier):
         self._last_layout: tuple[str, KVSpec, tuple[DeviceLayout, int]] | None = None
         # Asked twice per slot a reservation makes room for: the config is frozen.
         self._pool_size = min(config.pool_bytes or config.capacity_bytes, config.capacity_bytes)
-        self._event: tuple[bytes, object] | None = None  # the last commit's event
-        self._device = torch.device(config.device)
+        self._event: tuple[bytes, int, object] | None = None  # the last commit's event
         self._cuda = False
         self._is_open = False
         self._stats = TierStats(name=name)
@@ -149,7 +154,11 @@ class HbmTier(SlotTier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self.config.capacity_bytes
+        return self.config.capacity_bytes * len(self._devices)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return list(self._devices)
 
     @property
     def used_bytes(self) -> int:
@@ -174,25 +183,30 @@ class HbmTier(SlotTier):
         slot_bytes = self._slot_bytes(nbytes)
         if slot_bytes <= self._pool_bytes() and (
                 any(pool.fits(slot_bytes) for pool in self._pools.values())
-                or self._spare_bytes() >= self._pool_bytes()):
+                or any(self._can_make_pool(d) for d in range(len(self._devices)))):
             return None
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
 
     def room_for_tenant(self, nbytes: int, tenant: str,
                         protected: Callable[[BlockKey], bool] | None = None
                         ) -> RoomNeed | None:
-        """Each tenant's pages live in its own pool: room for one comes from its pool only
-        (or a new pool, while the capacity has one to spare), freed from its own blocks."""
+        """Each tenant's pages live in its own pools: room for one comes from its pools only
+        (or a new pool, on a GPU whose capacity has one to spare), freed from its own blocks."""
         slot_bytes = self._slot_bytes(nbytes)
-        pool = self._pools.get(tenant)
-        if slot_bytes <= self._pool_bytes() and (
-                pool.fits(slot_bytes) if pool is not None
-                else self._spare_bytes() >= self._pool_bytes()):
+        if slot_bytes <= self._pool_bytes() and any(
+                self._fits(tenant, d, slot_bytes) for d in range(len(self._devices))):
             return None
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
 
-    def _spare_bytes(self) -> int:
-        return self.capacity_bytes - sum(pool.nbytes for pool in self._pools.values())
+    def _fits(self, tenant: str, device: int, slot_bytes: int) -> bool:
+        """Could ``tenant`` have a slot of ``slot_bytes`` on ``device`` now?"""
+        pool = self._pools.get((tenant, device))
+        return pool.fits(slot_bytes) if pool is not None else self._can_make_pool(device)
+
+    def _can_make_pool(self, device: int) -> bool:
+        on_device = [pool.nbytes for (_, d), pool in self._pools.items() if d == device]
+        return (len(on_device) < MAX_POOLS
+                and self.config.capacity_bytes - sum(on_device) >= self._pool_bytes())
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
@@ -229,22 +243,29 @@ class HbmTier(SlotTier):
     # --- lifecycle --------------------------------------------------------------------------
 
     async def open(self) -> None:
-        if self._device.type == "cuda":
+        if self._devices[0].type == "cuda":
             if not torch.cuda.is_available():
-                raise Unavailable(f"the {self.name} tier is on {self._device}, but CUDA is not "
-                                  "available in this process")
+                raise Unavailable(f"the {self.name} tier is on {self._devices[0]}, but CUDA is "
+                                  "not available in this process")
+            count = torch.cuda.device_count()
+            missing = [str(d) for d in self._devices if (d.index or 0) >= count]
+            if missing:
+                raise Unavailable(f"the {self.name} tier is on {', '.join(missing)}, but this "
+                                  f"process sees {count} GPU(s) (check CUDA_VISIBLE_DEVICES)")
             try:
                 import cupy  # noqa: F401  (the pools are cupy allocations)
             except ImportError as exc:
                 raise Unavailable(f"the {self.name} tier needs cupy for its device pools: "
                                   f"{exc}") from None
             self._cuda = True
+        self._device_ids = {device_id(d): i for i, d in enumerate(self._devices)}
         self._is_open = True
 
     async def close(self) -> None:
         self._is_open = False
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        if self._cuda:
+            for device in self._devices:
+                torch.cuda.synchronize(device)
         self._entries.clear()
         self._pools.clear()
 
@@ -255,59 +276,80 @@ class HbmTier(SlotTier):
     # --- pools ------------------------------------------------------------------------------
 
     def region_of(self, tenant: str) -> str:
-        """What ``tenant``'s clients map: ``cuda-ipc:<device>:<bytes>:<handle hex>`` for a GPU
-        pool (the pool is made now if the tenant has none), ``host:<id>`` without CUDA."""
-        return self._pool(tenant).region
+        """What ``tenant``'s clients map on the GPU requests prefer now (``NEAR_DEVICE``, else
+        the first): ``cuda-ipc:<device id>:<bytes>:<handle hex>`` for a GPU pool (the pool is
+        made now if the tenant has none there), ``host:<id>`` without CUDA."""
+        return self._pool(tenant, self._near()).region
 
-    def _pool(self, tenant: str) -> _Pool:
+    def slot_region(self, slot: PoolSlot, tenant: str) -> str:
+        return slot.pool.region
+
+    def _near(self) -> int:
+        """The index of the device requests prefer now (the first when they name none, or one
+        this tier does not have)."""
+        near = NEAR_DEVICE.get()
+        return self._device_ids.get(near, 0) if near else 0
+
+    def _pool(self, tenant: str, device: int) -> _Pool:
         self._check_open()
-        pool = self._pools.get(tenant)
+        pool = self._pools.get((tenant, device))
         if pool is not None:
             return pool
         nbytes = self._pool_bytes()
-        if len(self._pools) >= MAX_POOLS or self._spare_bytes() < nbytes:
-            raise CapacityError(f"the {self.name} tier has no room for a pool of {nbytes} bytes "
-                                f"for tenant {shown(tenant)}")
-        if self._device.type == "cuda":
+        where = self._devices[device]
+        if not self._can_make_pool(device):
+            raise CapacityError(f"the {self.name} tier has no room on {where} for a pool of "
+                                f"{nbytes} bytes for tenant {shown(tenant)}")
+        if where.type == "cuda":
             import cupy
 
-            with cupy.cuda.Device(self._device.index or 0):
+            with cupy.cuda.Device(where.index or 0):
                 owner = cupy.cuda.memory.Memory(nbytes)  # its own cudaMalloc, no pool
             memory = torch.as_tensor(cupy.ndarray((nbytes,), cupy.uint8,
                                                   cupy.cuda.MemoryPointer(owner, 0)),
-                                     device=self._device)
-            region = export_cuda_pool(owner.ptr, nbytes, self._device.index or 0)
+                                     device=where)
+            region = export_cuda_pool(owner.ptr, nbytes, where.index or 0)
         else:
             owner = None
             raw = torch.empty(nbytes + SECTION_ALIGN, dtype=torch.uint8)
             pad = -raw.data_ptr() % SECTION_ALIGN
             memory = raw[pad:pad + nbytes]
             region = export_host_pool(memory, self.name)
-        stream = torch.cuda.Stream(self._device) if self._cuda else None
-        pool = self._pools[tenant] = _Pool(tenant, region, memory, nbytes, owner, stream=stream)
-        log.info("%s: made a %d-byte pool for tenant %s", self.name, nbytes, shown(tenant))
+        stream = torch.cuda.Stream(where) if self._cuda else None
+        pool = self._pools[(tenant, device)] = _Pool(tenant, device, region, memory, nbytes,
+                                                     owner, stream=stream)
+        log.info("%s: made a %d-byte pool on %s for tenant %s", self.name, nbytes, where,
+                 shown(tenant))
         return pool
 
-    def pool_tensor(self, tenant: str) -> torch.Tensor | None:
-        """``tenant``'s pool memory in this process (None if it has none): for tests, tools and
-        an engine in the daemon's own process."""
-        pool = self._pools.get(tenant)
+    def pool_tensor(self, tenant: str, device: int = 0) -> torch.Tensor | None:
+        """``tenant``'s pool memory on the tier's ``device``-th GPU in this process (None if it
+        has none there): for tests, tools and an engine in the daemon's own process."""
+        pool = self._pools.get((tenant, device))
         return None if pool is None else pool.memory
+
+    def device_of(self, key: BlockKey) -> torch.device | None:
+        """The GPU whose pool holds ``key`` (None if this tier holds none)."""
+        entry = self._entries.get(key)
+        return None if entry is None else self._devices[entry.slot.pool.device]
 
     # --- slots ------------------------------------------------------------------------------
 
     async def allocate_slot(self, nbytes: int, tenant: str) -> PoolSlot | None:
+        """A slot in ``tenant``'s pool on the preferred GPU (``NEAR_DEVICE``) if it has room
+        there, else on the first of the others that has."""
+        self._check_open()
         slot_bytes = _round(nbytes)
-        try:
-            pool = self._pool(tenant)
-        except CapacityError:
-            self._stats.rejected += 1
-            return None
-        offset = pool.take(slot_bytes)
-        if offset is None:
-            self._stats.rejected += 1
-            return None
-        return PoolSlot(pool, offset, slot_bytes)
+        near = self._near()
+        for device in (near, *(d for d in range(len(self._devices)) if d != near)):
+            if not self._fits(tenant, device, slot_bytes):
+                continue
+            pool = self._pool(tenant, device)
+            offset = pool.take(slot_bytes)
+            if offset is not None:
+                return PoolSlot(pool, offset, slot_bytes)
+        self._stats.rejected += 1
+        return None
 
     def slot_view(self, slot: PoolSlot) -> memoryview:
         raise InvalidArgument(f"{self.name} slots are device memory: a writer fills them with "
@@ -326,27 +368,28 @@ class HbmTier(SlotTier):
         if key in self._entries:
             self.abort(slot)
             return self.page_size(key) or 0
-        ready = self._ready_event(ready_event) if ready_event else None
+        ready = self._ready_event(ready_event, slot.pool.device) if ready_event else None
         entry = self._entries[key] = _Entry(slot, meta, layout,
                                             self._learn(layout, meta, blob_bytes), ready)
         self._stats.bytes_written += layout.nbytes
         return entry.page_bytes
 
-    def _ready_event(self, handle: bytes) -> object:
-        """The writer's event named by IPC ``handle``, opened once for all the slots of a
-        commit (they share it: opening a handle per slot costs a driver call each). The cache
-        holds the commit's own ``handle`` object and matches it by identity: another commit,
-        even one whose handle has the same bytes (an event its writer destroyed and made
-        again), opens its own."""
-        if self._event is not None and self._event[0] is handle:
-            return self._event[1]
-        if self._device.type != "cuda":
+    def _ready_event(self, handle: bytes, device: int) -> object:
+        """The writer's event named by IPC ``handle``, opened (on the tier's ``device``-th GPU,
+        the slot's) once for all the slots of a commit (they share it: opening a handle per
+        slot costs a driver call each). The cache holds the commit's own ``handle`` object and
+        matches it by identity: another commit, even one whose handle has the same bytes (an
+        event its writer destroyed and made again), opens its own."""
+        if self._event is not None and self._event[0] is handle and self._event[1] == device:
+            return self._event[2]
+        where = self._devices[device]
+        if where.type != "cuda":
             raise InvalidArgument("a ready event names a CUDA event; this pool is host memory")
         try:
-            event = torch.cuda.Event.from_ipc_handle(self._device, handle)
+            event = torch.cuda.Event.from_ipc_handle(where, handle)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {exc}") from None
-        self._event = (handle, event)
+        self._event = (handle, device, event)
         return event
 
     def abort(self, slot: PoolSlot) -> None:
@@ -486,7 +529,8 @@ class HbmTier(SlotTier):
             num_blocks=len(self._entries), hits=s.hits, misses=s.misses, corrupt=s.corrupt,
             rejected=s.rejected, bytes_read=s.bytes_read, bytes_written=s.bytes_written,
             extra={"pools": len(self._pools),
-                   "pool_bytes": sum(pool.nbytes for pool in self._pools.values())},
+                   "pool_bytes": sum(pool.nbytes for pool in self._pools.values()),
+                   "devices": len(self._devices)},
         )
 
 

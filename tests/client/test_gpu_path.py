@@ -130,7 +130,8 @@ def test_a_daemon_that_leases_no_pieces_gets_one_whole_lease(tmp_path, monkeypat
 
     acquire = leases.LeaseManager.acquire
 
-    async def older(self, ns, keys, lease_s, medium=leases.Medium.HOST, first_block=0):
+    async def older(self, ns, keys, lease_s, medium=leases.Medium.HOST, first_block=0,
+                    device=""):
         lease = await acquire(self, ns, keys, lease_s, medium)
         return dataclasses.replace(lease, tier="")
 
@@ -237,3 +238,41 @@ def test_a_load_gives_its_lease_back_once_landed_without_a_wait(tmp_path, tiers)
         assert handle.wait() == 48  # still fine after the lease went back
         assert not torch.isnan(dst[0][:, [5, 6, 7]]).any()
         cache.close()
+
+
+def test_a_prefix_over_two_devices_pools_saves_and_loads_across_them(tmp_path):
+    """A tier on two devices whose preferred one holds three of five blocks: the save's slots
+    spill onto the other device's pool, and a load reads both. On two GPUs the saving engine
+    sits on the second (its pool is preferred) and the loading one on the first, so both the
+    spilled writes and the reads cross GPUs through peer access; without two GPUs the tier's
+    two host-memory devices run the same logic."""
+    from kvstore.codecs.device import device_layout
+
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() > 1
+    if torch.cuda.is_available() and not two_gpus:
+        pytest.skip("needs two GPUs (or none: the host-memory twin)")
+    pair, saver_on, loader_on = (("cuda:0,cuda:1", "cuda:1", "cuda:0") if two_gpus
+                                 else ("cpu:0,cpu:1", "cpu", "cpu"))
+    slot = device_layout("raw", SPEC).nbytes
+    config = dataclasses.replace(small_config(tmp_path), tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=3 * slot, device=pair)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=8 * MiB, chunk_bytes=MiB)),
+    ))
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(5 * 16))
+    shape = (2, PAGES, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
+    src = [torch.randn(shape, device=saver_on).to(torch.bfloat16) for _ in range(3)]
+    dst = [torch.full(shape, float("nan"), dtype=torch.bfloat16, device=loader_on)
+           for _ in range(3)]
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        assert EngineCache(client, ns, src).save(tokens, [4, 0, 7, 1, 9]) == 80
+        tier = daemon.store.tiers["gpu"]
+        assert client.lookup(ns, tokens).tokens_per_tier == {"gpu": 80}
+        assert tier.stats().extra["pools"] == 2
+        with EngineCache(client, ns, dst) as loader:
+            handle = loader.load(tokens, [2, 3, 5, 6, 8], advice=False)
+            assert handle.wait() == 80 and handle.source == "device pool"
+        assert all(torch.equal(x[:, [4, 0, 7, 1, 9]].cpu(), y[:, [2, 3, 5, 6, 8]].cpu())
+                   for x, y in zip(src, dst))
+        stats = client.stats()
+        assert stats.active_leases == 0 and stats.active_reservations == 0

@@ -280,3 +280,20 @@ async def test_acquire_from_a_first_block_names_its_tier_and_takes_any_first_blo
     with pytest.raises(InvalidArgument, match="first_block"):
         await aclient.acquire(ns, tokens, first_block=-1)
     assert (await aclient.stats()).active_leases == 0
+
+
+async def test_a_device_name_steers_placement_only_and_is_bounded(aclient, ns, spec):
+    """A reader's or writer's GPU name is a placement hint: one the daemon has no such GPU
+    for is served as if none were named; an overlong one is refused by name."""
+    tokens = random_tokens(32, seed=22)
+    await aclient.put(ns, tokens, random_kv(spec, 32, seed=22))
+    lease = await aclient.acquire(ns, tokens, device="GPU-not-here")
+    assert lease.matched_tokens == 32
+    await aclient.release(lease.lease_id)
+    res = await aclient.reserve(ns, random_tokens(32, seed=23), device="GPU-not-here")
+    await aclient.abort(res.reservation_id)
+    for call in (lambda: aclient.acquire(ns, tokens, device="G" * 65),
+                 lambda: aclient.reserve(ns, tokens, device="G" * 65)):
+        with pytest.raises(InvalidArgument, match="device names a GPU in at most 64"):
+            await call()
+    assert (await aclient.stats()).active_leases == 0

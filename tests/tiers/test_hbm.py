@@ -152,3 +152,85 @@ async def test_a_tenant_filling_its_pool_evicts_only_its_own_blocks():
         assert (await store.lookup(b, b_tokens)).tokens_per_tier == {"gpu": 64}
         assert store.tiers["gpu"].stats().num_blocks == 8
 
+
+
+# A tier of two devices: two GPUs where the host has them, else two host-memory "devices"
+# (the placement logic is the same; peer access is the GPU tests' part).
+PAIR = ("cuda:0,cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() > 1
+        else "cpu:0,cpu:1")
+
+
+def two_devices(slots_each: int, pool_slots: int = 0) -> KVStoreConfig:
+    slot = device_layout("raw", SPEC).nbytes
+    return KVStoreConfig(tiers=(
+        TierConfig("gpu", "hbm", HbmConfig(capacity_bytes=slots_each * slot, device=PAIR,
+                                           pool_bytes=pool_slots * slot,
+                                           high_watermark=1.0, low_watermark=1.0)),
+        TierConfig("host", "dram", DramConfig(capacity_bytes=4 * MiB, chunk_bytes=MiB,
+                                              high_watermark=1.0, low_watermark=1.0)),
+    ))
+
+
+def test_the_device_list_is_checked():
+    assert HbmConfig(device="cuda").device_list() == ["cuda:0"]
+    assert HbmConfig(device="cuda:0, cuda:3").device_list() == ["cuda:0", "cuda:3"]
+    for bad in ("cuda:0,cuda:0", "cpu,cuda:0", "gpu0", "cuda:x", ""):
+        with pytest.raises(ConfigError, match="hbm.device"):
+            HbmConfig(device=bad)
+
+
+async def test_a_tier_of_two_devices_lends_slots_on_the_writers_device_then_the_other():
+    from kvstore.ipc import device_id
+
+    async with Store(two_devices(8, pool_slots=4)) as store:
+        tier = store.tiers["gpu"]
+        first, second = tier.devices
+        assert tier.capacity_bytes == 16 * device_layout("raw", SPEC).nbytes
+        ns = namespace()
+        # Six blocks asked for on the second device, which has room for four.
+        res = await store.reserve(ns, random_tokens(96, seed=3), medium=Medium.DEVICE,
+                                  device=device_id(second))
+        grants = res.blocks
+        assert len(grants) == 6 and len(grants.regions) == 2
+        assert [grants.regions[i] for i in grants.region_index] == (
+            [grants.regions[0]] * 4 + [grants.regions[1]] * 2)
+        await store.commit(res.reservation_id)
+        pools = {tier.device_of(g.key) for g in grants[:4]}, {tier.device_of(g.key)
+                                                             for g in grants[4:]}
+        assert pools == ({second}, {first})
+        extra = store.stats().tiers["gpu"].extra
+        assert (extra["pools"], extra["pool_bytes"], extra["devices"]) == (
+            2, tier.capacity_bytes // 2, 2)
+        # A request naming no device (or one the tier does not have) starts on the first.
+        other = await store.reserve(namespace("other"), random_tokens(32, seed=4),
+                                    medium=Medium.DEVICE, device="GPU-not-one-of-these")
+        assert list(other.blocks.regions) == [tier.region_of("other")]
+        await store.commit(other.reservation_id)
+        assert {tier.device_of(g.key) for g in other.blocks} == {first}
+
+
+async def test_a_lease_promotes_into_the_readers_device():
+    from kvstore.ipc import device_id
+
+    async with Store(two_devices(4)) as store:
+        tier = store.tiers["gpu"]
+        _, second = tier.devices
+        ns = namespace()
+        prompts = [(random_tokens(64, seed=i), random_kv(SPEC, 64, seed=i)) for i in range(3)]
+        for tokens, kv in prompts:  # 12 blocks, 8 of HBM: the first prompt goes down to DRAM
+            assert await store.put(ns, tokens, kv) == 64
+        assert (await store.lookup(ns, prompts[0][0])).tokens_per_tier == {"host": 64}
+        lease = await store.acquire(ns, prompts[0][0], medium=Medium.DEVICE,
+                                    device=device_id(second))
+        assert lease.matched_tokens == 64
+        assert {tier.device_of(b.key) for b in lease.blocks} == {second}
+        assert len(lease.blocks.regions) == 1
+        layout = device_layout("raw", SPEC)
+        pool = tier.pool_tensor("acme", 1)
+        for i, block in enumerate(lease.blocks):
+            got = pool[block.offset:block.offset + layout.nbytes].view(torch.bfloat16)
+            want = prompts[0][1][:, :, 16 * i:16 * (i + 1)].contiguous().flatten()
+            assert torch.equal(got.cpu(), want)
+        await store.release(lease.lease_id)
+        for tokens, kv in prompts:
+            assert torch.equal(await store.get(ns, tokens), kv)
