@@ -14,8 +14,9 @@ from kvstore.codecs.device import ENCODABLE
 from kvstore.codecs.triton.engine import from_engine, to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-tiles = [(int(r), int(w)) for r, w in (t.split("x") for t in os.environ.get(
-    "TILES", "16x4,32x4,64x4,32x8,64x8,128x8").split(","))]
+# rows x warps, or rows x warps x tiles a program (loads only)
+tiles = [tuple(int(v) for v in t.split("x")) for t in os.environ.get(
+    "TILES", "16x4,32x4,64x4,32x8,64x8,128x8").split(",")]
 device = torch.device("cuda")
 rig = Rig(n, device)
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device=device)
@@ -39,13 +40,13 @@ for codec in os.environ.get("CODECS", "raw,fp8_e4m3,nvfp4,mxfp4,int4,int2").spli
         r["host_load_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
         ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile))
         r["host_load_narrow_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
-        if codec in ENCODABLE:
+        if codec in ENCODABLE and len(tile) == 2:
             ms = _bench(lambda: from_engine(rig.layout, dev, tgt, rig.ids, tile=tile))
             r["hbm_save"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
-        if codec in ("nvfp4", "mxfp4"):
+        if codec in ("nvfp4", "mxfp4") and len(tile) == 2:
             ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
-        if codec == "raw":
+        if codec == "raw" and len(tile) == 2:
             ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         rows.append(r)

@@ -303,6 +303,42 @@ def test_kivi_pages_decode_into_the_engine(codec, block_tokens, host):
         assert_decoded(got, want)
 
 
+@pytest.mark.parametrize("codec", ["raw", "fp8_e4m3", "nvfp4", "int2"])
+def test_tiles_spread_over_fewer_programs_decode_the_same(codec):
+    """A load that runs several tiles a program (7 here, which the 60 tiles of the launch do
+    not divide) writes every element exactly as one tile a program does."""
+    from kvstore.codecs.triton.engine import from_engine, to_engine
+
+    spec = spec_of(torch.bfloat16)
+    dev = device_layout(codec, spec)
+    n = 5
+    pool, base = aligned_pool(n * dev.nbytes)
+    addrs = [base + i * dev.nbytes for i in range(n)]
+    src = EngineLayout.of(engine_cache("flash", spec, torch.bfloat16, fused=True), spec)
+    for t in src.tensors:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(torch.bfloat16))
+    if codec in ("raw", "fp8_e4m3", "nvfp4"):
+        from_engine(src, dev, addrs, [0, 1, 2, 3, 4])
+    else:
+        from kvstore.codecs import kivi
+        from kvstore.codecs.triton.engine import page_tensors
+
+        for i in range(n):
+            parts = kivi.encode_kivi_reference(read_block(src, i).cpu(), 2, dev.group_size)
+            for view, section in zip(page_tensors(pool, dev, i * dev.nbytes), parts.tensors()):
+                view.copy_(section.to(DEVICE))
+    ids = [6, 2, 8, 0, 4]
+    one, spread = (EngineLayout.of(engine_cache("flash", spec, torch.bfloat16, fused=True),
+                                   spec) for _ in range(2))
+    to_engine(one, dev, addrs, ids, tile=(4, 1))
+    to_engine(spread, dev, addrs, ids, tile=(4, 1, 7))
+    for page in range(NUM_PAGES):
+        got, want = read_block(spread, page), read_block(one, page)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert not any(read_block(spread, page).isnan().any() for page in ids)
+
+
 def test_device_pools_take_exactly_the_codecs_the_kernels_encode():
     from kvstore.codecs.device import ENCODABLE
     from kvstore.config import HBM_CODECS, HbmConfig

@@ -33,8 +33,10 @@ WARPS = 4
 # blocks, bench/gpu_sweep.py, ratios to a device copy or to the link): pages in device memory
 # (loads and saves), and pages read from pinned host memory over the link, where more bytes in
 # flight per program pay.
+# KIVI pages run two tiles a program (a third number): int2 0.832 against 0.818 of a copy,
+# int4 0.856 against 0.845 (one sweep; fp8 and raw pages gained nothing from it).
 DEVICE_TILES = {"raw": (16, 4), "fp8_e4m3": (64, 8), "nvfp4": (32, 4), "mxfp4": (64, 4),
-                "int4": (64, 4), "int2": (64, 4)}
+                "int4": (64, 4, 2), "int2": (64, 4, 2)}
 # fp4 saves: one program per (block, layer, K/V) slab, its rows in chunks of this many, so
 # nvfp4's tensor scale (one per slab) is known before the slab's first block is quantised.
 FP4_SAVE_TILES = {"nvfp4": (32, 4), "mxfp4": (32, 4)}  # H200 sweep: 0.40 / 0.57 of a copy
@@ -55,14 +57,13 @@ def _at(addr, DTYPE: tl.constexpr, offset=0):
 
 
 @triton.jit
-def _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride, token_stride,
-          head_stride, H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, FP16: tl.constexpr,
-          ALIGNED: tl.constexpr):
-    """This program's block, slab (layer, K/V) of the block, rows of the slab and their engine
+def _rows(pid, table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stride,
+          token_stride, head_stride, H: tl.constexpr, BT: tl.constexpr, R: tl.constexpr,
+          FP16: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile ``pid``'s block, slab (layer, K/V) of the block, rows of the slab and their engine
     addresses; the launch covers ``num_slabs`` slabs from layer ``layer0`` (``layers_ptr`` from
-    there). Programs run in source order: the chunks of a slab, the slabs of a block, then
+    there). Tiles run in source order: the chunks of a slab, the slabs of a block, then
     the next block, so a launch streams the device pages front to back."""
-    pid = tl.program_id(0).to(tl.int64)
     chunks = (BT * H + R - 1) // R
     chunk = pid % chunks
     local = (pid // chunks) % num_slabs
@@ -244,21 +245,49 @@ def _to_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                       EXACT: tl.constexpr = False, BITS: tl.constexpr = 4, G: tl.constexpr = 1,
                       TQ: tl.constexpr = 0, K_META: tl.constexpr = 0, K_RES: tl.constexpr = 0,
                       V_CODES: tl.constexpr = 0, V_META: tl.constexpr = 0,
-                      WIDE: tl.constexpr = False):
-    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride,
-                                          block_stride, token_stride, head_stride, H, BT, R,
-                                          FP16, ALIGNED)
+                      WIDE: tl.constexpr = False, STEPS: tl.constexpr = 1):
+    """STEPS tiles a program, unrolled, so the loads of one are in flight beside another's."""
+    first = tl.program_id(0).to(tl.int64) * STEPS
+    tiles = num_blocks * num_slabs * ((BT * H + R - 1) // R)
+    for step in tl.static_range(STEPS):
+        if first + step < tiles:
+            _tile_to_engine(first + step, table_ptr, num_blocks, layer0, num_slabs, scales_off,
+                            kv_stride, block_stride, token_stride, head_stride, H, BT, D,
+                            D_PAD, R, CODEC, FP16, ALIGNED, TS_OFF, EXACT, BITS, G, TQ, K_META,
+                            K_RES, V_CODES, V_META, WIDE)
+
+
+@triton.jit
+def _tile_to_engine(pid, table_ptr, num_blocks, layer0, num_slabs, scales_off,
+                    kv_stride, block_stride, token_stride, head_stride,
+                    H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
+                    ALIGNED: tl.constexpr, TS_OFF: tl.constexpr, EXACT: tl.constexpr,
+                    BITS: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
+                    K_META: tl.constexpr, K_RES: tl.constexpr, V_CODES: tl.constexpr,
+                    V_META: tl.constexpr, WIDE: tl.constexpr):
+    b, slab, rows, ok, layer, eng = _rows(pid, table_ptr, num_blocks, layer0, num_slabs,
+                                          kv_stride, block_stride, token_stride, head_stride,
+                                          H, BT, R, FP16, ALIGNED)
     if CODEC >= 4:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         _kivi_to_engine(src, slab, rows, ok, layer, eng, D, D_PAD, H, BT, BITS, G, TQ, K_META,
                         K_RES, V_CODES, V_META, FP16, EXACT, R, WIDE)
-        return
-    if CODEC >= 2:
+    elif CODEC >= 2:
         src = tl.multiple_of(tl.load(table_ptr + b), 16)
         r = (slab * (BT * H) + rows).to(tl.int64)
         _fp4_to_engine(src, scales_off, TS_OFF, slab, r, ok, layer, eng, D, D_PAD,
                        16 if CODEC == 2 else 32, CODEC == 2, EXACT, R, WIDE)
-        return
+    else:
+        _fp8_or_raw_to_engine(table_ptr, b, slab, rows, ok, layer, eng, scales_off, H, BT, D,
+                              D_PAD, CODEC, FP16, WIDE)
+
+
+@triton.jit
+def _fp8_or_raw_to_engine(table_ptr, b, slab, rows, ok, layer, eng, scales_off,
+                          H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+                          D_PAD: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
+                          WIDE: tl.constexpr):
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
     src = tl.multiple_of(tl.load(table_ptr + b), 16)
@@ -288,9 +317,9 @@ def _from_engine_kernel(table_ptr, num_blocks, layer0, num_slabs, scales_off,
                         H: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         R: tl.constexpr, CODEC: tl.constexpr, FP16: tl.constexpr,
                         ALIGNED: tl.constexpr, HW_ROUND: tl.constexpr):
-    b, slab, rows, ok, layer, eng = _rows(table_ptr, num_blocks, layer0, num_slabs, kv_stride,
-                                          block_stride, token_stride, head_stride, H, BT, R,
-                                          FP16, ALIGNED)
+    b, slab, rows, ok, layer, eng = _rows(tl.program_id(0).to(tl.int64), table_ptr, num_blocks,
+                                          layer0, num_slabs, kv_stride, block_stride,
+                                          token_stride, head_stride, H, BT, R, FP16, ALIGNED)
     cols = tl.arange(0, D_PAD)
     mask = ok[:, None] & (cols < D)[None, :]
     dst = tl.multiple_of(tl.load(table_ptr + b), 16)
@@ -440,7 +469,7 @@ def _table(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[i
 
 def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, addrs, block_ids,
             stream: torch.cuda.Stream | None, layers: range | None = None,
-            tile: tuple[int, int] | None = None, **extra) -> None:
+            tile: tuple[int, ...] | None = None, **extra) -> None:
     layers = range(layout.num_layers) if layers is None else layers
     with on_device(layout.device), _on_stream(layout, stream):
         table = _table(layout, dev, addrs, block_ids, layers)
@@ -448,9 +477,11 @@ def _launch(kernel, layout: EngineLayout, dev: DeviceLayout, addrs, block_ids,
         if n == 0 or not layers:
             return
         scales_off = dev.sections[1].offset if len(dev.sections) > 1 else 0
-        rows, warps = tile or DEVICE_TILES.get(dev.codec, (ROWS, WARPS))
+        rows, warps, *steps = tile or DEVICE_TILES.get(dev.codec, (ROWS, WARPS))
+        if steps:  # tiles a program (the loads' kernel only)
+            extra["STEPS"] = steps[0]
         chunks = triton.cdiv(layout.block_tokens * layout.num_kv_heads, rows)
-        grid = (n * 2 * len(layers) * chunks,)
+        grid = (triton.cdiv(n * 2 * len(layers) * chunks, extra.get("STEPS", 1)),)
         strides = (layout.kv_stride, layout.block_stride, layout.token_stride,
                    layout.head_stride)
         aligned = all(s % 8 == 0 for s in strides) and all(
@@ -500,6 +531,8 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
     if dev.codec not in ENCODABLE:
         raise CodecError(f"the engine kernels decode {dev.codec} pages but do not encode them; "
                          f"saves take {list(ENCODABLE)}")
+    if tile is not None and len(tile) != 2:
+        raise CodecError(f"a save's tile is (rows, warps), got {tile}")
     if dev.engine_codec in (NVFP4, MXFP4):
         _launch_fp4_save(layout, dev, dst, block_ids, stream, tile)
         return
