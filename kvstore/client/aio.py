@@ -467,6 +467,8 @@ class AsyncChannel:
             raise ChannelBroken(f"the call channel failed: {exc}") from exc
         finally:
             self._pending.pop(request_id, None)
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # failed with the channel: what this call raised says so
         return read_reply(status, body, REPLY_TYPES[method])
 
     async def _read_replies(self) -> None:
