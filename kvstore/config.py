@@ -348,6 +348,10 @@ class ServerConfig:
     data_socket: bool = True
     data_port: int = 0  # TCP data port when tcp_address is set; 0 picks a free one
     max_data_transfers: int = 256  # tickets outstanding (and data connections) at once
+    # Call channels (rpc/datapath.py, server/channel.py): data connections that stay open and
+    # carry Lookup, Acquire/Release and Reserve/Commit/Abort in frames outside gRPC, with the
+    # same checks. Needs data_socket; clients fall back to gRPC where it is off.
+    call_channel: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

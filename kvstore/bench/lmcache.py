@@ -70,12 +70,15 @@ CASES = (Case("2 MiB block", 32, 8, 128, 16, 1),
          Case("16-block prefix (32 MiB)", 32, 8, 128, 16, 16),
          Case("vLLM-CPU block (128 tokens, 16 MiB)", 32, 8, 128, 128, 1))
 QUICK_CASES = (Case("tiny block", 2, 2, 64, 16, 1), Case("tiny 4-block prefix", 2, 2, 64, 16, 4))
-KVSTORE_PATHS = ("Store, in-process", "daemon, socket", "daemon, shared memory")
+# The daemon paths make their small calls (Lookup, Reserve/Commit, Acquire/Release) on the
+# client's call channel; the "gRPC calls" twins make them over gRPC (call_channel=False).
+GRPC_CALLS = ", gRPC calls"
+KVSTORE_PATHS = ("Store, in-process", "daemon, socket", "daemon, shared memory",
+                 "daemon, socket" + GRPC_CALLS, "daemon, shared memory" + GRPC_CALLS)
 LMCACHE_PATHS = ("LocalCPUBackend, in-process", "lm:// server, loopback TCP")
 # which LMCache path each kvstore path stands beside: in-process with in-process, across
 # processes with across processes (LMCache's remote server has no shared-memory path)
-PAIRS = dict(zip(KVSTORE_PATHS, (LMCACHE_PATHS[0], LMCACHE_PATHS[1], LMCACHE_PATHS[1]),
-                 strict=True))
+PAIRS = dict(zip(KVSTORE_PATHS, (LMCACHE_PATHS[0], *[LMCACHE_PATHS[1]] * 4), strict=True))
 
 
 def calls_per_pass(case: Case, total_bytes: int) -> int:
@@ -300,7 +303,7 @@ class KVStoreSide:
     daemon subprocess."""
 
     def __init__(self, case: Case, index: int, calls: int, store: Any,
-                 loop: asyncio.AbstractEventLoop, client: Any) -> None:
+                 loop: asyncio.AbstractEventLoop, client: Any, grpc_client: Any) -> None:
         from kvstore.keys import Namespace
         from kvstore.spec import KVSpec
 
@@ -308,6 +311,7 @@ class KVStoreSide:
                       head_dim=case.head_dim, block_tokens=case.block_tokens, dtype="bfloat16")
         self.ns = Namespace(model_id=f"bench/lmcache/{index}", spec=spec, tenant="bench")
         self.store, self.loop, self.client = store, loop, client
+        self.grpc_client = grpc_client  # the same calls, never on a call channel
         g = torch.Generator().manual_seed(0)
         self.kv = torch.randn(spec.shape(case.blocks * case.block_tokens),
                               generator=g).to(torch.bfloat16)
@@ -322,11 +326,12 @@ class KVStoreSide:
                     lambda t: run(self.store.get(ns, t)),
                     lambda t: run(self.store.lookup(ns, t)),
                     lambda: run(self.store.evict(model_id=ns.model_id)))
-        zero_copy = path == KVSTORE_PATHS[2]
-        return (lambda t: self.client.put(ns, t, kv, zero_copy=zero_copy),
-                lambda t: self.client.get(ns, t, zero_copy=zero_copy),
-                lambda t: self.client.lookup(ns, t),
-                lambda: self.client.evict(model_id=ns.model_id))
+        zero_copy = "shared memory" in path
+        client = self.grpc_client if path.endswith(GRPC_CALLS) else self.client
+        return (lambda t: client.put(ns, t, kv, zero_copy=zero_copy),
+                lambda t: client.get(ns, t, zero_copy=zero_copy),
+                lambda t: client.lookup(ns, t),
+                lambda: client.evict(model_id=ns.model_id))
 
     def run(self, path: str) -> dict[str, float]:
         from kvstore.errors import KVStoreError
@@ -449,14 +454,16 @@ def run_lmcache_bench(total_bytes: int = 256 * MiB, repeat: int = 3, quick: bool
         root = Path(tmp)
         socket_path = root / "kv.sock"
         with _process(_daemon_args(socket_path, dram_bytes), root / "daemon.log") as daemon, \
-                Client(f"unix://{socket_path}", retry=NO_RETRY) as client:
+                Client(f"unix://{socket_path}", retry=NO_RETRY) as client, \
+                Client(f"unix://{socket_path}", retry=NO_RETRY,
+                       call_channel=False) as grpc_client:
             worker_proc = LMCacheWorker(venv_python, root / "lmcache.log")
             try:
                 loop.run_until_complete(store.open())
                 _wait_until(client.health, daemon, root / "daemon.log")
                 for index, case in enumerate(cases):
                     calls = calls_per_pass(case, total_bytes)
-                    ours = KVStoreSide(case, index, calls, store, loop, client)
+                    ours = KVStoreSide(case, index, calls, store, loop, client, grpc_client)
                     rows += _case_rows(case, calls, _measure(case, calls, ours, worker_proc,
                                                              repeat))
             finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -32,13 +34,27 @@ from kvstore.client.arena import (
     read_lease,
     write_reservation,
 )
-from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.requests import (
+    REPLY_TYPES,
+    CallChannels,
+    ChannelBroken,
+    ChannelStatus,
+    DataSocket,
+    GetAssembler,
+    PutStream,
+    Tokens,
+    Unary,
+    data_address,
+    read_reply,
+    reply_header,
+)
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
+from kvstore.errors import CapacityError, FailedPrecondition, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID, DataAddress
 from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
@@ -47,6 +63,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
+log = logging.getLogger("kvstore.client")
 
 
 class AsyncClient:
@@ -59,8 +76,13 @@ class AsyncClient:
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
-                 data_socket: bool = True) -> None:
+                 data_socket: bool = True, call_channel: bool = True) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
+        self._max_reply_bytes = max_message_bytes
+        self._calls = CallChannels(call_channel, self._settings.target)
+        self._calls_channel: AsyncChannel | None = None
+        self._calls_lock: asyncio.Lock | None = None  # one task opens the call channel
+        self._token = token
         self._channel = grpc.aio.insecure_channel(self._settings.target.grpc_target,
                                                   options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
@@ -83,6 +105,14 @@ class AsyncClient:
                 await asyncio.sleep(next_delay(self._settings.retry, delays, err))
 
     async def _unary(self, call: Unary[T]) -> T:
+        if call.method in CHANNEL_METHODS and self._calls.usable:
+            channel = await self._open_calls_channel()
+            if channel is not None:
+                try:
+                    return call.parse(await self._call(lambda: channel.call(
+                        call.method, call.request, self._settings.timeout_s)))
+                except ChannelBroken as exc:  # the daemon went or restarted: gRPC retries
+                    log.debug("call channel broke under %s: %s", call.method, exc)
         rpc = getattr(self._stub, call.method)
         metadata = self._settings.metadata
         if call.method in SESSION_METHODS:
@@ -106,6 +136,37 @@ class AsyncClient:
             self._hold_task = asyncio.get_running_loop().create_task(_drain_hold(call))
             self._session = ((SESSION_HEADER, session_id),)
         return self._session
+
+    async def _open_calls_channel(self) -> AsyncChannel | None:
+        """See ``Client._open_calls_channel``."""
+        channel = self._calls_channel
+        if channel is not None and not channel.closed:
+            return channel
+        if self._calls_lock is None:
+            self._calls_lock = asyncio.Lock()
+        async with self._calls_lock:
+            if self._calls_channel is not None and not self._calls_channel.closed:
+                return self._calls_channel
+            if not self._calls.usable:
+                return None
+            if self._hold_task is not None and self._hold_task.done():  # the daemon restarted
+                self._hold = self._hold_task = self._session = None
+            try:
+                ticket = await self._stub.OpenChannel(
+                    pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
+                    metadata=self._settings.metadata + await self._session_metadata())
+                address = data_address(self._settings.target, ticket)
+                if address is None:
+                    raise FailedPrecondition("the call channel is not served over this "
+                                             "client's transport")
+                self._calls_channel = await AsyncChannel.open(
+                    address, ticket.ticket, self._token, self._settings.timeout_s,
+                    self._max_reply_bytes)
+            except (grpc.RpcError, OSError, KVStoreError, TimeoutError) as exc:
+                self._calls.refused(exc)
+                log.debug("no call channel, calls go over gRPC: %s", exc)
+                return None
+            return self._calls_channel
 
     async def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back); see Client._zero_copy_mode."""
@@ -345,6 +406,8 @@ class AsyncClient:
             self._hold = None
             await asyncio.gather(self._hold_task, return_exceptions=True)
         self._zero_copy.maps.close()
+        if self._calls_channel is not None:
+            await self._calls_channel.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> Self:
@@ -352,6 +415,89 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class AsyncChannel:
+    """A call channel (``kvstore.rpc.datapath``) for an asyncio client: calls in flight at
+    once, their replies matched by request id by one reader task."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 max_reply_bytes: int) -> None:
+        self._reader, self._writer = reader, writer
+        self._max_reply_bytes = max_reply_bytes
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._last_id = OPENED_ID
+        self._task = asyncio.get_running_loop().create_task(self._read_replies())
+        self.closed = False
+
+    @classmethod
+    async def open(cls, address: DataAddress, ticket: bytes, token: str | None,
+                   timeout_s: float, max_reply_bytes: int) -> AsyncChannel:
+        """Connect, present ``ticket`` and wait for the daemon to open the channel;
+        ChannelStatus with the daemon's reason where it refuses."""
+        async with asyncio.timeout(timeout_s):
+            if address.family == socket.AF_UNIX:
+                reader, writer = await asyncio.open_unix_connection(address.address)
+            else:
+                reader, writer = await asyncio.open_connection(*address.address)
+            try:
+                writer.write(datapath.encode_hello(ticket, token))
+                length, status, _ = reply_header(await reader.readexactly(FRAME.size),
+                                                 max_reply_bytes)
+                read_reply(status, await reader.readexactly(length), None)
+            except BaseException:
+                writer.close()
+                raise
+        return cls(reader, writer, max_reply_bytes)
+
+    async def call(self, method: str, request, timeout_s: float):
+        """See ``BlockingChannel.call``; a timed-out call's late reply is dropped."""
+        if self.closed:
+            raise ChannelBroken("the call channel is closed")
+        self._last_id = request_id = self._last_id % MAX_REQUEST_ID + 1
+        reply = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._writer.write(datapath.encode_frame(datapath.method_byte(method), request_id,
+                                                     request.SerializeToString()))
+            async with asyncio.timeout(timeout_s):
+                await self._writer.drain()
+                status, body = await reply
+        except TimeoutError:
+            raise ChannelStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            self._fail(ChannelBroken(f"the call channel failed: {exc}"))
+            raise ChannelBroken(f"the call channel failed: {exc}") from exc
+        finally:
+            self._pending.pop(request_id, None)
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # failed with the channel: what this call raised says so
+        return read_reply(status, body, REPLY_TYPES[method])
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                length, status, request_id = reply_header(
+                    await self._reader.readexactly(FRAME.size), self._max_reply_bytes)
+                body = await self._reader.readexactly(length)
+                reply = self._pending.get(request_id)
+                if reply is not None and not reply.done():
+                    reply.set_result((status, body))
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            self._fail(exc if isinstance(exc, ChannelBroken) else
+                       ChannelBroken(f"the daemon closed the call channel: {exc!r}"))
+
+    def _fail(self, exc: ChannelBroken) -> None:
+        self.closed = True
+        for reply in self._pending.values():
+            if not reply.done():
+                reply.set_exception(exc)
+        self._writer.close()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self._task.cancel()
+        self._writer.close()
+        await asyncio.gather(self._task, return_exceptions=True)
 
 
 async def _drain_hold(call) -> None:

@@ -43,8 +43,8 @@ from kvstore.rpc.convert import (
     stats_from_proto,
     tokens_to_bytes,
 )
-from kvstore.rpc.datapath import DataAddress, connect
-from kvstore.rpc.status import translate
+from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, DataAddress, connect
+from kvstore.rpc.status import ERROR_METADATA_KEY, RETRY_AFTER_METADATA_KEY, translate
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     iter_chunks,
@@ -259,13 +259,102 @@ class DataSocket:
         return None
 
     def _address(self, ticket: pb.DataTicket) -> DataAddress | None:
-        if self._target.is_unix:
-            return DataAddress(socket.AF_UNIX, ticket.unix_path) if ticket.unix_path else None
-        if not ticket.tcp_port:
-            return None
-        host = self._target.grpc_target.rpartition(":")[0].strip("[]")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return DataAddress(family, (host, ticket.tcp_port))
+        return data_address(self._target, ticket)
+
+
+def data_address(target: Target, ticket: pb.DataTicket) -> DataAddress | None:
+    """Where this client connects to present ``ticket`` (None: not over its transport)."""
+    if target.is_unix:
+        return DataAddress(socket.AF_UNIX, ticket.unix_path) if ticket.unix_path else None
+    if not ticket.tcp_port:
+        return None
+    host = target.grpc_target.rpartition(":")[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return DataAddress(family, (host, ticket.tcp_port))
+
+
+# ------------------------------------------------------------------------------ call channels
+
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+REPLY_TYPES: dict[str, type[Message]] = {
+    name: getattr(pb, _METHODS[name].output_type.name) for name in CHANNEL_METHODS}
+
+
+class ChannelStatus(grpc.RpcError):
+    """A call that failed on a call channel, read like its gRPC twin's failure (code, details,
+    trailers), so the clients' retry and translation treat both alike."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, error: str = "",
+                 retry_after_s: float = 0.0) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+        self._trailers: tuple[tuple[str, str], ...] = ()
+        if error:
+            self._trailers += ((ERROR_METADATA_KEY, error),)
+        if retry_after_s:
+            self._trailers += ((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailers
+
+
+class ChannelBroken(ConnectionError):
+    """A call channel closed or failed under a call: the client makes it over gRPC."""
+
+
+def read_reply(status: int, body: bytes, reply_type: type[Message] | None) -> Message | None:
+    """A reply frame's response message (None without ``reply_type``: the hello's answer);
+    ChannelStatus for a failed call."""
+    if status:
+        error = pb.CallError.FromString(body)
+        raise ChannelStatus(_STATUS_BY_VALUE.get(status, grpc.StatusCode.UNKNOWN),
+                            error.details, error.error, error.retry_after_s)
+    return reply_type.FromString(body) if reply_type is not None else None
+
+
+def reply_header(header: bytes, max_reply_bytes: int) -> tuple[int, int, int]:
+    """``(body bytes, status, request id)`` of a reply frame's header; ChannelBroken for a
+    body larger than the client takes."""
+    length, status, request_id = FRAME.unpack(header)
+    if length > max_reply_bytes:
+        raise ChannelBroken(f"the daemon sent a {length}-byte reply on the call channel; "
+                            f"this client takes at most {max_reply_bytes}")
+    return length, status, request_id
+
+
+class CallChannels:
+    """Whether a client makes its small calls (``CHANNEL_METHODS``) on a call channel.
+
+    On by default: the client asks OpenChannel at its first such call; a daemon that serves
+    none (UNIMPLEMENTED: older than channels; FAILED_PRECONDITION: off) or whose channels
+    this tenant has used up makes it call over gRPC for ``RETRY_S`` before it asks again. A
+    channel that breaks (the daemon restarted) is opened again at the next call.
+    """
+
+    RETRY_S = 30.0
+
+    def __init__(self, enabled: bool, target: Target) -> None:
+        self._enabled = enabled
+        self.target = target
+        self._retry_at = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self._enabled and time.monotonic() >= self._retry_at
+
+    def refused(self, err: BaseException) -> None:
+        """Opening a channel failed with ``err``: a daemon that said no is asked again only
+        after ``RETRY_S``; one that could not be reached, at the next call."""
+        code = err.code() if isinstance(err, grpc.RpcError) and hasattr(err, "code") else None
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._retry_at = time.monotonic() + self.RETRY_S
 
 
 class GetAssembler:

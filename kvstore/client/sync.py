@@ -37,13 +37,34 @@ from kvstore.client.arena import (
     visit_lease,
     write_reservation,
 )
-from kvstore.client.requests import DataSocket, GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.requests import (
+    REPLY_TYPES,
+    CallChannels,
+    ChannelBroken,
+    ChannelStatus,
+    DataSocket,
+    GetAssembler,
+    PutStream,
+    Tokens,
+    Unary,
+    data_address,
+    read_reply,
+    reply_header,
+)
 from kvstore.client.retry import RetryPolicy, next_delay
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, LeaseNotFound, NotFound
+from kvstore.errors import (
+    CapacityError,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    LeaseNotFound,
+    NotFound,
+)
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
+from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID
 from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
@@ -72,13 +93,21 @@ class Client:
         data_socket: without shared memory, move tensor bytes over the daemon's data socket
             (outside gRPC's framing, under one-time tickets) where it offers one; False:
             always stream them in gRPC messages.
+        call_channel: make Lookup, Acquire/Release and Reserve/Commit/Abort on a call channel
+            (one connection beside gRPC, opened at the first of them) where the daemon offers
+            one, over gRPC otherwise or when it breaks; False: always over gRPC.
     """
 
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
-                 data_socket: bool = True) -> None:
+                 data_socket: bool = True, call_channel: bool = True) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
+        self._max_reply_bytes = max_message_bytes
+        self._calls = CallChannels(call_channel, self._settings.target)
+        self._calls_channel: BlockingChannel | None = None
+        self._calls_lock = threading.Lock()  # one thread opens the call channel
+        self._token = token
         self._channel = grpc.insecure_channel(self._settings.target.grpc_target,
                                               options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
@@ -100,6 +129,17 @@ class Client:
                 time.sleep(next_delay(self._settings.retry, delays, err))
 
     def _unary(self, call: Unary[T]) -> T:
+        if call.method in CHANNEL_METHODS and self._calls.usable:
+            channel = self._open_calls_channel()
+            # busy (another thread's call is on it): this one goes over gRPC
+            if channel is not None and channel.lock.acquire(blocking=False):
+                try:
+                    return call.parse(self._call(lambda: channel.call(
+                        call.method, call.request, self._settings.timeout_s)))
+                except ChannelBroken as exc:  # the daemon went or restarted: gRPC retries
+                    log.debug("call channel broke under %s: %s", call.method, exc)
+                finally:
+                    channel.lock.release()
         rpc = getattr(self._stub, call.method)
         metadata = self._settings.metadata
         if call.method in SESSION_METHODS:
@@ -124,6 +164,34 @@ class Client:
             else:
                 call.cancel()
         return self._session
+
+    def _open_calls_channel(self) -> BlockingChannel | None:
+        """This client's call channel, opened if it has none (or its last one broke); None
+        where the daemon serves none to it (``CallChannels``)."""
+        channel = self._calls_channel
+        if channel is not None and not channel.closed:
+            return channel
+        with self._calls_lock:
+            if self._calls_channel is not None and not self._calls_channel.closed:
+                return self._calls_channel
+            if self._hold is not None and not self._hold.running():  # the daemon restarted
+                self._hold, self._session = None, None
+            try:
+                ticket = self._stub.OpenChannel(
+                    pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
+                    metadata=self._settings.metadata + self._session_metadata())
+                address = data_address(self._settings.target, ticket)
+                if address is None:
+                    raise FailedPrecondition("the call channel is not served over this "
+                                             "client's transport")
+                self._calls_channel = BlockingChannel.open(
+                    datapath.connect(address, self._settings.timeout_s), ticket.ticket,
+                    self._token, self._max_reply_bytes)
+            except (grpc.RpcError, OSError, KVStoreError) as exc:
+                self._calls.refused(exc)
+                log.debug("no call channel, calls go over gRPC: %s", exc)
+                return None
+            return self._calls_channel
 
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
@@ -422,6 +490,8 @@ class Client:
             self._hold.cancel()
             self._hold = None
         self._zero_copy.maps.close()
+        if self._calls_channel is not None:
+            self._calls_channel.close()
         self._channel.close()
 
     def __enter__(self) -> Self:
@@ -429,6 +499,83 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class BlockingChannel:
+    """A call channel (``kvstore.rpc.datapath``) for a blocking client: one call at a time,
+    under :attr:`lock`; replies read through a buffer, so a frame's header and body mostly
+    come in one receive."""
+
+    _RECV_BYTES = 64 << 10
+
+    def __init__(self, sock, max_reply_bytes: int) -> None:
+        self._sock = sock
+        self._max_reply_bytes = max_reply_bytes
+        self._buffer = bytearray()
+        self._last_id = OPENED_ID
+        self.lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def open(cls, sock, ticket: bytes, token: str | None, max_reply_bytes: int
+             ) -> BlockingChannel:
+        """Present ``ticket`` on the connected ``sock`` and wait for the daemon to open the
+        channel; ChannelStatus with the daemon's reason where it refuses."""
+        channel = cls(sock, max_reply_bytes)
+        try:
+            sock.sendall(datapath.encode_hello(ticket, token))
+            channel._reply(OPENED_ID, None)
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def call(self, method: str, request, timeout_s: float):
+        """The response message of one call; ChannelStatus where it failed (the status its
+        gRPC twin would end with), ChannelBroken where the channel did (then closed)."""
+        if self.closed:
+            raise ChannelBroken("the call channel is closed")
+        self._last_id = self._last_id % MAX_REQUEST_ID + 1
+        frame = datapath.encode_frame(datapath.method_byte(method), self._last_id,
+                                      request.SerializeToString())
+        try:
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(frame)
+            return self._reply(self._last_id, REPLY_TYPES[method])
+        except TimeoutError:
+            # the reply may still come: a channel whose stream is not at a frame's start is
+            # of no further use
+            self.close()
+            raise ChannelStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except ChannelBroken:
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise ChannelBroken(f"the call channel failed: {exc}") from exc
+
+    def _reply(self, request_id: int, reply_type):
+        while True:
+            length, status, got = reply_header(self._read(FRAME.size), self._max_reply_bytes)
+            body = self._read(length)
+            if got == request_id:
+                return read_reply(status, body, reply_type)
+
+    def _read(self, num_bytes: int) -> bytes:
+        buffer = self._buffer
+        while len(buffer) < num_bytes:
+            chunk = self._sock.recv(max(self._RECV_BYTES, num_bytes - len(buffer)))
+            if not chunk:
+                raise ChannelBroken("the daemon closed the call channel")
+            buffer += chunk
+        data = bytes(buffer[:num_bytes])
+        del buffer[:num_bytes]
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
 
 class LateReleases:

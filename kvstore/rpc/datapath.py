@@ -114,3 +114,51 @@ def receive_get(sock: socket.socket, ticket: bytes, token: str | None, out: memo
             if not got:
                 raise ConnectionError(f"the data socket closed after {pos} of {total} bytes")
             pos += got
+
+
+# ------------------------------------------------------------------------------ call channels
+#
+# A call channel is a data connection whose hello presented a ticket from OpenChannel: it stays
+# open and carries small unary calls outside gRPC, each the same request and response message
+# its gRPC method takes, serialised, in a frame: ``FRAME`` (the body's length, a method byte
+# (request) or status code (reply), the request id, little-endian) then the body. A reply has
+# its request's id; one of status 0 carries the response message, any other the gRPC status
+# code the gRPC path would end with and a ``CallError`` (details, the kvstore exception class,
+# a rate limit's wait), so the client raises the same exception. The daemon answers the hello
+# with a reply of id ``OPENED_ID``: status 0 and no body once the channel is open, else the
+# error that refused it. Replies may come in any order; the client matches them by id.
+
+CHANNEL_METHODS = ("Lookup", "Acquire", "Release", "Reserve", "Commit", "Abort")
+FRAME = struct.Struct("<IBI")  # body bytes, method byte or status code, request id
+OPENED_ID = 0  # the id of the daemon's answer to a channel's hello; calls count from 1
+MAX_REQUEST_ID = (1 << 32) - 1
+# Frames a channel may have in flight: the daemon reads no further frame of a channel that has
+# this many unanswered (a client with more waits on its socket, not the daemon's memory).
+MAX_FRAMES_IN_FLIGHT = 64
+_FRAME_SLACK_BYTES = 64 << 10  # a request's fields beside its tokens (namespace, ids)
+
+
+def method_byte(method: str) -> int:
+    """The byte that names ``method`` in a request frame (1 for the first of
+    ``CHANNEL_METHODS``); InvalidArgument for a method the channel does not carry."""
+    try:
+        return CHANNEL_METHODS.index(method) + 1
+    except ValueError:
+        raise InvalidArgument(f"a call channel does not carry {method!r}; it carries "
+                              f"{', '.join(CHANNEL_METHODS)}") from None
+
+
+def method_of(byte: int) -> str | None:
+    """The method a request frame's byte names; None for a byte that names none."""
+    return CHANNEL_METHODS[byte - 1] if 1 <= byte <= len(CHANNEL_METHODS) else None
+
+
+def max_frame_bytes(max_request_tokens: int, max_message_bytes: int) -> int:
+    """The largest request body a daemon takes on a channel: a request of the most tokens one
+    call may name (4 bytes each), its other fields, and never more than a gRPC message."""
+    return min(4 * max_request_tokens + _FRAME_SLACK_BYTES, max_message_bytes)
+
+
+def encode_frame(kind: int, request_id: int, body: bytes) -> bytes:
+    """One frame: ``FRAME`` then ``body`` (``kind``: a method byte or a status code)."""
+    return FRAME.pack(len(body), kind, request_id) + body

@@ -258,7 +258,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "version", "uptime_s", "pid", "tenant", "is_admin", "arena_path")
+    __slots__ = ("status", "version", "uptime_s", "pid", "tenant", "is_admin", "arena_path", "call_channel")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class HealthResponse(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    CALL_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     status: str
     version: str
     uptime_s: float
@@ -273,7 +274,22 @@ class HealthResponse(_message.Message):
     tenant: str
     is_admin: bool
     arena_path: str
-    def __init__(self, status: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., is_admin: _Optional[bool] = ..., arena_path: _Optional[str] = ...) -> None: ...
+    call_channel: bool
+    def __init__(self, status: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., is_admin: _Optional[bool] = ..., arena_path: _Optional[str] = ..., call_channel: _Optional[bool] = ...) -> None: ...
+
+class OpenChannelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("details", "error", "retry_after_s")
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    details: str
+    error: str
+    retry_after_s: float
+    def __init__(self, details: _Optional[str] = ..., error: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("tenant", "model_id", "tier", "limit")

@@ -119,6 +119,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.HoldRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.HoldEvent.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/kvstore.v1.KVStore/OpenChannel',
+                request_serializer=kvstore__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.DataTicket.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -244,6 +249,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """A call channel (rpc/datapath.py): a one-time ticket that turns a data connection into a
+        long-lived channel for small unary calls (Lookup, Acquire, Release, Reserve, Commit,
+        Abort), carrying their request and response messages in frames outside gRPC. Bound to the
+        caller (tenant and transport); what is granted on it is given back when it closes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -331,6 +346,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=kvstore__pb2.HoldRequest.FromString,
                     response_serializer=kvstore__pb2.HoldEvent.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=kvstore__pb2.OpenChannelRequest.FromString,
+                    response_serializer=kvstore__pb2.DataTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -792,6 +812,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Hold',
             kvstore__pb2.HoldRequest.SerializeToString,
             kvstore__pb2.HoldEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/OpenChannel',
+            kvstore__pb2.OpenChannelRequest.SerializeToString,
+            kvstore__pb2.DataTicket.FromString,
             options,
             channel_credentials,
             insecure,

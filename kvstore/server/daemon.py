@@ -33,9 +33,10 @@ import grpc
 
 from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
 from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
-from kvstore.rpc.datapath import data_socket_path
+from kvstore.rpc.datapath import data_socket_path, max_frame_bytes
 from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.server.auth import AuthInterceptor, TokenTable
+from kvstore.server.channel import ChannelCalls
 from kvstore.server.datapath import DataPathServer
 from kvstore.server.fdpass import FdPassServer
 from kvstore.server.interceptors import ErrorInterceptor
@@ -216,8 +217,13 @@ class Daemon:
         # daemon has no TLS: were gRPC ever served over TLS, this plain socket must not be.
         self.datapath = DataPathServer(server, data_socket_path(self.socket_path),
                                        max_put_bytes(config)) if server.data_socket else None
-        add_to_server(KVStoreService(store, config, lambda: self.draining, self.datapath),
-                      self.server)
+        service = KVStoreService(store, config, lambda: self.draining, self.datapath)
+        add_to_server(service, self.server)
+        if self.datapath is not None and server.call_channel:
+            # Small calls in frames on the data socket, behind the same checks (channel.py).
+            self.datapath.offer_calls(
+                ChannelCalls(service.channel_cores(), limiter, self.metrics.observe),
+                max_frame_bytes(server.max_request_tokens, server.max_message_bytes))
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions
         self.fd_server = None if regions is None else FdPassServer(

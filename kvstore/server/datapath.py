@@ -13,6 +13,10 @@ Put); a ticket nobody presents is dropped at its deadline; a connection must sen
 within ``server.stream_idle_timeout_s`` and keep moving at least ``MIN_PROGRESS_BYTES`` per
 that interval; a connection that ends early or sends more than declared fails its transfer.
 A presented ticket is spent, whatever happens next. Nothing blocks the event loop.
+
+A ticket from OpenChannel turns its data connection into a call channel instead
+(``server/channel.py``): long-lived, bound to the caller and session the ticket went to, at
+most ``MAX_CHANNELS_PER_TENANT`` open per tenant.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from kvstore.errors import (
     CapacityError,
     ConfigError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     KVStoreError,
     LeaseNotFound,
@@ -41,15 +46,29 @@ from kvstore.errors import (
     shown,
 )
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.datapath import HELLO, TICKET_BYTES, new_ticket, parse_hello
+from kvstore.rpc.datapath import (
+    HELLO,
+    OPENED_ID,
+    TICKET_BYTES,
+    encode_frame,
+    new_ticket,
+    parse_hello,
+)
+from kvstore.rpc.status import status_for
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, TokenTable, authenticate
+from kvstore.server.channel import CallScope, ChannelCalls, error_reply, serve_channel
 from kvstore.server.limits import MIN_PROGRESS_BYTES
+from kvstore.server.sessions import Session
 from kvstore.server.sockets import bind_unix
 
 _log = logging.getLogger("kvstore.server.datapath")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
 MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
+# A client process opens one call channel (an engine: its scheduler and each worker), so a
+# tenant needs a few per host; each is a task and a connection the daemon keeps.
+MAX_CHANNELS_PER_TENANT = 32
+_CLOSE_WAIT_S = 1.0  # how long a closing channel may take to flush its last replies
 
 
 class BufferPool:
@@ -122,6 +141,15 @@ class Transfer:
                 self.buffer = self.storage = self.pieces = None
 
 
+class ChannelTicket:
+    """The context of a ticket from OpenChannel: the session its calls are granted under."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session | None) -> None:
+        self.session = session
+
+
 class DataPathServer:
     """Tickets and the listeners that serve them.
 
@@ -146,6 +174,9 @@ class DataPathServer:
         self._pool = BufferPool(min(POOL_MAX_BYTES, max_pending_bytes))
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
+        self._calls: ChannelCalls | None = None  # None: no call channels
+        self._max_frame_bytes = 0
+        self._channels: dict[str | None, int] = {}  # tenant -> call channels open
 
     # ------------------------------------------------------------------------------ tickets
 
@@ -161,6 +192,42 @@ class DataPathServer:
     def pooled_bytes(self) -> int:
         """Idle Put buffers kept for reuse."""
         return self._pool.num_bytes
+
+    def offer_calls(self, calls: ChannelCalls, max_frame_bytes: int) -> None:
+        """Serve call channels whose frames make ``calls``, request bodies of at most
+        ``max_frame_bytes``."""
+        self._calls, self._max_frame_bytes = calls, max_frame_bytes
+
+    @property
+    def calls(self) -> ChannelCalls | None:
+        """What call channels' frames make (None: no call channels)."""
+        return self._calls
+
+    @property
+    def offers_calls(self) -> bool:
+        return self._calls is not None
+
+    @property
+    def num_channels(self) -> int:
+        """Call channels open now."""
+        return sum(self._channels.values())
+
+    def open_channel(self, caller: Caller, peer: str, session: Session | None) -> Transfer:
+        """A ticket that opens a call channel for ``caller`` over ``peer``'s transport, its
+        calls granted under ``session``."""
+        if self._calls is None:
+            raise FailedPrecondition("this daemon serves no call channels (server.call_channel)"
+                                     "; make the calls over gRPC")
+        self._check_channels(caller)
+        self._check_room(caller, 0)
+        return self._add(Transfer(caller, transport_of(peer), None, False, self._deadline(),
+                                  ChannelTicket(session)))
+
+    def _check_channels(self, caller: Caller) -> None:
+        count = self._channels.get(caller.tenant, 0)
+        if count >= MAX_CHANNELS_PER_TENANT:
+            raise CapacityError(f"tenant {shown(caller.tenant)} holds {count} call channels, "
+                                "the most one tenant may; make the calls over gRPC")
 
     def serves(self, peer: str) -> bool:
         """Whether a caller at ``peer`` can reach a data socket of this daemon."""
@@ -338,7 +405,7 @@ class DataPathServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, address = await loop.sock_accept(listener)
-            if len(self._tasks) > self._max_transfers + len(self._listeners):
+            if len(self._tasks) - self.num_channels > self._max_transfers + len(self._listeners):
                 conn.close()  # more connections than tickets can exist: someone is flooding
                 continue
             transport = "unix" if kind == "unix" else address[0].removeprefix("::ffff:")
@@ -358,6 +425,10 @@ class DataPathServer:
             if transfer is None:
                 return
             transfer.task = asyncio.current_task()
+            if isinstance(transfer.context, ChannelTicket):
+                self.discard(transfer)  # spent: its place among the tickets goes back
+                await self._serve_channel(conn, transfer, transport)
+                return
             try:
                 if transfer.is_put:
                     await self._receive(conn, transfer)
@@ -402,8 +473,45 @@ class DataPathServer:
                 raise PermissionDenied("the data ticket was issued to another caller")
         except KVStoreError as exc:
             transfer.finish(exc)  # its call reports who presented it wrongly
+            if isinstance(transfer.context, ChannelTicket):  # nobody else will say why
+                await _refuse(conn, exc, self._idle_s)
             raise
         return transfer
+
+    async def _serve_channel(self, conn: socket.socket, transfer: Transfer,
+                             transport: str) -> None:
+        """Serve ``conn`` as a call channel of the ticket's caller until it ends."""
+        tenant = transfer.caller.tenant
+        try:
+            self._check_channels(transfer.caller)  # tickets may outnumber the room left
+        except CapacityError as exc:
+            await _refuse(conn, exc, self._idle_s)
+            return
+        calls = self._calls
+        if calls is None:
+            return
+        self._channels[tenant] = self._channels.get(tenant, 0) + 1
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+            peer = UNIX_PEER_PREFIX if transport == "unix" else f"ipv4:{transport}:0"
+            scope = CallScope(transfer.caller, peer, session=transfer.context.session)
+            try:
+                await serve_channel(reader, writer, calls, scope, self._max_frame_bytes,
+                                    self._idle_s)
+            finally:
+                writer.close()
+                try:
+                    async with asyncio.timeout(_CLOSE_WAIT_S):
+                        await writer.wait_closed()
+                except (TimeoutError, OSError):
+                    writer.transport.abort()  # a client that reads nothing: drop its replies
+                    await asyncio.sleep(0)  # the transport lets go of the socket first
+        finally:
+            left = self._channels[tenant] - 1
+            if left:
+                self._channels[tenant] = left
+            else:
+                del self._channels[tenant]
 
     async def _receive(self, conn: socket.socket, transfer: Transfer) -> None:
         """Read exactly the transfer's bytes into its buffer, then the client's end."""
@@ -491,6 +599,15 @@ class _Progress:
         if self._since >= MIN_PROGRESS_BYTES:
             self._since = 0
             self.deadline = self._loop.time() + self._idle_s
+
+
+async def _refuse(conn: socket.socket, exc: KVStoreError, idle_s: float) -> None:
+    """Answer a channel's hello with the error that refused it (the client raises it)."""
+    code, body = error_reply(status_for(exc), exc)
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(idle_s):
+            await asyncio.get_running_loop().sock_sendall(conn, encode_frame(code, OPENED_ID,
+                                                                             body))
 
 
 async def _recv_exactly(conn: socket.socket, num_bytes: int) -> bytes:

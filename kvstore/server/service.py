@@ -2,7 +2,9 @@
 
 Authentication, error translation and metrics are interceptors (auth.py, interceptors.py,
 metrics.py); this module only parses each request, applies the tenant rules of the caller
-(``auth.current_caller()``) and converts values to and from their wire form.
+(``auth.current_caller()``) and converts values to and from their wire form. The calls a call
+channel also carries (``CHANNEL_METHODS``) have a core taking ``(request, CallScope)``, which
+both the gRPC method and the channel (``server/channel.py``) run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvstore.rpc.convert import (
     stats_to_proto,
     tokens_from_bytes,
 )
+from kvstore.rpc.datapath import CHANNEL_METHODS
 from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.rpc.tensors import (
     ChunkAssembler,
@@ -54,6 +57,7 @@ from kvstore.rpc.tensors import (
     tensor_view,
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
+from kvstore.server.channel import CallScope, Core
 from kvstore.server.datapath import DataPathServer, Transfer
 from kvstore.server.limits import StreamClock
 from kvstore.server.sessions import HEARTBEAT_S, Sessions
@@ -88,10 +92,10 @@ def _device(name: str) -> str:
     return name
 
 
-def _require_unix(context, method: str, instead: str) -> None:
+def _require_unix(scope: CallScope, method: str, instead: str) -> None:
     """FailedPrecondition unless the caller is on the Unix socket: a zero-copy grant names
     arena pages that only a process on this host, handed the arena there, can map."""
-    if not context.peer().startswith(UNIX_PEER_PREFIX):
+    if not scope.peer.startswith(UNIX_PEER_PREFIX):
         raise FailedPrecondition(f"{method} hands out shared-memory pages, which a caller over "
                                  f"TCP cannot map; use {instead}, which streams the bytes")
 
@@ -140,10 +144,31 @@ class KVStoreService(pbg.KVStoreServicer):
         self._idle_s = config.server.stream_idle_timeout_s
         self._fd_socket_path = fd_socket_path(config.server.socket_path)  # Health tells clients
 
-    def _namespace(self, msg: pb.Namespace, action: str) -> Namespace:
+    def _namespace(self, msg: pb.Namespace, action: str, caller: Caller | None = None
+                   ) -> Namespace:
         ns = namespace_from_proto(msg)
-        current_caller().check_namespace_tenant(ns.tenant, action)
+        (caller or current_caller()).check_namespace_tenant(ns.tenant, action)
         return ns
+
+    @staticmethod
+    def _scope(context) -> CallScope:
+        """A gRPC call's caller and peer, for a handler core."""
+        return CallScope(current_caller(), context.peer(), context)
+
+    def _session(self, scope: CallScope):
+        """The session a call's grants go under: its channel's, or the one its metadata
+        names (None: neither)."""
+        if scope.session is not None or scope.context is None:
+            return scope.session
+        return self._sessions.of_call(scope.context.invocation_metadata(), scope.caller)
+
+    def channel_cores(self) -> dict[str, tuple[type, Core]]:
+        """The handler core of each method a call channel carries, with its request class."""
+        cores = {"Lookup": self.lookup, "Acquire": self.acquire, "Release": self.release,
+                 "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort}
+        methods = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+        return {name: (getattr(pb, methods[name].input_type.name), cores[name])
+                for name in CHANNEL_METHODS}
 
     def _tokens(self, data: bytes) -> np.ndarray:
         return tokens_from_bytes(data, self._max_tokens)
@@ -152,7 +177,10 @@ class KVStoreService(pbg.KVStoreServicer):
         return _seconds(value, "lease_s", MAX_LEASE_S, allow_zero=True) or None
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        ns = self._namespace(request.namespace, "look up")
+        return await self.lookup(request, self._scope(context))
+
+    async def lookup(self, request: pb.LookupRequest, scope: CallScope) -> pb.LookupResponse:
+        ns = self._namespace(request.namespace, "look up", scope.caller)
         result = await self._store.lookup(ns, self._tokens(request.tokens))
         return lookup_to_proto(result, packed=request.packed)
 
@@ -315,12 +343,25 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         caller = current_caller()
+        datapath = self._datapath_for(context)
         return pb.HealthResponse(
             status="DRAINING" if self._is_draining() else "SERVING", version=__version__,
             uptime_s=time.monotonic() - self._started, pid=os.getpid(),
             tenant=caller.tenant or "", is_admin=caller.is_admin,
             arena_path=self._fd_socket_path if self._store.host_regions is not None else "",
+            call_channel=datapath is not None and datapath.offers_calls,
         )
+
+    async def OpenChannel(self, request: pb.OpenChannelRequest, context) -> pb.DataTicket:
+        # The token was checked by the interceptor; the ticket binds the channel to this
+        # caller, its transport and the session its metadata names (server/channel.py).
+        datapath = self._datapath_for(context)
+        if datapath is None:
+            raise FailedPrecondition("this daemon offers no data socket to this caller "
+                                     "(server.data_socket), so no call channel")
+        scope = self._scope(context)
+        transfer = datapath.open_channel(scope.caller, scope.peer, self._session(scope))
+        return datapath.ticket_proto(transfer)
 
     async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:
         tenant = current_caller().scope(request.tenant, "list blocks")
@@ -332,19 +373,25 @@ class KVStoreService(pbg.KVStoreServicer):
         return pb.ListBlocksResponse(blocks=[block_info_to_proto(b) for b in blocks])
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        ns = self._namespace(request.namespace, "write")
-        _require_unix(context, "Reserve", "Put")
+        return await self.reserve(request, self._scope(context))
+
+    async def reserve(self, request: pb.ReserveRequest, scope: CallScope) -> pb.ReserveResponse:
+        ns = self._namespace(request.namespace, "write", scope.caller)
+        _require_unix(scope, "Reserve", "Put")
         lease_s = self._lease_s(request.lease_s)
-        session = self._sessions.of_call(context.invocation_metadata(), current_caller())
+        session = self._session(scope)
         reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s,
                                                 medium_from_proto(request.medium),
                                                 _device(request.device))
-        self._grants.add(reservation.reservation_id, current_caller(), reservation.deadline)
+        self._grants.add(reservation.reservation_id, scope.caller, reservation.deadline)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
         return reservation_to_proto(reservation, packed=request.packed)
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        self._grants.check(request.reservation_id, current_caller(), "reservation")
+        return await self.commit(request, self._scope(context))
+
+    async def commit(self, request: pb.CommitRequest, scope: CallScope) -> pb.CommitResponse:
+        self._grants.check(request.reservation_id, scope.caller, "reservation")
         if len(request.ready_event) > MAX_EVENT_HANDLE_BYTES:
             raise InvalidArgument(f"ready_event holds {len(request.ready_event)} bytes; a CUDA "
                                   f"IPC event handle has {MAX_EVENT_HANDLE_BYTES}")
@@ -354,26 +401,35 @@ class KVStoreService(pbg.KVStoreServicer):
         return pb.CommitResponse(tokens_published=published)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        self._grants.check(request.reservation_id, current_caller(), "reservation")
+        return await self.abort(request, self._scope(context))
+
+    async def abort(self, request: pb.AbortRequest, scope: CallScope) -> pb.AbortResponse:
+        self._grants.check(request.reservation_id, scope.caller, "reservation")
         self._sessions.forget(request.reservation_id)
         await self._store.abort(request.reservation_id)
         self._grants.discard(request.reservation_id)
         return pb.AbortResponse()
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        ns = self._namespace(request.namespace, "read")
-        _require_unix(context, "Acquire", "Get")
+        return await self.acquire(request, self._scope(context))
+
+    async def acquire(self, request: pb.AcquireRequest, scope: CallScope) -> pb.AcquireResponse:
+        ns = self._namespace(request.namespace, "read", scope.caller)
+        _require_unix(scope, "Acquire", "Get")
         lease_s = self._lease_s(request.lease_s)
-        session = self._sessions.of_call(context.invocation_metadata(), current_caller())
+        session = self._session(scope)
         lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
                                           medium_from_proto(request.medium), request.first_block,
                                           _device(request.device))
-        self._grants.add(lease.lease_id, current_caller(), lease.deadline)
+        self._grants.add(lease.lease_id, scope.caller, lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
         return lease_to_proto(lease, packed=request.packed)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        self._grants.check(request.lease_id, current_caller(), "lease")
+        return await self.release(request, self._scope(context))
+
+    async def release(self, request: pb.ReleaseRequest, scope: CallScope) -> pb.ReleaseResponse:
+        self._grants.check(request.lease_id, scope.caller, "lease")
         self._sessions.forget(request.lease_id)
         await self._store.release(request.lease_id)
         self._grants.discard(request.lease_id)

@@ -12,7 +12,13 @@ def test_rpc_bench_smoke():
     report = run_rpc_bench(total_bytes=32 << 20, lookup_repeats=5, small_call_s=0.2,
                            concurrency=4, redis_repeats=1)
     rows = {row["measurement"]: row for row in report.rows}
-    assert len(rows) == 12 + (8 if redis_available() else 0)
+    assert len(rows) == 19 + (8 if redis_available() else 0)
+    channel_rows = [r for name, r in rows.items() if name.endswith("channel vs gRPC")]
+    assert len(channel_rows) == 7  # Lookup p50/p99 at 8k and 32k, one-block put/get, calls/s
+    for row in channel_rows:
+        assert row["value"] > 0 and row["grpc"] > 0 and row["vs_grpc"] > 0
+    for row in channel_rows[:4]:
+        assert row["floor"] > 0 and row["vs_floor"] > 0 and row["grpc_vs_floor"] > 0
     for name in ("Lookup 8k-token prefix p50", "Lookup 32k-token prefix p99",
                  "put 2 MiB blocks, socket", "get 2 MiB blocks, shared memory"):
         assert rows[name]["value"] > 0 and rows[name]["echo"] > 0
