@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.datapath import (
     FRAME,
@@ -77,14 +77,18 @@ class ChannelCalls:
         cores: method name -> (request message class, handler core).
         limiter: the daemon's per-caller rate limit (None: off), shared with gRPC calls.
         observe: ``Metrics.observe``, called once per call with its method, code and time.
+        is_draining: True once the daemon stops taking calls (gRPC refuses new ones then): a
+            channel's new calls are refused too, with Unavailable.
     """
 
     def __init__(self, cores: dict[str, tuple[type[Message], Core]],
                  limiter: RateLimiter | None,
-                 observe: Callable[[str, grpc.StatusCode, float], None]) -> None:
+                 observe: Callable[[str, grpc.StatusCode, float], None],
+                 is_draining: Callable[[], bool] = lambda: False) -> None:
         self._cores = cores
         self._limiter = limiter
         self._observe = observe
+        self._is_draining = is_draining
         self.num_calls = 0  # calls answered, since the daemon started
         self.most_in_flight = 0  # the most frames one channel ever had unanswered at once
 
@@ -95,6 +99,8 @@ class ChannelCalls:
         """Run one call; ``(status code, body)`` of its reply frame."""
         start, code = time.perf_counter(), grpc.StatusCode.OK
         try:
+            if self._is_draining():
+                raise Unavailable(f"the daemon is shutting down: {method} was not run")
             if self._limiter is not None:
                 caller = scope.caller
                 self._limiter.check(f"tenant {caller.tenant}" if caller.tenant is not None

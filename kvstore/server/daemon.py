@@ -222,7 +222,8 @@ class Daemon:
         if self.datapath is not None and server.call_channel:
             # Small calls in frames on the data socket, behind the same checks (channel.py).
             self.datapath.offer_calls(
-                ChannelCalls(service.channel_cores(), limiter, self.metrics.observe),
+                ChannelCalls(service.channel_cores(), limiter, self.metrics.observe,
+                             lambda: self.draining),
                 max_frame_bytes(server.max_request_tokens, server.max_message_bytes))
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions

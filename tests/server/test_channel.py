@@ -129,6 +129,25 @@ async def test_small_calls_go_over_the_channel_with_the_grpc_results(daemon):
         assert (await client.stats()).active_leases == 0
 
 
+async def test_a_draining_daemon_runs_no_new_channel_call(daemon):
+    """Once the daemon drains, gRPC refuses new calls; a channel opened before refuses them
+    too, with Unavailable, instead of running them against a store about to close."""
+    reader, writer, opened = await raw_channel(daemon)
+    assert opened[:2] == (0, OPENED_ID)
+    writer.write(lookup_frame(1, list(range(32))))
+    status, request_id, _ = await read_frame(reader)
+    assert (status, request_id) == (0, 1)
+    daemon.draining = True
+    try:
+        writer.write(lookup_frame(2, list(range(32))))
+        status, request_id, body = await read_frame(reader)
+        assert (status, request_id) == (SC.UNAVAILABLE.value[0], 2)
+        assert "shutting down" in pb.CallError.FromString(body).details
+    finally:
+        daemon.draining = False
+        writer.close()
+
+
 async def test_metrics_count_channel_calls_per_method(daemon):
     async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as client:
         for _ in range(3):
