@@ -49,7 +49,7 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import Namespace
-from kvstore.madvise import MADV_HUGEPAGE, MADVISE
+from kvstore.madvise import fresh_tensor
 from kvstore.page import (
     F_SEAL_FUTURE_WRITE,
     Page,
@@ -73,12 +73,10 @@ from kvstore.rpc.fdpass import (
 # that has just started is used within a second.
 PROBE_RETRY_S = 1.0
 _clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
-HUGE_PAGE_BYTES = 2 << 20
 # A shared-memory put of more K/V than this reserves and commits it in pieces this big: a
 # piece's staging slots and its published copies are both in the DRAM tier until its commit
 # ends, so a whole prompt at once would need twice its size there.
 PUT_PIECE_BYTES = 256 << 20
-HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
 
 
 class ZeroCopy:
@@ -317,46 +315,12 @@ def _check_host(medium: Medium) -> None:
         raise InvalidArgument(f"a {medium.value} slot cannot be mapped through the host arena")
 
 
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for a get's result, backed by transparent huge pages where
-    the kernel gives them on request (``madvise`` mode).
-
-    A large allocation is fresh memory each time (glibc maps and unmaps it), and faulting it in
-    4 KiB at a time cost more than the copy into it: 57-72 ms against 18 ms with huge pages for
-    32 MiB on the 2-core box (2026-12-01), where a copy into warm memory took 12 ms.
-    """
-    out = torch.empty(shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if nbytes >= HUGE_ADVICE_MIN_BYTES and MADVISE is not None:
-        start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        end = (out.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-        if end > start:
-            MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
-    return out
-
-
 def check_get_out(ns: Namespace, num_tokens: int, out: torch.Tensor | None) -> None:
     """InvalidArgument unless ``out`` (a get's caller-owned result buffer; None: a fresh
-    tensor per get) can hold the K/V of every full block of ``num_tokens`` tokens: a
-    C-contiguous CPU tensor of the namespace's dtype, shaped ``[L, 2, T, H, D]`` with ``T`` at
-    least those blocks' tokens (a buffer sized for the longest prompt serves shorter ones)."""
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise InvalidArgument(f"out must be a torch.Tensor, got {type(out).__name__}")
-    spec = ns.spec
-    if out.device.type != "cpu":
-        raise InvalidArgument(f"out must be a CPU tensor, got one on {out.device}")
-    if out.dtype != spec.torch_dtype:
-        raise InvalidArgument(f"out is {out.dtype}; the namespace's K/V are {spec.torch_dtype}")
-    need = num_tokens // spec.block_tokens * spec.block_tokens
-    expected = spec.shape(need)
-    if (out.dim() != len(expected) or out.shape[:2] != expected[:2]
-            or out.shape[3:] != expected[3:] or out.shape[2] < need):
-        raise InvalidArgument(f"out has shape {tuple(out.shape)}; a get of {num_tokens} tokens "
-                              f"needs {tuple(expected)} (or more tokens on dim 2)")
-    if not out.is_contiguous():
-        raise InvalidArgument("out must be contiguous (C order), as torch.empty makes it")
+    tensor per get) can hold the K/V of every full block of ``num_tokens`` tokens
+    (``KVSpec.check_out``)."""
+    if out is not None:
+        ns.spec.check_out(out, num_tokens)
 
 
 def check_in_time(lease: Lease) -> None:
