@@ -613,3 +613,16 @@ async def test_in_process_puts_store_version_2_pages_with_aligned_sections(store
     damaged[start + 100] ^= 0x10
     with pytest.raises(CorruptPage, match="payload checksum"):
         decode_page(damaged, expected_key=key)
+
+
+async def test_a_put_too_large_for_dram_is_framed_for_the_ssd_instead(tmp_path):
+    """Puts hand the DRAM tier pages to frame in place; a page it cannot hold (larger than
+    its whole capacity) is framed into a buffer and written to the SSD, and served from there
+    bit-exact."""
+    ns = Namespace(model_id="test/model", spec=BIG_SPEC, tenant="acme")
+    tokens, kv = random_tokens(32), random_kv(BIG_SPEC, 32)
+    async with Store(make_config(tmp_path, dram_bytes=BIG_SPEC.block_bytes // 2)) as store:
+        assert await store.put(ns, tokens, kv) == 32
+        stats = store.stats()
+        assert stats.tiers["dram"].num_blocks == 0 and stats.tiers["ssd"].num_blocks == 2
+        assert torch.equal(await store.get(ns, tokens), kv)
