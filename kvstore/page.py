@@ -277,6 +277,15 @@ def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None =
     return _make_page(*_parse_header(buf, expected_key), is_trusted)
 
 
+def trusted_payload(buf: bytes | bytearray | memoryview, expected_key: bytes) -> memoryview:
+    """The payload of the page of ``expected_key`` at ``buf`` in published memory (trusted:
+    the module docstring), from its header alone: magic, version, key and lengths checked,
+    the meta left unparsed (a reader that needs it calls ``parse_page``). CorruptPage names
+    what is wrong."""
+    view, fields = _parse_header(buf, expected_key)
+    return view[HEADER_BYTES + fields[7] : _page_end(fields)]
+
+
 def verify_page(page: Page) -> None:
     """Check a parsed page's checksum (one xxh3 pass) unless it is trusted; CorruptPage if it
     fails.

@@ -157,3 +157,19 @@ def test_a_pending_page_frames_the_same_bytes_wherever_it_is_written():
         assert torch.equal(decode(decode_page(expected, META.key).payload), kv)
         with pytest.raises(CapacityError):
             page.write_into(memoryview(bytearray(page.nbytes - 1)))
+
+
+def test_trusted_payload_reads_the_header_alone_and_still_checks_it():
+    """``trusted_payload`` (pages in published memory) returns the payload ``parse_page``
+    does, without the meta; a wrong key, a bad magic or a truncated page is still refused."""
+    from kvstore.page import trusted_payload
+
+    page = encode_page(META, b"payload bytes")
+    assert bytes(trusted_payload(page, META.key)) == b"payload bytes"
+    assert bytes(trusted_payload(page, META.key)) == bytes(parse_page(page, META.key).payload)
+    with pytest.raises(CorruptPage, match="expected"):
+        trusted_payload(page, BlockKey(b"x" * 16))
+    with pytest.raises(CorruptPage, match="magic"):
+        trusted_payload(b"XXXX" + page[4:], META.key)
+    with pytest.raises(CorruptPage, match="truncated"):
+        trusted_payload(page[:-1], META.key)
