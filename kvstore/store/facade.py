@@ -124,7 +124,9 @@ def _page_of(block: _Encoded | PendingPage) -> memoryview | PendingPage:
 
 
 class WriteBuffers:
-    """Buffers that in-process puts write their pages into, kept for the next put.
+    """Buffers that in-process puts write their pages into, kept for the next put: puts to a
+    fastest tier that takes finished pages only (one that frames them in place,
+    ``InPlaceWrites``, needs none), and lifts.
 
     A fresh buffer costs a page fault per 4 KiB on its first write (on the 2-core box a 32 MiB
     put spent 62 ms encoding into fresh buffers against 4 ms for one copy into warm memory),
