@@ -627,7 +627,7 @@ class Store:
             self._dir.pin([entry])
             held.append(entry)
             written += 1
-        del blocks  # the views into the buffer (or the caller's K/V), before it can be reused
+        del blocks, block  # the views into the buffer (or the caller's K/V), before its reuse
         if buffer is not None:
             self._buffers.give(buffer)  # every write has returned: no tier holds a view
         return written

@@ -149,7 +149,10 @@ async def test_restart_serves_ssd_blocks(tmp_path, ns, spec):
         assert {r.block_index for r in rows} == {0, 1, 2, 3}
 
 
-async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec):
+@pytest.mark.parametrize("into", ["fresh", "out"])
+async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec, into):
+    """A get (into a fresh result, or into the caller's buffer: then a view of its front)
+    ends before a block that fails verification."""
     cfg = make_config(tmp_path)
     tokens, kv = random_tokens(64), random_kv(spec, 64)
     async with Store(cfg) as store:
@@ -162,8 +165,10 @@ async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec):
     data[pos + 200] ^= 0xFF
     segments[0].write_bytes(bytes(data))
     async with Store(cfg) as store:
-        got = await store.get(ns, tokens)
+        buf = torch.zeros(spec.shape(64), dtype=spec.torch_dtype) if into == "out" else None
+        got = await store.get(ns, tokens, out=buf)
         assert got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])  # never the bad block
+        assert buf is None or got.data_ptr() == buf.data_ptr()
         assert store.stats().tiers["ssd"].corrupt == 1
         assert (await store.lookup(ns, tokens)).matched_tokens == 32
 
