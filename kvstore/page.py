@@ -157,6 +157,49 @@ def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload,
     return total
 
 
+class PendingPage:
+    """A page not framed yet: its meta and its codec payload, written where it will live.
+
+    ``write_into`` frames it straight into a tier's own memory (``write_page``, by default
+    ``aligned``: the payload copied, or quantised, and hashed once, in one pass, and no
+    finished page to copy again); ``finished`` frames it once into a buffer of its own, for a tier that takes only
+    finished pages. The payload may be a view of the caller's K/V: a pending page lives only
+    while the put that made it runs.
+    """
+
+    __slots__ = ("_finished", "aligned", "meta", "nbytes", "payload")
+
+    def __init__(self, meta: PageMeta, payload: Payload, aligned: bool = True) -> None:
+        self.meta = meta
+        self.payload = payload
+        self.aligned = aligned  # ``write_page``'s: a version 2 page (else 1, unpadded)
+        self.nbytes = page_bytes(payload if aligned else payload.nbytes, meta)
+        self._finished: memoryview | None = None
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def write_into(self, out: memoryview) -> None:
+        """Frame the page at the front of ``out`` (at least ``nbytes`` long)."""
+        written = write_page(out, self.meta, self.payload, aligned=self.aligned)
+        if written != self.nbytes:  # a payload that changed size since it was measured
+            raise CapacityError(f"page of key {bytes(self.meta.key).hex()} came out {written} "
+                                f"bytes, not the {self.nbytes} it was sized as")
+
+    def finished(self) -> memoryview:
+        """The framed page in a buffer of its own (framed on the first call)."""
+        if self._finished is None:
+            buf = memoryview(bytearray(self.nbytes))
+            self.write_into(buf)
+            self._finished = buf
+        return self._finished
+
+
+def finished_page(page: bytes | memoryview | PendingPage) -> bytes | memoryview:
+    """``page`` as bytes: a pending page framed into a buffer of its own, others as they are."""
+    return page.finished() if isinstance(page, PendingPage) else page
+
+
 def _is_blob_plan(payload: Payload) -> bool:
     from kvstore.codecs.base import BlobPlan  # codecs import page's neighbours, not page
 
@@ -232,6 +275,15 @@ def parse_page(buf: bytes | bytearray | memoryview, expected_key: bytes | None =
     memory only (the module docstring): ``verify_page`` then accepts the page as it is.
     """
     return _make_page(*_parse_header(buf, expected_key), is_trusted)
+
+
+def trusted_payload(buf: bytes | bytearray | memoryview, expected_key: bytes) -> memoryview:
+    """The payload of the page of ``expected_key`` at ``buf`` in published memory (trusted:
+    the module docstring), from its header alone: magic, version, key and lengths checked,
+    the meta left unparsed (a reader that needs it calls ``parse_page``). CorruptPage names
+    what is wrong."""
+    view, fields = _parse_header(buf, expected_key)
+    return view[HEADER_BYTES + fields[7] : _page_end(fields)]
 
 
 def verify_page(page: Page) -> None:

@@ -115,6 +115,30 @@ class KVSpec:
             raise InvalidArgument(f"kv holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
         return kv
 
+    def check_out(self, out: Any, num_tokens: int) -> torch.Tensor:
+        """Validate ``out``, a get's caller-owned result buffer, and return its front view for
+        the full blocks of ``num_tokens``; raise InvalidArgument naming the fault.
+
+        It must be a C-contiguous CPU tensor of this spec's dtype, shaped ``[L, 2, T, H, D]``
+        with ``T`` at least those blocks' tokens (a buffer sized for the longest prompt serves
+        shorter ones).
+        """
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgument(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.device.type != "cpu":
+            raise InvalidArgument(f"out must be a CPU tensor, got one on {out.device}")
+        if out.dtype != self.torch_dtype:
+            raise InvalidArgument(f"out is {out.dtype}; the namespace's K/V are {self.torch_dtype}")
+        need = num_tokens // self.block_tokens * self.block_tokens
+        expected = self.shape(need)
+        if (out.dim() != len(expected) or out.shape[:2] != expected[:2]
+                or out.shape[3:] != expected[3:] or out.shape[2] < need):
+            raise InvalidArgument(f"out has shape {tuple(out.shape)}; a get of {num_tokens} tokens "
+                                  f"needs {tuple(expected)} (or more tokens on dim 2)")
+        if not out.is_contiguous():
+            raise InvalidArgument("out must be contiguous (C order), as torch.empty makes it")
+        return out[:, :, :need]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_layers": self.num_layers,

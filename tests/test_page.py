@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from kvstore.errors import CorruptPage
+from kvstore.errors import CapacityError, CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import (
     HEADER_BYTES,
@@ -126,3 +127,49 @@ def test_any_flipped_byte_of_a_version_2_page_is_detected(where):
     buf[offset] ^= 0x40
     with pytest.raises(CorruptPage):
         decode_page(buf, expected_key=META.key)
+
+
+def test_a_pending_page_frames_the_same_bytes_wherever_it_is_written():
+    """``PendingPage``: ``write_into`` a buffer and ``finished`` give the page
+    ``write_page`` frames (version 2 by default, version 1 unpadded when not ``aligned``), and
+    both decode to the K/V."""
+    from kvstore.codecs import RawCodec, decode
+    from kvstore.page import (
+        PAGE_VERSION,
+        PAGE_VERSION_BLOB_SUM,
+        PendingPage,
+        page_bytes,
+        write_page,
+    )
+
+    kv = torch.randn(2, 2, 16, 4, 8).to(torch.bfloat16)
+    for aligned, version in ((True, PAGE_VERSION_BLOB_SUM), (False, PAGE_VERSION)):
+        page = PendingPage(META, RawCodec().prepare(kv), aligned=aligned)
+        payload = RawCodec().prepare(kv)
+        assert len(page) == page.nbytes == page_bytes(payload if aligned else payload.nbytes,
+                                                      META)
+        buf = bytearray(page.nbytes + 10)
+        page.write_into(memoryview(buf))
+        expected = bytearray(page.nbytes)
+        write_page(expected, META, payload, aligned=aligned)
+        assert bytes(buf[:page.nbytes]) == bytes(expected) == bytes(page.finished())
+        assert expected[4] == version
+        assert torch.equal(decode(decode_page(expected, META.key).payload), kv)
+        with pytest.raises(CapacityError):
+            page.write_into(memoryview(bytearray(page.nbytes - 1)))
+
+
+def test_trusted_payload_reads_the_header_alone_and_still_checks_it():
+    """``trusted_payload`` (pages in published memory) returns the payload ``parse_page``
+    does, without the meta; a wrong key, a bad magic or a truncated page is still refused."""
+    from kvstore.page import trusted_payload
+
+    page = encode_page(META, b"payload bytes")
+    assert bytes(trusted_payload(page, META.key)) == b"payload bytes"
+    assert bytes(trusted_payload(page, META.key)) == bytes(parse_page(page, META.key).payload)
+    with pytest.raises(CorruptPage, match="expected"):
+        trusted_payload(page, BlockKey(b"x" * 16))
+    with pytest.raises(CorruptPage, match="magic"):
+        trusted_payload(b"XXXX" + page[4:], META.key)
+    with pytest.raises(CorruptPage, match="truncated"):
+        trusted_payload(page[:-1], META.key)

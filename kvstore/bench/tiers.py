@@ -1,7 +1,7 @@
 """``kvstore bench tiers``: put/get GB/s of the DRAM and SSD tiers against memcpy and ``dd``.
 
 Each tier path moves 2 MiB blocks the way the store does. A DRAM put is ``Store.put``'s work:
-encode the block (codec blob, page header, checksums) and write the page. An SSD put is a
+the tier frames the block's page (codec blob, page header, checksum) straight into its slot. An SSD put is a
 demotion's work: write a page that is already encoded (the encoding is timed apart and noted).
 A get reads and verifies the page and decodes its payload into a torch tensor in the canonical
 layout, one block at a time as ``Store.get`` does. The baselines move the same bytes in the same
@@ -33,7 +33,7 @@ from kvstore.bench.report import BenchReport, Column
 from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys
-from kvstore.page import PageMeta, encode_page, page_bytes, write_page
+from kvstore.page import PageMeta, PendingPage, encode_page, page_bytes, write_page
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder
 from kvstore.tiers.base import Tier
@@ -94,9 +94,15 @@ class _Workload:
         """Block ``i`` as a page of its own: codec blob inside a checksummed page."""
         return encode_page(self.metas[i], self.codec.encode(self.block(i)))
 
+    def pending_page(self, i: int) -> PendingPage:
+        """Block ``i`` as ``Store.put`` hands it to the DRAM tier: a page the tier frames
+        straight into its published slot (``DramTier.write_pending``)."""
+        return PendingPage(self.metas[i], self.codec.prepare(self.block(i)))
+
     def put_page(self, i: int) -> memoryview:
-        """Block ``i`` encoded as ``Store.put`` encodes it: written straight into a reused
-        buffer (valid until the next call: for one put in flight at a time)."""
+        """Block ``i`` encoded as ``Store.put`` encodes it for a tier that copies finished
+        pages: written straight into a reused buffer (valid until the next call: for one put
+        in flight at a time)."""
         payload = self.codec.prepare(self.block(i))
         nbytes = page_bytes(payload.nbytes, self.metas[i])
         if len(self.put_buffer) < nbytes:
@@ -149,7 +155,8 @@ def memcpy_pass(work: _Workload, ring_bytes: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-WriteFn = Callable[[BlockKey, bytes | memoryview, PageMeta], Awaitable[bool]]
+Page = bytes | memoryview | PendingPage
+WriteFn = Callable[[BlockKey, Page, PageMeta], Awaitable[bool]]
 
 
 async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitable[None]]
@@ -174,7 +181,7 @@ async def _windowed(num_ops: int, queue_depth: int, op: Callable[[int], Awaitabl
     return time.perf_counter() - start
 
 
-async def _put_pass(work: _Workload, page_of: Callable[[int], bytes | memoryview],
+async def _put_pass(work: _Workload, page_of: Callable[[int], Page],
                     write: WriteFn, tier_name: str, queue_depth: int) -> float:
     async def put(i: int) -> None:
         meta = work.metas[i]
@@ -229,12 +236,15 @@ async def bench_dram(work: _Workload, ring: torch.Tensor, repeat: int
                                chunk_bytes=chunk_bytes))
     ring_bytes = torch.zeros(RING_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
     samples: dict[str, list[float]] = {"memcpy": [], "put": [], "get": [], "get_prefix": []}
+
     memcpy_pass(work, ring_bytes)  # untimed: the first touch of fresh memory is not the copy
     await tier.open()
     try:
         for _ in range(repeat):
             samples["memcpy"].append(memcpy_pass(work, ring_bytes))
-            samples["put"].append(await _put_pass(work, work.put_page, tier.write, tier.name, 1))
+            samples["put"].append(await _put_pass(
+                work, work.pending_page, lambda key, page, _: tier.write_pending(key, page),
+                tier.name, 1))
             samples["get"].append(await _get_pass(work, tier, ring))
             _check_ring(work, ring, tier.name)
             samples["get_prefix"].append(await _get_pass(work, tier, ring, PREFIX_BLOCKS))

@@ -38,7 +38,7 @@ import torch
 
 from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
-from kvstore.codecs.base import BLOB_MAGIC, as_array, check_out, section_tensor, unpack_blob
+from kvstore.codecs.base import BLOB_MAGIC, as_array, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
 from kvstore.errors import (
     CapacityError,
@@ -49,16 +49,15 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import Namespace
-from kvstore.madvise import MADV_HUGEPAGE, MADVISE
+from kvstore.madvise import fresh_tensor
 from kvstore.page import (
     F_SEAL_FUTURE_WRITE,
-    Page,
     PageMeta,
     decode_page,
     is_published,
     is_retired,
     page_bytes,
-    parse_page,
+    trusted_payload,
     write_page,
 )
 from kvstore.rpc.fdpass import (
@@ -73,12 +72,10 @@ from kvstore.rpc.fdpass import (
 # that has just started is used within a second.
 PROBE_RETRY_S = 1.0
 _clock = time.monotonic  # what the retry interval is measured with (tests substitute it)
-HUGE_PAGE_BYTES = 2 << 20
 # A shared-memory put of more K/V than this reserves and commits it in pieces this big: a
 # piece's staging slots and its published copies are both in the DRAM tier until its commit
 # ends, so a whole prompt at once would need twice its size there.
 PUT_PIECE_BYTES = 256 << 20
-HUGE_ADVICE_MIN_BYTES = 4 << 20  # below this, at most one huge page fits inside a result
 
 
 class ZeroCopy:
@@ -261,14 +258,14 @@ class ArenaMaps:
         by the daemon and nobody can change them."""
         return region in self._published
 
-    def page(self, region: str, offset: int, length: int, key: bytes) -> Page:
-        """The verified page of ``key`` at ``offset`` in ``region``: checked against its
-        checksum, unless the region is published memory (the daemon checked it, nobody can
-        change it since; only its header is parsed)."""
+    def payload(self, region: str, offset: int, length: int, key: bytes) -> memoryview:
+        """The verified payload of the page of ``key`` at ``offset`` in ``region``: checked
+        against its page checksum, unless the region is published memory (the daemon checked
+        it, nobody can change it since: only its header is parsed, ``trusted_payload``)."""
         view = self.view(region, offset, length)
         if self.is_trusted(region):
-            return parse_page(view, key, is_trusted=True)
-        return decode_page(view, expected_key=key)
+            return trusted_payload(view, key)
+        return decode_page(view, expected_key=key).payload
 
     def drop_retired(self) -> int:
         """Close the mappings and descriptors of published regions the daemon gave back;
@@ -317,46 +314,12 @@ def _check_host(medium: Medium) -> None:
         raise InvalidArgument(f"a {medium.value} slot cannot be mapped through the host arena")
 
 
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for a get's result, backed by transparent huge pages where
-    the kernel gives them on request (``madvise`` mode).
-
-    A large allocation is fresh memory each time (glibc maps and unmaps it), and faulting it in
-    4 KiB at a time cost more than the copy into it: 57-72 ms against 18 ms with huge pages for
-    32 MiB on the 2-core box (2026-12-01), where a copy into warm memory took 12 ms.
-    """
-    out = torch.empty(shape, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if nbytes >= HUGE_ADVICE_MIN_BYTES and MADVISE is not None:
-        start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        end = (out.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-        if end > start:
-            MADVISE(start, end - start, MADV_HUGEPAGE)  # advice only: refusals change nothing
-    return out
-
-
 def check_get_out(ns: Namespace, num_tokens: int, out: torch.Tensor | None) -> None:
     """InvalidArgument unless ``out`` (a get's caller-owned result buffer; None: a fresh
-    tensor per get) can hold the K/V of every full block of ``num_tokens`` tokens: a
-    C-contiguous CPU tensor of the namespace's dtype, shaped ``[L, 2, T, H, D]`` with ``T`` at
-    least those blocks' tokens (a buffer sized for the longest prompt serves shorter ones)."""
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise InvalidArgument(f"out must be a torch.Tensor, got {type(out).__name__}")
-    spec = ns.spec
-    if out.device.type != "cpu":
-        raise InvalidArgument(f"out must be a CPU tensor, got one on {out.device}")
-    if out.dtype != spec.torch_dtype:
-        raise InvalidArgument(f"out is {out.dtype}; the namespace's K/V are {spec.torch_dtype}")
-    need = num_tokens // spec.block_tokens * spec.block_tokens
-    expected = spec.shape(need)
-    if (out.dim() != len(expected) or out.shape[:2] != expected[:2]
-            or out.shape[3:] != expected[3:] or out.shape[2] < need):
-        raise InvalidArgument(f"out has shape {tuple(out.shape)}; a get of {num_tokens} tokens "
-                              f"needs {tuple(expected)} (or more tokens on dim 2)")
-    if not out.is_contiguous():
-        raise InvalidArgument("out must be contiguous (C order), as torch.empty makes it")
+    tensor per get) can hold the K/V of every full block of ``num_tokens`` tokens
+    (``KVSpec.check_out``)."""
+    if out is not None:
+        ns.spec.check_out(out, num_tokens)
 
 
 def check_in_time(lease: Lease) -> None:
@@ -373,7 +336,7 @@ def check_in_time(lease: Lease) -> None:
 
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
                out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The K/V of a lease's pinned pages, each verified once (``ArenaMaps.page``: its page
+    """The K/V of a lease's pinned pages, each verified once (``ArenaMaps.payload``: its page
     checksum against its key, or none in published memory) and then decoded without checking
     the blob checksum inside it again.
 
@@ -384,17 +347,28 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
     maps.drop_retired()
     if not lease.blocks:
         return None
-    bt = ns.spec.block_tokens
+    spec = ns.spec
+    bt = spec.block_tokens
     num_tokens = len(lease.blocks) * bt
     if out is None:
-        out = fresh_tensor(ns.spec.shape(num_tokens), ns.spec.torch_dtype)
+        out = fresh_tensor(spec.shape(num_tokens), spec.torch_dtype)
     else:
         check_get_out(ns, num_tokens, out)
         out = out[:, :, :num_tokens]
+    # Per page a header parse and one numpy copy (one thread, whatever the caller's torch
+    # thread settings), no torch view: on the 2-core box the page's meta JSON and torch views
+    # cost 80 us a 2 MiB page beside a 220-270 us copy (2026-12-01).
+    dst = as_array(out)
+    block_shape = spec.shape(bt)
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
-        page = maps.page(loc.region, loc.offset, loc.length, loc.key)
-        _decode_into(page.payload, out[:, :, i * bt : (i + 1) * bt])
+        payload = maps.payload(loc.region, loc.offset, loc.length, loc.key)
+        section = _raw_section(payload, block_shape, spec.torch_dtype)
+        if section is None:
+            codecs.decode(payload, out=out[:, :, i * bt : (i + 1) * bt], verify=False)
+        else:
+            src = np.frombuffer(section, dtype=dst.dtype).reshape(block_shape)
+            np.copyto(dst[:, :, i * bt : (i + 1) * bt], src)
     return out
 
 
@@ -408,34 +382,20 @@ def fill_out(kv: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor 
     return front
 
 
-def _decode_into(payload: memoryview, out: torch.Tensor) -> None:
-    """Decode a verified page's payload into ``out``. A raw blob is copied by numpy (one
-    thread, whatever the caller's torch thread settings); other codecs decode as usual."""
+def _raw_section(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+                 ) -> memoryview | None:
+    """The K/V bytes of a verified raw page's payload in place (C order); None for other
+    codecs. CodecError if it holds another shape or dtype than expected."""
     if bytes(payload[:4]) != BLOB_MAGIC or len(payload) < 6 or payload[5] != RawCodec.codec_id:
-        codecs.decode(payload, out=out, verify=False)
-        return
-    parts = unpack_blob(payload, verify=False)
-    src = section_tensor(parts.sections[0], parts.dtype, parts.shape)
-    check_out(out, parts.dtype, parts.shape)
-    np.copyto(as_array(out), as_array(src))
-
-
-BlockVisitor = Callable[[int, torch.Tensor], None]  # (block index, its K/V [L, 2, bt, H, D])
-
-
-def _raw_block(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
-               ) -> torch.Tensor | None:
-    """A read-only view of a verified raw page's K/V in place, or None for other codecs."""
-    parts = unpack_blob(payload, verify=False)  # the page checksum covered the blob
-    if parts.codec_id != RawCodec.codec_id:
         return None
+    parts = unpack_blob(payload, verify=False)  # the page checksum covered the blob
     if parts.dtype != dtype or parts.shape != shape:
         raise CodecError(f"page holds {parts.dtype} {parts.shape}, the namespace expects "
                          f"{dtype} {shape}")
-    with warnings.catch_warnings():
-        # The lease's pages are mapped read-only; the visitor only reads the view.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return section_tensor(parts.sections[0], parts.dtype, parts.shape)
+    return parts.sections[0]
+
+
+BlockVisitor = Callable[[int, torch.Tensor], None]  # (block index, its K/V [L, 2, bt, H, D])
 
 
 def visit_lease(maps: ArenaMaps, ns: Namespace, lease: Lease, visit: BlockVisitor,
@@ -457,11 +417,16 @@ def visit_lease(maps: ArenaMaps, ns: Namespace, lease: Lease, visit: BlockVisito
     for i in range(first_block, len(lease.blocks)):
         loc = lease.blocks[i]
         _check_host(loc.medium)
-        page = maps.page(loc.region, loc.offset, loc.length, loc.key)
-        kv = _raw_block(page.payload, shape, dtype)
-        if kv is None:
+        payload = maps.payload(loc.region, loc.offset, loc.length, loc.key)
+        section = _raw_section(payload, shape, dtype)
+        if section is not None:
+            with warnings.catch_warnings():
+                # The lease's pages are mapped read-only; the visitor only reads the view.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                kv = section_tensor(section, dtype, shape)
+        else:
             scratch = scratch if scratch is not None else torch.empty(shape, dtype=dtype)
-            kv = codecs.decode(page.payload, out=scratch, verify=False)
+            kv = codecs.decode(payload, out=scratch, verify=False)
         visit(i, kv)
     return len(lease.blocks)
 

@@ -31,7 +31,8 @@ from kvstore.codecs.raw import RawCodec
 from kvstore.config import KVStoreConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, shown
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
-from kvstore.page import Page, PageMeta, page_bytes, write_page
+from kvstore.madvise import fresh_tensor
+from kvstore.page import Page, PageMeta, PendingPage
 from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder, Footprint
 from kvstore.policy.cost import PrefillModel, advise
@@ -41,7 +42,14 @@ from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.leases import LeaseManager, page_bound
 from kvstore.store.placement import Link, Placement
-from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, SharedTier, Tier
+from kvstore.tiers.base import (
+    DevicePages,
+    FdRegions,
+    HostPinning,
+    InPlaceWrites,
+    SharedTier,
+    Tier,
+)
 
 log = logging.getLogger("kvstore.store")
 
@@ -111,8 +119,14 @@ class _Encoded:
     data: memoryview  # the page, in a buffer of the put's ``WriteBuffers``
 
 
+def _page_of(block: _Encoded | PendingPage) -> memoryview | PendingPage:
+    return block if isinstance(block, PendingPage) else block.data
+
+
 class WriteBuffers:
-    """Buffers that in-process puts write their pages into, kept for the next put.
+    """Buffers that in-process puts write their pages into, kept for the next put: puts to a
+    fastest tier that takes finished pages only (one that frames them in place,
+    ``InPlaceWrites``, needs none), and lifts.
 
     A fresh buffer costs a page fault per 4 KiB on its first write (on the 2-core box a 32 MiB
     put spent 62 ms encoding into fresh buffers against 4 ms for one copy into warm memory),
@@ -270,20 +284,7 @@ class Store:
         written = 0
         try:
             if todo:
-                encoded, buffer = await asyncio.to_thread(self._encode_blocks, ns, keys, kv,
-                                                          todo)
-                for block in encoded:
-                    try:
-                        entry = await self._placement.store_new(block.meta, block.data)
-                    except CapacityError:
-                        if written == 0:
-                            raise
-                        break  # the blocks after this one could never be matched
-                    self._dir.pin([entry])
-                    held.append(entry)
-                    written += 1
-                del encoded, block  # the views into the buffer, before it can be reused
-                self._buffers.give(buffer)  # every write has returned: no tier holds a view
+                written = await self._store_blocks(ns, keys, kv, todo, held)
             if lifts:  # blocks held only further down: the engine's copy goes up (lift)
                 await self._lift(ns, keys, kv, lifts)
         finally:
@@ -322,7 +323,8 @@ class Store:
                             advised_tokens=self._advise(ns, entries, len(shared_keys), arr.size),
                             cluster_tokens=cluster_tokens)
 
-    async def get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
+    async def get(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
         """K/V of the longest stored prefix of ``tokens`` (canonical layout), or None.
 
         The blocks are read concurrently without verification, and each is verified on a
@@ -330,15 +332,26 @@ class Store:
         read again, verified (the tier drops and counts a corrupt copy; the next tier may serve
         the block), and the prefix ends at the first block that cannot be served: only
         verified bytes are returned. Blocks served from below the fastest tier are promoted.
+
+        Args:
+            out: a buffer of the caller's to write the K/V into (``KVSpec.check_out``: checked
+                before anything is read; InvalidArgument names what is wrong); the result is
+                then a view of its front. None: a fresh tensor (on huge pages where large:
+                ``fresh_tensor``; faulting a fresh 16 MiB result in 4 KiB at a time cost 8x
+                the copy into it).
         """
         self._check_open()
-        keys = await _keys(ns, token_array(tokens))
+        arr = token_array(tokens)
+        front = None if out is None else ns.spec.check_out(out, arr.size)
+        keys = await _keys(ns, arr)
         await self._adopt_shared(ns, keys)
         entries = self._dir.match_prefix(keys)
         if not entries:
             return None
         bt = ns.spec.block_tokens
-        out = torch.empty(ns.spec.shape(len(entries) * bt), dtype=ns.spec.torch_dtype)
+        num_tokens = len(entries) * bt
+        out = (fresh_tensor(ns.spec.shape(num_tokens), ns.spec.torch_dtype) if front is None
+               else front[:, :, :num_tokens])
         outs = out.split(bt, dim=2)
         self._dir.pin(entries)
         started = time.perf_counter()
@@ -352,8 +365,10 @@ class Store:
             self._dir.unpin(entries)
         if num_blocks == 0:
             return None
-        if num_blocks < len(entries):  # copy out the verified prefix: the rest is not returned
-            out = out[:, :, :num_blocks * bt].clone()
+        if num_blocks < len(entries):  # only the verified prefix is returned
+            out = out[:, :, :num_blocks * bt]
+            if front is None:  # a fresh result: copied, so the rest's memory goes
+                out = out.clone()
         self._dir.touch(entries[:num_blocks])
         first = self._placement.links[0]
         for entry, source in zip(entries[:num_blocks], sources):
@@ -591,6 +606,46 @@ class Store:
         task.add_done_callback(self._background.discard)
         return task
 
+    async def _store_blocks(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
+                            todo: list[int], held: list[BlockEntry]) -> int:
+        """Place the put's new blocks at ``todo`` in order, pinning each into ``held``; return
+        how many were stored (the put stops at the first that finds no room anywhere).
+
+        A fastest tier that frames pages in place (``InPlaceWrites``) gets them pending: each
+        page is copied and hashed once, into the memory it is served from. Otherwise the pages
+        are framed into a reused buffer first (``_encode_blocks``) and the tier copies them.
+        """
+        buffer = None
+        if isinstance(self._placement.links[0].tier, InPlaceWrites):
+            blocks: list[_Encoded] | list[PendingPage] = await self._prepare(ns, keys, kv, todo)
+        else:
+            blocks, buffer = await asyncio.to_thread(self._encode_blocks, ns, keys, kv, todo)
+        written = 0
+        for block in blocks:
+            try:
+                entry = await self._placement.store_new(block.meta, _page_of(block))
+            except CapacityError:
+                if written == 0:
+                    raise
+                break  # the blocks after this one could never be matched
+            self._dir.pin([entry])
+            held.append(entry)
+            written += 1
+        del blocks, block  # the views into the buffer (or the caller's K/V), before its reuse
+        if buffer is not None:
+            self._buffers.give(buffer)  # every write has returned: no tier holds a view
+        return written
+
+    async def _prepare(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
+                       todo: list[int]) -> list[PendingPage]:
+        """The pending pages of the blocks at ``todo``: raw ones of CPU K/V on the loop (views
+        of ``kv``, a few microseconds a block, less than a thread hop), others on a thread (a
+        lossy codec quantises here)."""
+        codec = self._placement.links[0].codec
+        if isinstance(codec, RawCodec) and kv.device.type == "cpu":
+            return self._pending_pages(ns, keys, kv, todo)
+        return await asyncio.to_thread(self._pending_pages, ns, keys, kv, todo)
+
     async def _lift(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
                     lifts: list[int]) -> None:
         """Write the put's pages of blocks held only further down into faster tiers."""
@@ -608,25 +663,34 @@ class Store:
         straight into one reused buffer (``kvstore.page.write_page``: one pass that copies or
         quantises and hashes, no joins); return the pages and the buffer (runs in a worker
         thread)."""
+        # Version 1 pages: tiers that copy pages in size their slots by its unpadded length
+        # (the HBM tier's device pages).
+        pages = self._pending_pages(ns, keys, kv, todo, aligned=False)
+        buffer = self._buffers.take(sum(page.nbytes for page in pages))
+        view = memoryview(buffer)
+        out, pos = [], 0
+        for page in pages:
+            page.write_into(view[pos:pos + page.nbytes])
+            out.append(_Encoded(page.meta, view[pos:pos + page.nbytes]))
+            pos += page.nbytes
+        return out, buffer
+
+    def _pending_pages(self, ns: Namespace, keys: list[BlockKey], kv: torch.Tensor,
+                       todo: list[int], aligned: bool = True) -> list[PendingPage]:
+        """The blocks at ``todo`` prepared with the fastest tier's codec, as pages not framed
+        yet (``aligned``: version 2, the payload hashed once, by its blob checksum)."""
         bt = ns.spec.block_tokens
         codec = self._placement.links[0].codec
         kv = kv.detach().cpu()
-        metas, payloads = [], []
+        pages = []
         for i in todo:
-            metas.append(PageMeta(key=keys[i], namespace=ns.fingerprint,
-                                  parent=keys[i - 1] if i else None, block_index=i,
-                                  tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
-                                  codec_id=codec.codec_id))
-            payloads.append(codec.prepare(kv[:, :, i * bt:(i + 1) * bt]))
-        sizes = [page_bytes(p.nbytes, m) for m, p in zip(metas, payloads, strict=True)]
-        buffer = self._buffers.take(sum(sizes))
-        view = memoryview(buffer)
-        out, pos = [], 0
-        for meta, payload, size in zip(metas, payloads, sizes, strict=True):
-            write_page(view[pos:pos + size], meta, payload)
-            out.append(_Encoded(meta, view[pos:pos + size]))
-            pos += size
-        return out, buffer
+            meta = PageMeta(key=keys[i], namespace=ns.fingerprint,
+                            parent=keys[i - 1] if i else None, block_index=i,
+                            tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
+                            codec_id=codec.codec_id)
+            pages.append(PendingPage(meta, codec.prepare(kv[:, :, i * bt:(i + 1) * bt]),
+                                     aligned))
+        return pages
 
     async def _read_pages(self, entries: list[BlockEntry],
                           on_page: Callable[[int, Page], None]) -> list[Link]:

@@ -38,13 +38,13 @@ from kvstore.codecs.base import Codec
 from kvstore.config import TierConfig, TierSettings
 from kvstore.errors import CapacityError, KVStoreError, shown
 from kvstore.keys import BlockKey
-from kvstore.page import Page, PageMeta, decode_page, encode_page
+from kvstore.page import Page, PageMeta, PendingPage, decode_page, encode_page, finished_page
 from kvstore.policy.admission import admission_for
 from kvstore.policy.base import AdmissionPolicy, RoomNeed
 from kvstore.policy.cost import PathModel
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
-from kvstore.tiers.base import SharedTier, SlotTier, Tier
+from kvstore.tiers.base import InPlaceWrites, SharedTier, SlotTier, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -130,8 +130,10 @@ class Placement:
 
     # ------------------------------------------------------------------------------ writes
 
-    async def store_new(self, meta: PageMeta, data: bytes | memoryview) -> BlockEntry:
-        """Place a page encoded with the first tier's codec in the fastest tier that takes it.
+    async def store_new(self, meta: PageMeta, data: bytes | memoryview | PendingPage
+                        ) -> BlockEntry:
+        """Place a page encoded with the first tier's codec (or to be framed where it goes: a
+        ``PendingPage``) in the fastest tier that takes it.
 
         New blocks skip admission: a tier's filter only decides what moves down into it.
         Raises CapacityError, naming sizes, when no tier can hold the page.
@@ -146,17 +148,24 @@ class Placement:
         raise CapacityError(f"no tier can hold the {len(data)}-byte page of block "
                             f"{meta.key.hex()} now (largest page per tier: {sizes}{share})")
 
-    async def write(self, link: Link, meta: PageMeta, data: bytes | memoryview) -> bool:
+    async def write(self, link: Link, meta: PageMeta, data: bytes | memoryview | PendingPage
+                    ) -> bool:
         """Make room in ``link``'s tier and write the page; record the placement on success.
 
-        A page larger than the tier could ever hold is refused without evicting anything.
+        A page larger than the tier could ever hold is refused without evicting anything. A
+        pending page is framed in place by a tier that can (``InPlaceWrites``), else framed
+        into a buffer first.
         """
         if len(data) > link.tier.max_page_bytes:
             return False
+        in_place = isinstance(data, PendingPage) and isinstance(link.tier, InPlaceWrites)
         for _ in range(MAX_ROOM_ROUNDS):
             if not await self.make_room(link, len(data), meta.tenant):
                 return False
-            written = await link.tier.write(meta.key, data, meta)
+            if in_place:
+                written = await link.tier.write_pending(meta.key, data)
+            else:
+                written = await link.tier.write(meta.key, finished_page(data), meta)
             for moved in link.tier.moved_keys():
                 self._dir.refile(link.name, moved, link.tier.footprint(moved))
             if written:
@@ -348,8 +357,8 @@ class Placement:
             self._dir.unplace(entry.meta.key, link.name)  # corrupt or lost: forget this copy
         return None, None
 
-    async def transcode(self, meta: PageMeta, data: bytes | memoryview, target: Link
-                        ) -> bytes | memoryview | None:
+    async def transcode(self, meta: PageMeta, data: bytes | memoryview | PendingPage,
+                        target: Link) -> bytes | memoryview | PendingPage | None:
         """The page re-encoded with ``target``'s codec (unchanged if it already matches), or
         None when it cannot be (K/V the codec refuses, such as NaN for a lossy one): the failure
         stays with this block, which simply does not move there, and never reaches the
@@ -359,7 +368,7 @@ class Placement:
             return data
 
         def work() -> bytes:
-            kv = codecs.decode(decode_page(data).payload)
+            kv = codecs.decode(decode_page(finished_page(data)).payload)
             new_meta = dataclasses.replace(meta, codec=codec.name, codec_id=codec.codec_id)
             return encode_page(new_meta, codec.encode(kv))
 

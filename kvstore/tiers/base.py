@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
-from kvstore.page import Page, PageMeta
+from kvstore.page import Page, PageMeta, PendingPage
 from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
@@ -35,6 +35,7 @@ __all__ = [
     "FdRegions",
     "Footprint",
     "HostPinning",
+    "InPlaceWrites",
     "RoomNeed",
     "SharedTier",
     "Slot",
@@ -317,6 +318,17 @@ class CheckedCopies(Protocol):
     def drop(self, claim: object) -> None:
         """Give a claim's room back (once its copy is done); the writer's slot stays the
         caller's."""
+
+
+@runtime_checkable
+class InPlaceWrites(Protocol):
+    """A tier that frames a page the store built straight into its own memory
+    (``PendingPage.write_into``: one pass that copies and hashes), instead of copying a page
+    framed elsewhere. Same contract as ``write``."""
+
+    async def write_pending(self, key: BlockKey, page: PendingPage) -> bool:
+        """Frame ``page`` (``page.meta.key`` is ``key``) into room of this tier; False (counted
+        ``rejected``) when there is none."""
 
 
 @runtime_checkable

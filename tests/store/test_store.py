@@ -149,7 +149,10 @@ async def test_restart_serves_ssd_blocks(tmp_path, ns, spec):
         assert {r.block_index for r in rows} == {0, 1, 2, 3}
 
 
-async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec):
+@pytest.mark.parametrize("into", ["fresh", "out"])
+async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec, into):
+    """A get (into a fresh result, or into the caller's buffer: then a view of its front)
+    ends before a block that fails verification."""
     cfg = make_config(tmp_path)
     tokens, kv = random_tokens(64), random_kv(spec, 64)
     async with Store(cfg) as store:
@@ -162,8 +165,10 @@ async def test_corrupt_ssd_page_is_a_miss(tmp_path, ns, spec):
     data[pos + 200] ^= 0xFF
     segments[0].write_bytes(bytes(data))
     async with Store(cfg) as store:
-        got = await store.get(ns, tokens)
+        buf = torch.zeros(spec.shape(64), dtype=spec.torch_dtype) if into == "out" else None
+        got = await store.get(ns, tokens, out=buf)
         assert got.shape[2] == 32 and torch.equal(got, kv[:, :, :32])  # never the bad block
+        assert buf is None or got.data_ptr() == buf.data_ptr()
         assert store.stats().tiers["ssd"].corrupt == 1
         assert (await store.lookup(ns, tokens)).matched_tokens == 32
 
@@ -558,3 +563,71 @@ async def test_commit_takes_subnormal_and_largest_finite_values(store, spec, dty
     tokens = random_tokens(32, seed=7)
     assert await _commit_raw_pages(store, ns, tokens, kv)
     assert torch.equal((await store.get(ns, tokens)).view(torch.int16), kv.view(torch.int16))
+
+
+async def test_get_into_the_callers_buffer_returns_a_view_of_its_front(store, ns, spec):
+    """``Store.get(out=)`` writes the stored prefix into the caller's buffer (sized for a
+    longer prompt) and returns a view of its front; a prompt with nothing stored leaves it
+    untouched and returns None."""
+    tokens, kv = random_tokens(48), random_kv(spec, 48)
+    assert await store.put(ns, tokens, kv) == 48
+    out = torch.full(spec.shape(80), 7.0, dtype=spec.torch_dtype)
+    got = await store.get(ns, tokens + random_tokens(37, seed=5), out=out)
+    assert got.shape == kv.shape and got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, kv) and torch.equal(out[:, :, :48], kv)
+    assert bool((out[:, :, 48:] == 7.0).all())
+    assert await store.get(ns, random_tokens(48, seed=9), out=out) is None
+    assert torch.equal(out[:, :, :48], kv)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda spec: torch.empty(spec.shape(32), dtype=torch.float32), "out is torch.float32"),
+    (lambda spec: torch.empty(spec.shape(16), dtype=spec.torch_dtype), r"needs \("),
+    (lambda spec: torch.empty(spec.shape(64), dtype=spec.torch_dtype)[:, :, ::2],
+     "contiguous"),
+    (lambda spec: [0.0] * 4, "must be a torch.Tensor"),
+])
+async def test_get_refuses_a_bad_out_before_reading(store, ns, spec, bad, match):
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    await store.put(ns, tokens, kv)
+    with pytest.raises(InvalidArgument, match=match):
+        await store.get(ns, tokens, out=bad(spec))
+    assert store.stats().counters.gets == 0
+    assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def test_in_process_puts_store_version_2_pages_with_aligned_sections(store, ns, spec):
+    """In-process puts frame version 2 pages (the payload hashed once, by its blob checksum)
+    whose raw section starts ``SECTION_ALIGN_BYTES``-aligned; a flipped payload bit in such a
+    page is still caught once it leaves trusted memory."""
+    from kvstore.codecs.base import unpack_blob
+    from kvstore.page import PAGE_VERSION_BLOB_SUM, SECTION_ALIGN_BYTES
+
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    await store.put(ns, tokens, kv)
+    key = (await _keys(ns, tokens))[1]
+    page = await store.tiers["dram"].read(key, verify=False)
+    data = bytes(page.data)
+    assert data[4] == PAGE_VERSION_BLOB_SUM
+    section = unpack_blob(page.payload, verify=False).sections[0]
+    start = len(page.data) - len(page.payload) + (len(page.payload) - 8 - len(section))
+    assert start % SECTION_ALIGN_BYTES == 0
+    del page, section
+    decode_page(data, expected_key=key)
+    damaged = bytearray(data)
+    damaged[start + 100] ^= 0x10
+    with pytest.raises(CorruptPage, match="payload checksum"):
+        decode_page(damaged, expected_key=key)
+
+
+async def test_a_put_too_large_for_dram_is_framed_for_the_ssd_instead(tmp_path):
+    """Puts hand the DRAM tier pages to frame in place; a page it cannot hold (larger than
+    its whole capacity) is framed into a buffer and written to the SSD, and served from there
+    bit-exact."""
+    ns = Namespace(model_id="test/model", spec=BIG_SPEC, tenant="acme")
+    tokens, kv = random_tokens(32), random_kv(BIG_SPEC, 32)
+    async with Store(make_config(tmp_path, dram_bytes=BIG_SPEC.block_bytes // 2)) as store:
+        assert await store.put(ns, tokens, kv) == 32
+        stats = store.stats()
+        assert stats.tiers["dram"].num_blocks == 0 and stats.tiers["ssd"].num_blocks == 2
+        assert torch.equal(await store.get(ns, tokens), kv)

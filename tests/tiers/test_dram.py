@@ -744,3 +744,49 @@ def test_allocator_gives_free_chunks_back_anywhere_and_grows_into_them_again() -
     assert first.growth_plan(MiB) == (MiB, MiB)  # the hole before a new tail
     first.add_grown(MiB, MiB)
     assert first.allocate(MiB).offset == MiB and first.backed_bytes == 3 * MiB
+
+
+def pending_page(seed: int, num_tokens: int, tenant: str = "acme"):
+    """A raw bf16 block's page not framed yet (``PendingPage``), and the K/V it holds."""
+    from kvstore.codecs import RawCodec
+    from kvstore.page import PendingPage
+
+    key, _, meta = make_page(seed, 0, tenant)
+    kv = torch.randn(2, 2, num_tokens, 4, 64, generator=torch.Generator().manual_seed(seed))
+    kv = kv.to(torch.bfloat16)
+    return key, PendingPage(meta, RawCodec().prepare(kv)), kv
+
+
+@pytest.mark.parametrize("num_tokens", [4, 1024], ids=["on-the-loop", "copy-thread"])
+async def test_a_pending_page_is_framed_in_published_memory_and_read_trusted(
+        tier: DramTier, num_tokens: int) -> None:
+    """``write_pending`` frames the page straight into its published slot (the bytes a
+    finished version 2 page has), small pages on the loop and large ones on the copy thread;
+    it reads back trusted and verifies."""
+    from kvstore.codecs import decode
+    from kvstore.page import PAGE_VERSION_BLOB_SUM
+
+    key, page, kv = pending_page(40, num_tokens)
+    assert (page.nbytes >= THREAD_COPY_BYTES) == (num_tokens == 1024)
+    assert await tier.write_pending(key, page)
+    assert await tier.write_pending(key, page)  # present already: True, nothing rewritten
+    got = await tier.read(key)
+    assert got is not None and got.is_trusted and got.meta == page.meta
+    assert bytes(got.data) == bytes(page.finished()) and got.data[4] == PAGE_VERSION_BLOB_SUM
+    assert torch.equal(decode(decode_page(bytes(got.data), key).payload), kv)
+    stats = tier.stats()
+    assert stats.num_blocks == 1 and stats.bytes_written == page.nbytes
+
+
+async def test_write_pending_refuses_another_keys_page_and_counts_no_room(tmp_path) -> None:
+    key, page, _ = pending_page(41, 4)
+    other, _, _ = make_page(42, 0)
+    tier = DramTier(DramConfig(capacity_bytes=0, chunk_bytes=MiB, shm_dir=str(tmp_path)))
+    await tier.open()
+    try:
+        with pytest.raises(InvalidArgument, match="meta names key"):
+            await tier.write_pending(other, page)
+        assert not await tier.write_pending(key, page)
+        assert tier.stats().rejected == 1 and not tier.contains(key)
+    finally:
+        await tier.close()
