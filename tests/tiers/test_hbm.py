@@ -40,6 +40,16 @@ def namespace(tenant: str = "acme") -> Namespace:
     return Namespace(model_id="m", spec=SPEC, tenant=tenant)
 
 
+def assert_pool_holds(pool: torch.Tensor, lease, kv: torch.Tensor) -> None:
+    """Each leased raw device page in ``pool`` holds its block of ``kv``, where the lease says."""
+    layout = device_layout("raw", SPEC)
+    for i, block in enumerate(lease.blocks):
+        assert block.length == layout.nbytes and block.offset % 256 == 0
+        got = pool[block.offset:block.offset + layout.nbytes].view(torch.bfloat16)
+        want = kv[:, :, 16 * i:16 * (i + 1)].contiguous().flatten()
+        assert torch.equal(got.cpu(), want)
+
+
 async def test_puts_land_in_hbm_spill_to_dram_and_come_back_exact():
     ns = namespace()
     slot = device_layout("raw", SPEC).nbytes
@@ -54,13 +64,7 @@ async def test_puts_land_in_hbm_spill_to_dram_and_come_back_exact():
         lease = await store.acquire(ns, prompts[0][0], medium=Medium.DEVICE)
         assert lease.matched_tokens == 64 and lease.codec == "raw"
         assert {b.medium for b in lease.blocks} == {Medium.DEVICE}
-        pool = store.tiers["gpu"].pool_tensor("acme")
-        layout = device_layout("raw", SPEC)
-        for i, block in enumerate(lease.blocks):
-            assert block.length == layout.nbytes and block.offset % 256 == 0
-            got = pool[block.offset:block.offset + layout.nbytes].view(torch.bfloat16)
-            want = prompts[0][1][:, :, 16 * i:16 * (i + 1)].contiguous().flatten()
-            assert torch.equal(got.cpu(), want)
+        assert_pool_holds(store.tiers["gpu"].pool_tensor("acme"), lease, prompts[0][1])
         await store.release(lease.lease_id)
         for tokens, kv in prompts:
             assert torch.equal(await store.get(ns, tokens), kv)
@@ -225,12 +229,7 @@ async def test_a_lease_promotes_into_the_readers_device():
         assert lease.matched_tokens == 64
         assert {tier.device_of(b.key) for b in lease.blocks} == {second}
         assert len(lease.blocks.regions) == 1
-        layout = device_layout("raw", SPEC)
-        pool = tier.pool_tensor("acme", 1)
-        for i, block in enumerate(lease.blocks):
-            got = pool[block.offset:block.offset + layout.nbytes].view(torch.bfloat16)
-            want = prompts[0][1][:, :, 16 * i:16 * (i + 1)].contiguous().flatten()
-            assert torch.equal(got.cpu(), want)
+        assert_pool_holds(tier.pool_tensor("acme", 1), lease, prompts[0][1])
         await store.release(lease.lease_id)
         for tokens, kv in prompts:
             assert torch.equal(await store.get(ns, tokens), kv)
