@@ -5,9 +5,10 @@ Paths: kvstore's in-process ``Store``, its daemon through the socket and through
 LMCache's in-process ``LocalCPUBackend`` and its remote server (``python -m lmcache.v1.server``,
 the ``lm://`` backend) on loopback TCP through its ``LMCServerConnector``. A put starts from a
 K/V tensor in the caller's hands and ends when the store holds it; a get ends with the K/V in a
-tensor the caller can use: kvstore returns a fresh tensor, LMCache a memory object of its own,
-which is copied into a destination tensor as its engine copies it into the paged cache. So each
-side copies once per direction in process, and the remote paths also cross a socket.
+warm tensor the caller holds: kvstore writes it there (``get(out=)``), LMCache hands a memory
+object of its own, which is copied into the destination as its engine copies it into the paged
+cache. So each side copies once per direction in process, and the remote paths also cross a
+socket.
 
 LMCache needs a CUDA torch by its pins but runs these paths on the CPU torch; it lives in its own
 venv (``.venv-lmcache``, built by ``bash scripts/services/lmcache.sh build``) and is driven in a
@@ -315,6 +316,8 @@ class KVStoreSide:
         g = torch.Generator().manual_seed(0)
         self.kv = torch.randn(spec.shape(case.blocks * case.block_tokens),
                               generator=g).to(torch.bfloat16)
+        self.out = torch.empty_like(self.kv)  # the gets' warm destination, as LMCache's
+
         tokens = case.blocks * case.block_tokens
         self.prompts = [list(range(i * tokens, (i + 1) * tokens)) for i in range(calls)]
 
@@ -323,13 +326,13 @@ class KVStoreSide:
         if path == KVSTORE_PATHS[0]:
             run = self.loop.run_until_complete
             return (lambda t: run(self.store.put(ns, t, kv)),
-                    lambda t: run(self.store.get(ns, t)),
+                    lambda t: run(self.store.get(ns, t, out=self.out)),
                     lambda t: run(self.store.lookup(ns, t)),
                     lambda: run(self.store.evict(model_id=ns.model_id)))
         zero_copy = "shared memory" in path
         client = self.grpc_client if path.endswith(GRPC_CALLS) else self.client
         return (lambda t: client.put(ns, t, kv, zero_copy=zero_copy),
-                lambda t: client.get(ns, t, zero_copy=zero_copy),
+                lambda t: client.get(ns, t, zero_copy=zero_copy, out=self.out),
                 lambda t: client.lookup(ns, t),
                 lambda: client.evict(model_id=ns.model_id))
 
@@ -337,15 +340,16 @@ class KVStoreSide:
         from kvstore.errors import KVStoreError
 
         put, get, lookup, evict = self._calls(path)
-        first: list[Any] = []
+        got: list[Any] = []
         whole = len(self.prompts[0])
         put_s = _seconds(lambda: [put(t) for t in self.prompts])
         hits: list[Any] = []
         lookup_s = _seconds(lambda: hits.extend(lookup(t) for t in self.prompts))
-        get_s = _seconds(lambda: [first.append(get(t)) if i == 0 else get(t)
-                                  for i, t in enumerate(self.prompts)])
+        self.out.fill_(float("nan"))
+        get_s = _seconds(lambda: got.extend(get(t) for t in self.prompts))
         evict()
-        if first[0] is None or not torch.equal(first[0], self.kv):
+        # Every prompt holds the same K/V: the last get's, in out, is checked.
+        if any(g is None for g in got) or not torch.equal(self.out, self.kv):
             raise KVStoreError(f"{path}: the K/V read back differs from the K/V put")
         if any(hit.matched_tokens != whole for hit in hits):
             raise KVStoreError(f"{path}: a lookup missed a prompt just put")
