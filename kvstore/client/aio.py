@@ -346,6 +346,8 @@ class AsyncClient:
 
     async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
                     keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
+        """See :meth:`kvstore.client.Client.evict` (this client's late Releases first)."""
+        await self.flush_releases()
         return await self._unary(requests.evict(tenant, model_id, keys, everything))
 
     async def stats(self, tenant: str | None = None) -> StoreStats:

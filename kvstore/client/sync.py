@@ -411,7 +411,10 @@ class Client:
 
     def evict(self, *, tenant: str | None = None, model_id: str | None = None,
               keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
-        """Remove blocks matching every given filter; returns how many were removed."""
+        """Remove blocks matching every given filter; returns how many were removed. Waits
+        for this client's late Releases first (``flush_releases``), so a block this client
+        just read is not held back by its own lease."""
+        self._late.flush()
         return self._unary(requests.evict(tenant, model_id, keys, everything))
 
     def stats(self, tenant: str | None = None) -> StoreStats:
@@ -477,8 +480,9 @@ class Client:
 
     def flush_releases(self) -> None:
         """Wait until the daemon answered the Release of every lease an earlier get or
-        read_blocks read (they are sent after those calls return): an evict right after a
-        get then finds nothing of it pinned."""
+        read_blocks read (they are sent after those calls return): another client's evict
+        right after then finds nothing of it pinned (this client's ``evict`` waits by
+        itself)."""
         self._late.flush()
 
     # ------------------------------------------------------------------------------ lifecycle

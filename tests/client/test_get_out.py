@@ -93,11 +93,13 @@ async def test_async_get_into_the_callers_buffer(tmp_path):
 
 def test_a_late_release_still_frees_its_pins(tmp_path, monkeypatch):
     """The Release leaves after get returned: until it is answered the lease still pins its
-    blocks; once it is, nothing is held and the blocks can be evicted."""
+    blocks against another client's evict; once it is, nothing is held and the blocks can be
+    evicted. The reader's own evict waits for its late Releases first."""
     sent = []
     gate = threading.Event()
     with DaemonThread(small_config(tmp_path)) as daemon, \
-            Client(daemon.unix_address, zero_copy=True) as client:
+            Client(daemon.unix_address, zero_copy=True) as client, \
+            Client(daemon.unix_address) as admin:
         client.put(NS, TOKENS, random_kv(SPEC, 64))
         release = client.release
 
@@ -109,11 +111,17 @@ def test_a_late_release_still_frees_its_pins(tmp_path, monkeypatch):
         client._late = sync_module.LateReleases(held_release)
         assert client.get(NS, TOKENS) is not None  # returned with its Release still queued
         assert sent == [] and active_leases(client) == 1
-        assert client.evict(model_id=NS.model_id) == 0  # pinned by the lease still
+        assert admin.evict(model_id=NS.model_id) == 0  # pinned by the lease still
         gate.set()
         client.flush_releases()
         assert len(sent) == 1 and active_leases(client) == 0
-        assert client.evict(model_id=NS.model_id) == 4
+        assert admin.evict(model_id=NS.model_id) == 4
+        # The reader's own evict right after a get: its Release is waited for, not raced.
+        client.put(NS, TOKENS, random_kv(SPEC, 64))
+        gate.clear()
+        threading.Timer(0.2, gate.set).start()
+        assert client.get(NS, TOKENS) is not None and sent == [sent[0]]
+        assert client.evict(model_id=NS.model_id) == 4 and len(sent) == 2
 
 
 def test_a_tenant_at_its_lease_quota_waits_for_its_late_releases(tmp_path):
