@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
+MAX_CALL_CHANNELS = 2  # a client's call channels: its caller's and its late Releases' worker
 log = logging.getLogger("kvstore.client")
 
 
@@ -105,8 +106,9 @@ class Client:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._max_reply_bytes = max_message_bytes
         self._calls = CallChannels(call_channel, self._settings.target)
-        self._calls_channel: BlockingChannel | None = None
-        self._calls_lock = threading.Lock()  # one thread opens the call channel
+        # One call at a time each; a second for the late Releases' worker beside the caller.
+        self._calls_channels: list[BlockingChannel] = []
+        self._calls_lock = threading.Lock()  # one thread opens a call channel
         self._token = token
         self._channel = grpc.insecure_channel(self._settings.target.grpc_target,
                                               options=self._settings.channel_options)
@@ -130,9 +132,8 @@ class Client:
 
     def _unary(self, call: Unary[T]) -> T:
         if call.method in CHANNEL_METHODS and self._calls.usable:
-            channel = self._open_calls_channel()
-            # busy (another thread's call is on it): this one goes over gRPC
-            if channel is not None and channel.lock.acquire(blocking=False):
+            channel = self._free_calls_channel()  # its lock taken; None: all busy, or none
+            if channel is not None:
                 try:
                     return call.parse(self._call(lambda: channel.call(
                         call.method, call.request, self._settings.timeout_s)))
@@ -165,33 +166,46 @@ class Client:
                 call.cancel()
         return self._session
 
-    def _open_calls_channel(self) -> BlockingChannel | None:
-        """This client's call channel, opened if it has none (or its last one broke); None
-        where the daemon serves none to it (``CallChannels``)."""
-        channel = self._calls_channel
-        if channel is not None and not channel.closed:
-            return channel
+    def _free_calls_channel(self) -> BlockingChannel | None:
+        """One of this client's call channels that no other thread is calling on, its lock
+        taken; a new one is opened while the client has fewer than ``MAX_CALL_CHANNELS``
+        (a get's Acquire then need not wait for, nor go around, the Release its worker sends
+        for the last get). None where all are busy, or the daemon serves none to this client
+        (``CallChannels``): the call goes over gRPC."""
+        for channel in self._calls_channels:
+            if not channel.closed and channel.lock.acquire(blocking=False):
+                if not channel.closed:
+                    return channel
+                channel.lock.release()
         with self._calls_lock:
-            if self._calls_channel is not None and not self._calls_channel.closed:
-                return self._calls_channel
-            if self._hold is not None and not self._hold.running():  # the daemon restarted
-                self._hold, self._session = None, None
-            try:
-                ticket = self._stub.OpenChannel(
-                    pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
-                    metadata=self._settings.metadata + self._session_metadata())
-                address = data_address(self._settings.target, ticket)
-                if address is None:
-                    raise FailedPrecondition("the call channel is not served over this "
-                                             "client's transport")
-                self._calls_channel = BlockingChannel.open(
-                    datapath.connect(address, self._settings.timeout_s), ticket.ticket,
-                    self._token, self._max_reply_bytes)
-            except (grpc.RpcError, OSError, KVStoreError) as exc:
-                self._calls.refused(exc)
-                log.debug("no call channel, calls go over gRPC: %s", exc)
+            self._calls_channels = [c for c in self._calls_channels if not c.closed]
+            if len(self._calls_channels) >= MAX_CALL_CHANNELS:
                 return None
-            return self._calls_channel
+            channel = self._open_calls_channel()
+            if channel is None:
+                return None
+            channel.lock.acquire()
+            self._calls_channels.append(channel)
+            return channel
+
+    def _open_calls_channel(self) -> BlockingChannel | None:
+        """A new call channel (under ``_calls_lock``); None where the daemon refuses it."""
+        if self._hold is not None and not self._hold.running():  # the daemon restarted
+            self._hold, self._session = None, None
+        try:
+            ticket = self._stub.OpenChannel(
+                pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
+                metadata=self._settings.metadata + self._session_metadata())
+            address = data_address(self._settings.target, ticket)
+            if address is None:
+                raise FailedPrecondition("the call channel is not served over this "
+                                         "client's transport")
+            return BlockingChannel.open(datapath.connect(address, self._settings.timeout_s),
+                                        ticket.ticket, self._token, self._max_reply_bytes)
+        except (grpc.RpcError, OSError, KVStoreError) as exc:
+            self._calls.refused(exc)
+            log.debug("no call channel, calls go over gRPC: %s", exc)
+            return None
 
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
@@ -494,8 +508,8 @@ class Client:
             self._hold.cancel()
             self._hold = None
         self._zero_copy.maps.close()
-        if self._calls_channel is not None:
-            self._calls_channel.close()
+        for channel in self._calls_channels:
+            channel.close()
         self._channel.close()
 
     def __enter__(self) -> Self:

@@ -177,6 +177,26 @@ def test_blocking_client_uses_the_channel_and_its_off_switch(root):
             assert calls.num_calls == used + 1
 
 
+def test_gets_acquire_on_a_channel_while_the_last_release_is_on_the_other(root):
+    """A blocking client's get sends its Release from a worker after it returned; the next
+    get's Acquire takes the client's second channel instead of going over gRPC. Every one of
+    the gets' calls is a channel call, and the client holds two channels at most."""
+    config = small_config(root, dram_bytes=64 * MiB)
+    with DaemonThread(config) as daemon:
+        calls = daemon.datapath.calls
+        with Client(daemon.unix_address, retry=NO_RETRY, zero_copy=True) as client:
+            tokens, kv = list(range(64)), kv_for(64)
+            client.put(NS, tokens, kv)
+            out = torch.empty_like(kv)
+            before = calls.num_calls
+            for _ in range(12):
+                client.get(NS, tokens, out=out)
+            client.flush_releases()
+            assert torch.equal(out, kv)
+            assert calls.num_calls - before == 24  # 12 Acquires and 12 Releases
+            assert 1 <= len(client._calls_channels) <= 2
+
+
 def test_a_daemon_without_channels_is_called_over_grpc(root):
     config = small_config(root, dram_bytes=64 * MiB, call_channel=False)
     with DaemonThread(config) as daemon, Client(daemon.unix_address, retry=NO_RETRY) as client:
@@ -280,7 +300,7 @@ def test_a_lease_taken_on_the_channel_is_given_back_when_its_process_dies(root):
             lease = c.acquire(ns, list(range(64)), lease_s=600)
             res = c.reserve(ns, list(range(1000, 1064)), lease_s=600)
             print("holding", lease.matched_tokens, len(res.blocks),
-                  c._calls_channel is not None, flush=True)
+                  bool(c._calls_channels), flush=True)
             os._exit(3)
         """)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
