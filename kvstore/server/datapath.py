@@ -65,9 +65,11 @@ _log = logging.getLogger("kvstore.server.datapath")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
 MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
-# A client process opens one call channel (an engine: its scheduler and each worker), so a
-# tenant needs a few per host; each is a task and a connection the daemon keeps.
-MAX_CHANNELS_PER_TENANT = 32
+# A blocking client opens up to two call channels (its caller's and its late Releases'
+# worker's), an async one one; an engine's scheduler and each of its workers hold a client, so
+# a tenant of a TP-8 engine needs about 20 per host. Each is a task and a connection the daemon
+# keeps.
+MAX_CHANNELS_PER_TENANT = 64
 _CLOSE_WAIT_S = 1.0  # how long a closing channel may take to flush its last replies
 
 
