@@ -1,24 +1,26 @@
 """The HBM tier: device pages in one dedicated GPU allocation per tenant and GPU, exported over
 CUDA IPC.
 
-Each tenant's pages live in pools of its own, one per GPU of the tier (``hbm.devices``): one
-``cudaMalloc`` (through cupy's runtime, never a piece of a caching allocator), cut into slots
-and exported once through a CUDA IPC memory handle. The handle goes only to that tenant's clients (in the ``region`` of their leases and
-reservations, after the token check), which map the pool once per process and address slots by
-offset. A block lies in one pool: a reservation's slots and a lease's promotions go to the
-GPU the request names (``NEAR_DEVICE``) while it has room, else to another of the tier's; an
-engine on one GPU reads a pool on another through peer access. A CUDA IPC mapping cannot be made read-only, so a tenant can write its own pool at any
-time: isolation is the pool, not a seal. Pages leave the pool (a get, a demotion) through this
-tier, which frames them as checksummed host pages; a lower tier never trusts the device bytes
-beyond the tenant that wrote them.
+Each tenant's pages live in pools of its own, one per GPU of the tier (``hbm.device`` lists
+them): one ``cudaMalloc`` (through cupy's runtime, never a piece of a caching allocator), cut
+into slots and exported once through a CUDA IPC memory handle. The handle goes only to that
+tenant's clients (in the ``region`` of their leases and reservations, after the token check),
+which map the pool once per process and address slots by offset. A block lies in one pool: a
+reservation's slots and a lease's promotions go to the GPU the request names
+(``NEAR_DEVICE``) while it has room, else to another of the tier's; an engine on one GPU reads
+a pool on another through peer access. A CUDA IPC mapping cannot be made read-only, so a tenant
+can write its own pool at any time: isolation is the pool, not a seal. Pages leave the pool (a
+get, a demotion) through this tier, which frames them as checksummed host pages; a lower tier
+never trusts the device bytes beyond the tenant that wrote them.
 
 Slots hold device pages (``kvstore.codecs.device``): a block's codec sections at aligned offsets,
 so the engine kernels (``kvstore.codecs.triton.engine``) read and write them in one launch.
 A writer that encoded into a slot on its own stream hands over an interprocess event with its
 commit; the tier waits on it (on its copy stream) before it reads that slot.
 
-Without CUDA the tier runs on host memory (``device = "cpu"``), for tests of the store's logic;
-such pools have no IPC handle and can be reached from this process only.
+Without CUDA the tier runs on host memory (``device = "cpu"``, or ``"cpu:0,cpu:1"`` as if two
+devices), for tests of the store's logic; such pools have no IPC handle and can be reached from
+this process only.
 """
 
 from __future__ import annotations
