@@ -13,9 +13,12 @@ given back when the client process goes away, as for its gRPC calls.
 What a hostile client can make a channel hold is bounded: a request frame's body by
 ``max_frame_bytes`` (a larger one is answered with an error naming the limit and the channel
 closed), ``MAX_FRAMES_IN_FLIGHT`` calls at once (the daemon reads no further frame until one is
-answered), a frame begun must arrive whole within ``server.stream_idle_timeout_s``, and a reply
-must leave within it; a frame naming no method closes the channel. Each channel is its own
-task: a silent or half-sent one never blocks the loop or another channel.
+answered), the bodies of a tenant's frames in flight on all its channels together by a
+``FrameBudget`` (a body that does not fit waits, unread, until earlier calls of that tenant
+were answered: a tenant flooding its channels slows only itself), a frame begun must arrive
+whole within ``server.stream_idle_timeout_s``, and a reply must leave within it; a frame naming
+no method closes the channel. Each channel is its own task: a silent or half-sent one never
+blocks the loop or another channel.
 """
 
 from __future__ import annotations
@@ -141,21 +144,23 @@ def error_reply(code: grpc.StatusCode, exc: KVStoreError) -> tuple[int, bytes]:
 
 async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         calls: ChannelCalls, scope: CallScope, max_frame_bytes: int,
-                        idle_s: float) -> None:
+                        idle_s: float, budget: FrameBudget | None = None) -> None:
     """Answer the frames of one open channel until the client closes it or breaks a bound;
-    returns once the calls in flight have ended. The caller closes ``writer``."""
+    returns once the calls in flight have ended. ``budget``: the caller's tenant's, shared by
+    its channels (None: one of this channel's own). The caller closes ``writer``."""
+    budget = budget or FrameBudget(MAX_FRAMES_IN_FLIGHT * max_frame_bytes)
     slots = _InFlight(MAX_FRAMES_IN_FLIGHT)
     running: set[asyncio.Task] = set()
     writer.write(encode_frame(_OK, OPENED_ID, b""))
     try:
         while True:
             await slots.acquire()  # at the bound: read no further frame until one is answered
-            frame = await _next_frame(reader, writer, max_frame_bytes, idle_s)
+            frame = await _next_frame(reader, writer, max_frame_bytes, idle_s, budget)
             if frame is None:
                 return
             method, request_id, body = frame
             task = asyncio.get_running_loop().create_task(
-                _answer(writer, calls, scope, method, request_id, body, slots, idle_s))
+                _answer(writer, calls, scope, method, request_id, body, slots, idle_s, budget))
             running.add(task)
             task.add_done_callback(running.discard)
             calls.most_in_flight = max(calls.most_in_flight, slots.count)
@@ -164,6 +169,27 @@ async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         # before the channel goes; their replies go nowhere once the connection is closed.
         if running:
             await asyncio.gather(*running, return_exceptions=True)
+
+
+class FrameBudget:
+    """Bytes of request bodies one tenant's channels may hold in flight together: a body is
+    read only once it fits (one alone always fits), and its bytes come back when its call was
+    answered."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._freed = asyncio.Event()
+
+    async def take(self, num_bytes: int) -> None:
+        while self.used and self.used + num_bytes > self.max_bytes:
+            self._freed.clear()
+            await self._freed.wait()
+        self.used += num_bytes
+
+    def give(self, num_bytes: int) -> None:
+        self.used -= num_bytes
+        self._freed.set()
 
 
 class _InFlight:
@@ -183,9 +209,11 @@ class _InFlight:
 
 
 async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      max_frame_bytes: int, idle_s: float) -> tuple[str, int, bytes] | None:
-    """The next request frame's method, id and body; None where the channel ends (the client
-    closed it, or it broke a bound: answered with the error and logged)."""
+                      max_frame_bytes: int, idle_s: float, budget: FrameBudget
+                      ) -> tuple[str, int, bytes] | None:
+    """The next request frame's method, id and body, its bytes taken from ``budget``; None
+    where the channel ends (the client closed it, or it broke a bound: answered with the error
+    and logged)."""
     try:
         # between frames a channel may stay quiet for as long as its client likes
         first = await reader.read(1)
@@ -202,7 +230,13 @@ async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 raise InvalidArgument(f"a call channel frame of {length} bytes exceeds the "
                                       f"{max_frame_bytes}-byte limit of one request "
                                       "(server.max_request_tokens); the channel was closed")
-            return method, request_id, await reader.readexactly(length)
+        await budget.take(length)  # unread until it fits: the tenant's earlier calls first
+        try:
+            async with asyncio.timeout(idle_s):
+                return method, request_id, await reader.readexactly(length)
+        except BaseException:
+            budget.give(length)
+            raise
     except InvalidArgument as exc:
         _log.warning("closed a call channel: %s", exc)
         code, body = error_reply(grpc.StatusCode.INVALID_ARGUMENT, exc)
@@ -221,9 +255,12 @@ async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 async def _answer(writer: asyncio.StreamWriter, calls: ChannelCalls, scope: CallScope,
                   method: str, request_id: int, body: bytes, slots: _InFlight,
-                  idle_s: float) -> None:
+                  idle_s: float, budget: FrameBudget) -> None:
     try:
-        code, reply = await calls.call(method, body, scope)
+        try:
+            code, reply = await calls.call(method, body, scope)
+        finally:
+            budget.give(len(body))
         if writer.is_closing():
             return
         writer.write(encode_frame(code, request_id, reply))

@@ -56,7 +56,13 @@ from kvstore.rpc.datapath import (
 )
 from kvstore.rpc.status import status_for
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, TokenTable, authenticate
-from kvstore.server.channel import CallScope, ChannelCalls, error_reply, serve_channel
+from kvstore.server.channel import (
+    CallScope,
+    ChannelCalls,
+    FrameBudget,
+    error_reply,
+    serve_channel,
+)
 from kvstore.server.limits import MIN_PROGRESS_BYTES
 from kvstore.server.sessions import Session
 from kvstore.server.sockets import bind_unix
@@ -70,6 +76,9 @@ POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
 # a tenant of a TP-8 engine needs about 20 per host. Each is a task and a connection the daemon
 # keeps.
 MAX_CHANNELS_PER_TENANT = 64
+# Request bodies one tenant's channels may hold in flight together, in largest requests: a
+# tenant's 64 channels of 64 frames could otherwise hold 4096 of them (16 GiB at 4 MiB each).
+CHANNEL_FRAMES_PER_TENANT = 4
 _CLOSE_WAIT_S = 1.0  # how long a closing channel may take to flush its last replies
 
 
@@ -179,6 +188,7 @@ class DataPathServer:
         self._calls: ChannelCalls | None = None  # None: no call channels
         self._max_frame_bytes = 0
         self._channels: dict[str | None, int] = {}  # tenant -> call channels open
+        self._budgets: dict[str | None, FrameBudget] = {}  # tenant -> its frames' bytes
 
     # ------------------------------------------------------------------------------ tickets
 
@@ -493,13 +503,17 @@ class DataPathServer:
         if calls is None:
             return
         self._channels[tenant] = self._channels.get(tenant, 0) + 1
+        budget = self._budgets.get(tenant)
+        if budget is None:
+            budget = self._budgets[tenant] = FrameBudget(
+                CHANNEL_FRAMES_PER_TENANT * self._max_frame_bytes)
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
             peer = UNIX_PEER_PREFIX if transport == "unix" else f"ipv4:{transport}:0"
             scope = CallScope(transfer.caller, peer, session=transfer.context.session)
             try:
                 await serve_channel(reader, writer, calls, scope, self._max_frame_bytes,
-                                    self._idle_s)
+                                    self._idle_s, budget)
             finally:
                 writer.close()
                 try:
@@ -512,8 +526,9 @@ class DataPathServer:
             left = self._channels[tenant] - 1
             if left:
                 self._channels[tenant] = left
-            else:
+            else:  # its last channel's calls have ended: nothing of its budget is held
                 del self._channels[tenant]
+                self._budgets.pop(tenant, None)
 
     async def _receive(self, conn: socket.socket, transfer: Transfer) -> None:
         """Read exactly the transfer's bytes into its buffer, then the client's end."""

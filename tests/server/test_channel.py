@@ -388,6 +388,41 @@ async def test_channels_per_tenant_are_bounded(daemon):
     assert await eventually(lambda: daemon.datapath.num_channels == 0, 5.0)
 
 
+async def test_a_tenants_frames_in_flight_share_one_byte_budget():
+    """Bodies in flight are bounded per tenant, across its channels: a body that does not fit
+    waits, unread, until earlier calls gave their bytes back; one alone always fits."""
+    from kvstore.server.channel import FrameBudget
+
+    budget = FrameBudget(100)
+    await budget.take(60)
+    second = asyncio.ensure_future(budget.take(60))
+    await asyncio.sleep(0.05)
+    assert not second.done() and budget.used == 60
+    budget.give(60)
+    await asyncio.wait_for(second, 1.0)
+    assert budget.used == 60
+    budget.give(60)
+    await asyncio.wait_for(budget.take(250), 1.0)  # larger than the budget, but alone
+
+
+async def test_each_tenant_has_its_channels_budget(daemon):
+    from kvstore.server.datapath import CHANNEL_FRAMES_PER_TENANT
+
+    a1, a2, b = (await raw_channel(daemon), await raw_channel(daemon),
+                 await raw_channel(daemon, "umbrella"))
+    budgets = daemon.datapath._budgets
+    assert set(budgets) == {"acme", "umbrella"} and budgets["acme"] is not budgets["umbrella"]
+    largest = daemon.datapath._max_frame_bytes
+    assert budgets["acme"].max_bytes == CHANNEL_FRAMES_PER_TENANT * largest
+    for reader, writer, _ in (a1, a2):
+        writer.write(lookup_frame(7, list(range(32))))
+        assert (await read_frame(reader))[:2] == (0, 7)
+    assert budgets["acme"].used == 0  # given back once each call was answered
+    for _, writer, _ in (a1, a2, b):
+        writer.close()
+    assert await eventually(lambda: not daemon.datapath._budgets, 5.0)
+
+
 async def test_an_async_client_whose_channel_broke_calls_on_and_opens_another(daemon):
     async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as client:
         assert (await client.lookup(NS, list(range(32)))).num_tokens == 32
