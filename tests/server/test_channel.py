@@ -5,10 +5,6 @@ do."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import textwrap
 
 import grpc
 import pytest
@@ -32,8 +28,7 @@ from kvstore.server.daemon import serve
 from kvstore.server.datapath import MAX_CHANNELS_PER_TENANT
 from kvstore.spec import KVSpec
 
-from ..conftest import REPO_ROOT
-from .helpers import DaemonThread, MiB, small_config, wait_for
+from .helpers import DaemonThread, MiB, small_config
 from .hostile import eventually
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
@@ -283,35 +278,6 @@ async def test_zero_copy_calls_on_a_tcp_channel_are_refused_as_over_grpc(root):
                 await client.acquire(NS, list(range(16)))
     finally:
         await d.stop(1.0)
-
-
-def test_a_lease_taken_on_the_channel_is_given_back_when_its_process_dies(root):
-    config = small_config(root, dram_bytes=64 * MiB, tenant_tokens=TOKENS)
-    with DaemonThread(config) as daemon, Client(daemon.unix_address, token="tok-acme") as client:
-        client.put(NS, list(range(64)), kv_for(64))
-        script = textwrap.dedent(f"""
-            import os
-            from kvstore.client import Client
-            from kvstore.keys import Namespace
-            from kvstore.spec import KVSpec
-            spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
-            ns = Namespace(model_id="channel/m", spec=spec, tenant="acme")
-            c = Client({daemon.unix_address!r}, token="tok-acme")
-            lease = c.acquire(ns, list(range(64)), lease_s=600)
-            res = c.reserve(ns, list(range(1000, 1064)), lease_s=600)
-            print("holding", lease.matched_tokens, len(res.blocks),
-                  bool(c._calls_channels), flush=True)
-            os._exit(3)
-        """)
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        used = daemon.datapath.calls.num_calls
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=120, check=False)
-        assert out.returncode == 3, out.stderr
-        assert out.stdout.split() == ["holding", "64", "4", "True"]
-        assert daemon.datapath.calls.num_calls >= used + 2  # both went over the channel
-        assert wait_for(lambda: (client.stats().active_leases,
-                                 client.stats().active_reservations) == (0, 0))
 
 
 # ---------------------------------------------------------------------------- hostile clients

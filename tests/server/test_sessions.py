@@ -39,7 +39,10 @@ def held(client: Client) -> tuple[int, int]:
     return stats.active_leases, stats.active_reservations
 
 
-def test_a_crashed_client_gives_back_what_it_held_at_once(tmp_path):
+@pytest.mark.parametrize("call_channel", [True, False])
+def test_a_crashed_client_gives_back_what_it_held_at_once(tmp_path, call_channel):
+    """A client process that dies holding a lease and a reservation (taken on its call
+    channel, or over gRPC) has both given back when its session ends."""
     config = small_config(tmp_path, tenant_tokens=TOKENS)
     tokens = list(range(64))
     with DaemonThread(config) as daemon, Client(daemon.unix_address, token="tok-acme") as client:
@@ -51,16 +54,19 @@ def test_a_crashed_client_gives_back_what_it_held_at_once(tmp_path):
             from kvstore.spec import KVSpec
             spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
             ns = Namespace(model_id="m", spec=spec, tenant="acme")
-            c = Client({daemon.unix_address!r}, token="tok-acme")
+            c = Client({daemon.unix_address!r}, token="tok-acme", call_channel={call_channel})
             lease = c.acquire(ns, list(range(64)), lease_s=600)
             res = c.reserve(ns, list(range(1000, 1064)), lease_s=600)
             print("holding", lease.matched_tokens, len(res.blocks), flush=True)
             os._exit(3)
         """)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        on_channels = daemon.datapath.calls.num_calls
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                               text=True, timeout=120, check=False)
         assert "holding 64 4" in done.stdout, done.stderr
+        # both grants went over the channel, or neither did
+        assert daemon.datapath.calls.num_calls - on_channels == (2 if call_channel else 0)
         # Deadlines are ten minutes away: only the session ending can give these back.
         assert wait_for(lambda: held(client) == (0, 0)), held(client)
 
