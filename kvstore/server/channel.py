@@ -144,11 +144,10 @@ def error_reply(code: grpc.StatusCode, exc: KVStoreError) -> tuple[int, bytes]:
 
 async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         calls: ChannelCalls, scope: CallScope, max_frame_bytes: int,
-                        idle_s: float, budget: FrameBudget | None = None) -> None:
+                        idle_s: float, budget: FrameBudget) -> None:
     """Answer the frames of one open channel until the client closes it or breaks a bound;
     returns once the calls in flight have ended. ``budget``: the caller's tenant's, shared by
-    its channels (None: one of this channel's own). The caller closes ``writer``."""
-    budget = budget or FrameBudget(MAX_FRAMES_IN_FLIGHT * max_frame_bytes)
+    its channels. The caller closes ``writer``."""
     slots = _InFlight(MAX_FRAMES_IN_FLIGHT)
     running: set[asyncio.Task] = set()
     writer.write(encode_frame(_OK, OPENED_ID, b""))
