@@ -35,6 +35,7 @@ from kvstore.client.arena import (
     write_reservation,
 )
 from kvstore.client.requests import (
+    RELEASE_LINGER_S,
     REPLY_TYPES,
     CallChannels,
     ChannelBroken,
@@ -49,6 +50,7 @@ from kvstore.client.requests import (
     reply_header,
 )
 from kvstore.client.retry import RetryPolicy, next_delay
+from kvstore.copies import resolve_copy_threads
 from kvstore.errors import CapacityError, FailedPrecondition, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import datapath
@@ -76,8 +78,10 @@ class AsyncClient:
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
-                 data_socket: bool = True, call_channel: bool = True) -> None:
+                 data_socket: bool = True, call_channel: bool = True,
+                 copy_threads: int | None = None) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
+        self._copy_threads = resolve_copy_threads(copy_threads)
         self._max_reply_bytes = max_message_bytes
         self._calls = CallChannels(call_channel, self._settings.target)
         self._calls_channel: AsyncChannel | None = None
@@ -93,6 +97,11 @@ class AsyncClient:
         self._data = DataSocket(data_socket, self._settings.target, token,
                                 self._settings.timeout_s)
         self._cleanups: set[asyncio.Future[None]] = set()
+        # Leases whose reads ended, waiting for the next Acquire to release them (see
+        # kvstore.client.sync.LateReleases); flushing: flush_releases wants them sent now.
+        self._late: set[str] = set()
+        self._flushing = asyncio.Event()
+        self._can_carry = True
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -202,6 +211,8 @@ class AsyncClient:
                 return await self._put_shared(ns, tokens, kv)
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
+        if self._late:  # a lease of this client's read must not keep it from room
+            await self.flush_releases()
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         if self._data.usable:
             written = await self._put_data_socket(stream)
@@ -279,13 +290,12 @@ class AsyncClient:
         request = requests.get_request(ns, tokens)
         return await self._fill_out(await self._call(lambda: self._get_stream(request)), out)
 
-    @staticmethod
-    async def _fill_out(kv: torch.Tensor | None, out: torch.Tensor | None
+    async def _fill_out(self, kv: torch.Tensor | None, out: torch.Tensor | None
                         ) -> torch.Tensor | None:
         """``kvstore.client.arena.fill_out``, its copy in a worker thread."""
         if kv is None or out is None:
             return kv
-        return await asyncio.to_thread(fill_out, kv, out)
+        return await asyncio.to_thread(fill_out, kv, out, self._copy_threads)
 
     async def _get_stream(self, request: pb.GetRequest) -> torch.Tensor | None | object:
         """See Client._get_stream; the socket work runs in a worker thread."""
@@ -315,14 +325,18 @@ class AsyncClient:
             await self.flush_releases()
             lease = await self.acquire(ns, tokens)
         read = asyncio.ensure_future(
-            asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease, out))
+            asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease, out,
+                              self._copy_threads))
         try:
             kv = await asyncio.shield(read)
         finally:
             # Released in a task of its own once the copy stopped (a cancelled caller does not
             # stop the thread reading the pages): the caller does not wait for the round trip
             # (see Client._get_shared), and aclose does.
-            self._later(self._release_after(lease.lease_id, read))
+            queued = self._can_carry and read.done()
+            if queued:  # at once: the caller's next Acquire may come before the task runs
+                self._late.add(lease.lease_id)
+            self._later(self._release_after(lease.lease_id, read, queued))
         check_in_time(lease)  # expired mid-read: the caller falls back (Client._get_shared)
         return kv
 
@@ -333,11 +347,34 @@ class AsyncClient:
         cleanup.add_done_callback(self._cleanups.discard)
         return cleanup
 
-    async def _release_after(self, lease_id: str, read: asyncio.Future) -> None:
+    async def _release_after(self, lease_id: str, read: asyncio.Future, queued: bool) -> None:
+        """Once the read ended: up to ``RELEASE_LINGER_S`` for an Acquire to carry the
+        Release (``queued``: waiting for one already), then the Release alone."""
         with contextlib.suppress(Exception):  # the read's error already reached the caller
             await read
+        if not queued and self._can_carry:
+            self._late.add(lease_id)
+            queued = True
+        if queued:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RELEASE_LINGER_S):
+                    await self._flushing.wait()
+            if lease_id not in self._late:
+                return  # an Acquire took it
+            self._late.discard(lease_id)
+        await self._release_quietly(lease_id)
+
+    async def _release_quietly(self, lease_id: str) -> None:
         with contextlib.suppress(KVStoreError):  # expired, or the daemon went: nothing held
             await self.release(lease_id)
+
+    def _carried(self, lease_ids: list[str], num_released: int | None) -> None:
+        """See ``LateReleases.carried``: what the Acquire did not release goes alone."""
+        if lease_ids and num_released != len(lease_ids):
+            if num_released == 0:
+                self._can_carry = False
+            for lease_id in lease_ids:
+                self._later(self._release_quietly(lease_id))
 
     # --------------------------------------------------------------------------- control path
 
@@ -375,15 +412,27 @@ class AsyncClient:
     async def acquire(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
                       medium: Medium = Medium.HOST, first_block: int = 0,
                       device: str = "") -> Lease:
-        return await self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block,
-                                                  device))
+        return await self._carrying(lambda carried: requests.acquire(
+            ns, tokens, lease_s, medium, first_block, device, release=carried))
 
     async def release(self, lease_id: str) -> None:
         await self._unary(requests.release(lease_id))
 
     async def reserve(self, ns: Namespace, tokens: Tokens, lease_s: float | None = None,
                       medium: Medium = Medium.HOST, device: str = "") -> Reservation:
-        return await self._unary(requests.reserve(ns, tokens, lease_s, medium, device))
+        return await self._carrying(lambda carried: requests.reserve(
+            ns, tokens, lease_s, medium, device, release=carried))
+
+    async def _carrying(self, call: Callable[[list[str]], Unary[tuple[T, int]]]) -> T:
+        """See ``Client._carrying``."""
+        carried = list(self._late)
+        self._late.clear()
+        num_released = None
+        try:
+            result, num_released = await self._unary(call(carried))
+        finally:
+            self._carried(carried, num_released)
+        return result
 
     async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         return await self._unary(requests.commit(reservation_id, ready_event))
@@ -395,14 +444,17 @@ class AsyncClient:
     async def flush_releases(self) -> None:
         """See :meth:`kvstore.client.Client.flush_releases`."""
         if self._cleanups:
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
+            self._flushing.set()
+            try:
+                await asyncio.gather(*self._cleanups, return_exceptions=True)
+            finally:
+                self._flushing.clear()
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
-        if self._cleanups:  # aborts and releases still on their way
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
+        await self.flush_releases()  # aborts and releases still on their way
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None

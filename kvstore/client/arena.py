@@ -40,6 +40,7 @@ from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
 from kvstore.codecs.base import BLOB_MAGIC, as_array, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
+from kvstore.copies import copy_all
 from kvstore.errors import (
     CapacityError,
     CodecError,
@@ -335,7 +336,7 @@ def check_in_time(lease: Lease) -> None:
 
 
 def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
-               out: torch.Tensor | None = None) -> torch.Tensor | None:
+               out: torch.Tensor | None = None, copy_threads: int = 1) -> torch.Tensor | None:
     """The K/V of a lease's pinned pages, each verified once (``ArenaMaps.payload``: its page
     checksum against its key, or none in published memory) and then decoded without checking
     the blob checksum inside it again.
@@ -343,6 +344,7 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
     Args:
         out: where to write them (checked by ``check_get_out``); the result is then its first
             ``matched_tokens`` tokens, a view of it. None: a fresh tensor (``fresh_tensor``).
+        copy_threads: threads the raw pages' copies share (``kvstore.copies.copy_all``).
     """
     maps.drop_retired()
     if not lease.blocks:
@@ -355,11 +357,12 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
     else:
         check_get_out(ns, num_tokens, out)
         out = out[:, :, :num_tokens]
-    # Per page a header parse and one numpy copy (one thread, whatever the caller's torch
-    # thread settings), no torch view: on the 2-core box the page's meta JSON and torch views
-    # cost 80 us a 2 MiB page beside a 220-270 us copy (2026-12-01).
+    # Per page a header parse and a numpy copy (kvstore's own threads, whatever the caller's
+    # torch thread settings), no torch view: on the 2-core box the page's meta JSON and torch
+    # views cost 80 us a 2 MiB page beside a 220-270 us copy (2026-12-01).
     dst = as_array(out)
     block_shape = spec.shape(bt)
+    copies = []
     for i, loc in enumerate(lease.blocks):
         _check_host(loc.medium)
         payload = maps.payload(loc.region, loc.offset, loc.length, loc.key)
@@ -368,17 +371,19 @@ def read_lease(maps: ArenaMaps, ns: Namespace, lease: Lease,
             codecs.decode(payload, out=out[:, :, i * bt : (i + 1) * bt], verify=False)
         else:
             src = np.frombuffer(section, dtype=dst.dtype).reshape(block_shape)
-            np.copyto(dst[:, :, i * bt : (i + 1) * bt], src)
+            copies.append((dst[:, :, i * bt : (i + 1) * bt], src))
+    copy_all(copies, copy_threads)
     return out
 
 
-def fill_out(kv: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+def fill_out(kv: torch.Tensor | None, out: torch.Tensor | None, copy_threads: int = 1
+             ) -> torch.Tensor | None:
     """``kv`` (a get's result that did not come through the arena) as the caller asked for it:
     copied into the front of ``out`` (a view of those tokens returned), or as it is."""
     if kv is None or out is None:
         return kv
     front = out[:, :, : kv.shape[2]]
-    np.copyto(as_array(front), as_array(kv))
+    copy_all([(as_array(front), as_array(kv))], copy_threads)
     return front
 
 

@@ -125,16 +125,28 @@ def health() -> Unary[HealthInfo]:
     return Unary("Health", pb.HealthRequest(), health_from_proto)
 
 
+# How long a late Release waits for the client's next Acquire to carry it before it goes alone:
+# gets back to back (a prompt's chunks, a batch's prompts) come well within it, and an engine's
+# scheduler steps, tens of milliseconds apart, mostly do.
+RELEASE_LINGER_S = 0.05
+
+
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
-            medium: Medium = Medium.HOST, first_block: int = 0, device: str = ""
-            ) -> Unary[Lease]:
+            medium: Medium = Medium.HOST, first_block: int = 0, device: str = "",
+            release: Sequence[str] = ()) -> Unary[tuple[Lease, int]]:
+    """An Acquire that releases ``release`` first (late Releases riding on it); its result is
+    the lease and how many of them the daemon released (0 from one that does not read them)."""
     if first_block < 0:
         raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
     request = pb.AcquireRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                                 lease_s=lease_s or 0.0, medium=Medium(medium).value,
                                 packed=True,  # the blocks as one table (lease_from_proto)
-                                first_block=first_block, device=device)
-    return Unary("Acquire", request, lease_from_proto)
+                                first_block=first_block, device=device, release=release)
+    return Unary("Acquire", request, _lease_and_released)
+
+
+def _lease_and_released(msg: pb.AcquireResponse) -> tuple[Lease, int]:
+    return lease_from_proto(msg), msg.released
 
 
 def release(lease_id: str) -> Unary[None]:
@@ -142,12 +154,18 @@ def release(lease_id: str) -> Unary[None]:
 
 
 def reserve(ns: Namespace, tokens: Tokens, lease_s: float | None,
-            medium: Medium = Medium.HOST, device: str = "") -> Unary[Reservation]:
+            medium: Medium = Medium.HOST, device: str = "", release: Sequence[str] = ()
+            ) -> Unary[tuple[Reservation, int]]:
+    """A Reserve that releases ``release`` first, as :func:`acquire`."""
     request = pb.ReserveRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                                 lease_s=lease_s or 0.0, medium=Medium(medium).value,
                                 packed=True,  # the slots as one table
-                                device=device)
-    return Unary("Reserve", request, reservation_from_proto)
+                                device=device, release=release)
+    return Unary("Reserve", request, _reservation_and_released)
+
+
+def _reservation_and_released(msg: pb.ReserveResponse) -> tuple[Reservation, int]:
+    return reservation_from_proto(msg), msg.released
 
 
 def commit(reservation_id: str, ready_event: bytes = b"") -> Unary[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from kvstore.client.arena import (
     write_reservation,
 )
 from kvstore.client.requests import (
+    RELEASE_LINGER_S,
     REPLY_TYPES,
     CallChannels,
     ChannelBroken,
@@ -52,6 +52,7 @@ from kvstore.client.requests import (
     reply_header,
 )
 from kvstore.client.retry import RetryPolicy, next_delay
+from kvstore.copies import resolve_copy_threads
 from kvstore.errors import (
     CapacityError,
     FailedPrecondition,
@@ -97,13 +98,17 @@ class Client:
         call_channel: make Lookup, Acquire/Release and Reserve/Commit/Abort on a call channel
             (one connection beside gRPC, opened at the first of them) where the daemon offers
             one, over gRPC otherwise or when it breaks; False: always over gRPC.
+        copy_threads: threads (this client's own, 1 to 4) a get's copy into the result
+            shares once it moves 4 MiB or more; None: the host's cores, at most 4.
     """
 
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
-                 data_socket: bool = True, call_channel: bool = True) -> None:
+                 data_socket: bool = True, call_channel: bool = True,
+                 copy_threads: int | None = None) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
+        self._copy_threads = resolve_copy_threads(copy_threads)
         self._max_reply_bytes = max_message_bytes
         self._calls = CallChannels(call_channel, self._settings.target)
         # One call at a time each; a second for the late Releases' worker beside the caller.
@@ -244,6 +249,8 @@ class Client:
                 self._zero_copy.put_failed(exc, strict)
         if first_block:
             kv = self._with_stored_head(ns, tokens, kv, first_block)
+        if self._late.is_pending:  # a lease of this client's read must not keep it from room
+            self._late.flush()
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         if self._data.usable:
             written = self._put_data_socket(stream)
@@ -324,7 +331,7 @@ class Client:
                 return self._get_shared(ns, tokens, out)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
-        return fill_out(self._get(ns, tokens), out)
+        return fill_out(self._get(ns, tokens), out, self._copy_threads)
 
     def _get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
         """A Get over the data socket where the daemon offers one, else streamed."""
@@ -370,7 +377,7 @@ class Client:
                     ) -> torch.Tensor | None:
         lease = self._acquire_to_read(ns, tokens)
         try:
-            kv = read_lease(self._zero_copy.maps, ns, lease, out)
+            kv = read_lease(self._zero_copy.maps, ns, lease, out, self._copy_threads)
         finally:
             # The Release goes from a worker thread: the caller has its data once the copy
             # ends, a round trip sooner (the lease stays bounded by its deadline, and by this
@@ -465,7 +472,8 @@ class Client:
         ``matched_tokens`` still count from the start of ``tokens``). ``device``: the caller's
         GPU (``kvstore.ipc.device_id``), where the daemon brings blocks into device memory
         while it has room there."""
-        return self._unary(requests.acquire(ns, tokens, lease_s, medium, first_block, device))
+        return self._carrying(lambda carried: requests.acquire(
+            ns, tokens, lease_s, medium, first_block, device, release=carried))
 
     def release(self, lease_id: str) -> None:
         self._unary(requests.release(lease_id))
@@ -475,7 +483,19 @@ class Client:
         """DRAM slots (``medium`` "device": GPU pool slots, on the writer's GPU ``device``
         while the daemon has room there) for the blocks of ``tokens`` not stored yet; publish
         with :meth:`commit`."""
-        return self._unary(requests.reserve(ns, tokens, lease_s, medium, device))
+        return self._carrying(lambda carried: requests.reserve(ns, tokens, lease_s, medium,
+                                                               device, release=carried))
+
+    def _carrying(self, call: Callable[[list[str]], Unary[tuple[T, int]]]) -> T:
+        """The result of the call ``call(lease_ids)`` builds, made with this client's late
+        Releases riding along (``LateReleases.take``)."""
+        carried = self._late.take()
+        num_released = None
+        try:
+            result, num_released = self._unary(call(carried))
+        finally:
+            self._late.carried(carried, num_released)
+        return result
 
     def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Verify and publish the pages written into a reservation's slots; ``ready_event``
@@ -597,60 +617,122 @@ class BlockingChannel:
 
 
 class LateReleases:
-    """Releases sent from a worker thread, after the call that read the lease returned.
+    """Releases of leases whose reads ended, after the call that read them returned.
 
     A get's caller has its data once the copy out of the arena ends; the Release round trip
-    (a millisecond or more) need not be on its path. A lease still held meanwhile is bounded
-    by its deadline (the reader checks it did not pass, ``check_in_time``) and, should this
-    process die, by its session. At most ``MAX_PENDING`` wait: a caller getting faster than
-    the worker releases waits for room, so late releases never pile up toward the tenant's
-    lease quota.
+    need not be on its path. A Release first waits up to ``LINGER_S`` for this client's next
+    Acquire to carry it (``take``: no round trip of its own); what no Acquire took by then a
+    worker thread sends. A lease still held meanwhile is bounded by its deadline (the reader
+    checks it did not pass, ``check_in_time``) and, should this process die, by its session.
+    At most ``MAX_PENDING`` wait: a caller reading faster than they are released waits for
+    room, so late releases never pile up toward the tenant's lease quota.
     """
 
     MAX_PENDING = 8
+    LINGER_S = RELEASE_LINGER_S
 
     def __init__(self, release: Callable[[str], None]) -> None:
         self._release = release
-        self._queue: queue.Queue[str | None] = queue.Queue(self.MAX_PENDING)
+        self._cond = threading.Condition()
+        self._waiting: dict[str, float] = {}  # lease id -> when its Release goes alone
+        self._in_flight = 0  # taken (by the worker or an Acquire), not answered yet
+        self._urgent = 0  # callers of flush: send what waits now
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._stopping = False
+        self.can_carry = True  # False once the daemon showed it does not read carried ids
 
     def send(self, lease_id: str) -> None:
         """Queue ``lease_id``'s Release (the worker starts at the first)."""
-        with self._lock:
+        with self._cond:
             if self._thread is None:
+                self._stopping = False
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="kvstore-release")
                 self._thread.start()
-        self._queue.put(lease_id)
+            while len(self._waiting) + self._in_flight >= self.MAX_PENDING:
+                self._cond.wait()
+            self._waiting[lease_id] = time.monotonic() + self.LINGER_S
+            self._cond.notify_all()
+
+    def take(self) -> list[str]:
+        """The waiting lease ids, for an Acquire to release first; hand them back with
+        ``carried``."""
+        with self._cond:
+            if not self.can_carry or not self._waiting:
+                return []
+            taken = list(self._waiting)
+            self._waiting.clear()
+            self._in_flight += len(taken)
+            return taken
+
+    def carried(self, lease_ids: list[str], num_released: int | None) -> None:
+        """The Acquire that took ``lease_ids`` ended: the daemon released ``num_released``
+        of them (None: the call failed, so whether it did is unknown). What it did not
+        release goes in Releases of their own now (one already gone is answered
+        LeaseNotFound, which is ignored)."""
+        if not lease_ids:
+            return
+        with self._cond:
+            self._in_flight -= len(lease_ids)
+            if num_released != len(lease_ids):
+                if num_released == 0:
+                    self.can_carry = False  # a daemon that ignores the field
+                self._waiting.update(dict.fromkeys(lease_ids, 0.0))
+            self._cond.notify_all()
 
     @property
     def is_pending(self) -> bool:
         """Whether a queued Release is not answered yet."""
-        return self._queue.unfinished_tasks > 0
+        with self._cond:
+            return bool(self._waiting) or self._in_flight > 0
 
     def flush(self) -> None:
-        """Wait until every queued Release was answered."""
-        if self._thread is not None:
-            self._queue.join()
+        """Wait until every queued Release was answered (sending those that wait now)."""
+        with self._cond:
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                while self._waiting or self._in_flight:
+                    self._cond.wait()
+            finally:
+                self._urgent -= 1
 
     def close(self) -> None:
         """Send what is queued, then stop the worker."""
-        with self._lock:
+        with self._cond:
             thread, self._thread = self._thread, None
+            self._stopping = True
+            self._cond.notify_all()
         if thread is not None:
-            self._queue.put(None)
             thread.join()
 
+    def _next(self) -> str | None:
+        """The next lease id the worker releases, once it is due; None: stop."""
+        with self._cond:
+            while True:
+                if self._waiting:
+                    lease_id = min(self._waiting, key=self._waiting.__getitem__)
+                    wait_s = self._waiting[lease_id] - time.monotonic()
+                    if wait_s <= 0 or self._urgent or self._stopping:
+                        del self._waiting[lease_id]
+                        self._in_flight += 1
+                        return lease_id
+                    self._cond.wait(wait_s)
+                elif self._stopping and not self._in_flight:
+                    return None
+                else:
+                    self._cond.wait()
+
     def _run(self) -> None:
-        while (lease_id := self._queue.get()) is not None:
+        while (lease_id := self._next()) is not None:
             try:
                 self._release(lease_id)
             except KVStoreError as exc:  # expired, or the daemon went: nothing is held then
                 log.debug("late release of lease %s: %s", lease_id, exc)
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
 
 
 def _drain_hold(call, opened: threading.Event) -> None:

@@ -332,20 +332,22 @@ class ListBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "device")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "device", "release")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
     medium: str
     packed: bool
     device: str
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., device: _Optional[str] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("medium", "regions", "keys", "region_index", "offsets", "lengths", "block_index", "parents")
@@ -386,18 +388,20 @@ class SlotGrant(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "deadline", "codec", "blocks", "table")
+    __slots__ = ("reservation_id", "deadline", "codec", "blocks", "table", "released")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     deadline: float
     codec: str
     blocks: _containers.RepeatedCompositeFieldContainer[SlotGrant]
     table: BlockTable
-    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
+    released: int
+    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "ready_event")
@@ -424,7 +428,7 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "first_block", "device")
+    __slots__ = ("namespace", "tokens", "lease_s", "medium", "packed", "first_block", "device", "release")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +436,7 @@ class AcquireRequest(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     tokens: bytes
     lease_s: float
@@ -439,7 +444,8 @@ class AcquireRequest(_message.Message):
     packed: bool
     first_block: int
     device: str
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., lease_s: _Optional[float] = ..., medium: _Optional[str] = ..., packed: _Optional[bool] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "region", "offset", "length", "medium")
@@ -456,7 +462,7 @@ class BlockLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec", "table", "tier")
+    __slots__ = ("lease_id", "deadline", "matched_tokens", "blocks", "codec", "table", "tier", "released")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +470,7 @@ class AcquireResponse(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     deadline: float
     matched_tokens: int
@@ -471,7 +478,8 @@ class AcquireResponse(_message.Message):
     codec: str
     table: BlockTable
     tier: str
-    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
+    released: int
+    def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., codec: _Optional[str] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., tier: _Optional[str] = ..., released: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

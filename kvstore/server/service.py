@@ -10,10 +10,11 @@ both the gRPC method and the channel (``server/channel.py``) run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -27,6 +28,7 @@ from kvstore.errors import (
     CapacityError,
     FailedPrecondition,
     InvalidArgument,
+    LeaseNotFound,
     PermissionDenied,
     shown,
 )
@@ -67,6 +69,8 @@ MAX_HINT_DEADLINE_S = 3600.0
 MAX_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_DEVICE_NAME = 64  # "GPU-" and a UUID: 40
 MAX_LIST_LIMIT = 100_000
+MAX_CARRIED_RELEASES = 64  # leases one Acquire or Reserve may release first (a client
+# queues at most 8)
 DEFAULT_LIST_LIMIT = 1000
 MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
 
@@ -379,13 +383,16 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "write", scope.caller)
         _require_unix(scope, "Reserve", "Put")
         lease_s = self._lease_s(request.lease_s)
+        tokens, medium = self._tokens(request.tokens), medium_from_proto(request.medium)
         session = self._session(scope)
-        reservation = await self._store.reserve(ns, self._tokens(request.tokens), lease_s,
-                                                medium_from_proto(request.medium),
+        released = await self._release_carried(request.release, scope)  # frees room to make
+        reservation = await self._store.reserve(ns, tokens, lease_s, medium,
                                                 _device(request.device))
         self._grants.add(reservation.reservation_id, scope.caller, reservation.deadline)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
-        return reservation_to_proto(reservation, packed=request.packed)
+        reply = reservation_to_proto(reservation, packed=request.packed)
+        reply.released = released
+        return reply
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         return await self.commit(request, self._scope(context))
@@ -417,23 +424,41 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "read", scope.caller)
         _require_unix(scope, "Acquire", "Get")
         lease_s = self._lease_s(request.lease_s)
+        tokens, medium = self._tokens(request.tokens), medium_from_proto(request.medium)
         session = self._session(scope)
-        lease = await self._store.acquire(ns, self._tokens(request.tokens), lease_s,
-                                          medium_from_proto(request.medium), request.first_block,
+        released = await self._release_carried(request.release, scope)  # frees lease quota
+        lease = await self._store.acquire(ns, tokens, lease_s, medium, request.first_block,
                                           _device(request.device))
         self._grants.add(lease.lease_id, scope.caller, lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
-        return lease_to_proto(lease, packed=request.packed)
+        reply = lease_to_proto(lease, packed=request.packed)
+        reply.released = released
+        return reply
+
+    async def _release_carried(self, lease_ids: Sequence[str], scope: CallScope) -> int:
+        """Release the leases an Acquire or Reserve carries (its client's reads that ended);
+        one that ended already (expired, or its session went) counts as released.
+        PermissionDenied for another tenant's, which stays held."""
+        if len(lease_ids) > MAX_CARRIED_RELEASES:
+            raise InvalidArgument(f"one call carries at most {MAX_CARRIED_RELEASES} leases "
+                                  f"to release, got {len(lease_ids)}")
+        for lease_id in lease_ids:
+            with contextlib.suppress(LeaseNotFound):
+                await self._release(lease_id, scope)
+        return len(lease_ids)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return await self.release(request, self._scope(context))
 
     async def release(self, request: pb.ReleaseRequest, scope: CallScope) -> pb.ReleaseResponse:
-        self._grants.check(request.lease_id, scope.caller, "lease")
-        self._sessions.forget(request.lease_id)
-        await self._store.release(request.lease_id)
-        self._grants.discard(request.lease_id)
+        await self._release(request.lease_id, scope)
         return pb.ReleaseResponse()
+
+    async def _release(self, lease_id: str, scope: CallScope) -> None:
+        self._grants.check(lease_id, scope.caller, "lease")
+        self._sessions.forget(lease_id)
+        await self._store.release(lease_id)
+        self._grants.discard(lease_id)
 
     async def Hold(self, request: pb.HoldRequest, context) -> AsyncIterator[pb.HoldEvent]:
         """A client's session (``kvstore.server.sessions``): open until the client goes away

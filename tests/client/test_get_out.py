@@ -50,6 +50,27 @@ def test_get_writes_into_the_callers_buffer(tmp_path, zero_copy):
         assert client.get(NS, list(range(500, 532)), zero_copy=zero_copy, out=out) is None
 
 
+BIG_SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=16)  # 256 KiB blocks
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_a_large_get_shared_between_copy_threads_is_whole(tmp_path, zero_copy, copy_threads):
+    """24 blocks (6 MiB) into a larger ``out``: with several copy threads the pages are cut
+    between them (one straddling two shares); every byte lands as with one."""
+    ns = Namespace(model_id="big", spec=BIG_SPEC, tenant="acme")
+    kv = random_kv(BIG_SPEC, 24 * 16)
+    tokens = list(range(24 * 16))
+    with DaemonThread(small_config(tmp_path, dram_bytes=64 << 20)) as daemon, \
+            Client(daemon.unix_address, copy_threads=copy_threads) as client:
+        client.put(ns, tokens, kv)
+        out = torch.full(BIG_SPEC.shape(32 * 16), 7.0, dtype=BIG_SPEC.torch_dtype)
+        got = client.get(ns, tokens + [1, 2, 3], zero_copy=zero_copy, out=out)
+        assert torch.equal(got, kv) and bool((out[:, :, 24 * 16:] == 7.0).all())
+    with pytest.raises(InvalidArgument, match="copy_threads must be an int from 1 to 4"):
+        Client(daemon.unix_address, copy_threads=0)
+
+
 def _bad_outs() -> list[tuple[object, str]]:
     good = SPEC.shape(64)
     return [

@@ -11,17 +11,12 @@ from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
 from ..conftest import random_kv, random_tokens
-from ..server.helpers import DaemonThread, small_config
+from ..server.helpers import DaemonThread, rpc_calls, small_config
 
 MiB = 1 << 20
 SPEC = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_tokens=16)  # 32 KiB blocks
 BLOCKS = 40  # ~1.3 MiB of pages in two 1 MiB steps: the 3 MiB tier holds them once, not twice
 
-
-def _calls(daemon, method: str) -> int:
-    value = daemon.metrics.registry.get_sample_value(
-        "kvstore_rpc_latency_seconds_count", {"method": method})
-    return int(value or 0)
 
 
 @pytest.fixture
@@ -36,7 +31,7 @@ def test_a_put_near_the_tiers_size_stores_every_block_in_pieces(small_tier, monk
     kv = random_kv(SPEC, 16 * BLOCKS, seed=3)
     with DaemonThread(small_tier) as daemon, Client(daemon.unix_address) as client:
         assert client.put(ns, tokens, kv, zero_copy=True) == 16 * BLOCKS
-        assert (_calls(daemon, "Reserve"), _calls(daemon, "Commit")) == (3, 3)  # 16 + 16 + 8
+        assert (rpc_calls(daemon, "Reserve"), rpc_calls(daemon, "Commit")) == (3, 3)  # 16 + 16 + 8
         assert client.lookup(ns, tokens).matched_tokens == 16 * BLOCKS
         assert client.get(ns, tokens).equal(kv)
         # a second prompt as large pushes the first out, and is stored whole too
@@ -53,7 +48,7 @@ async def test_the_async_client_puts_in_pieces_too(small_tier, monkeypatch):
         async with AsyncClient(daemon.unix_address) as client:
             assert await client.put(ns, tokens, kv, zero_copy=True) == 16 * BLOCKS
             assert (await client.get(ns, tokens)).equal(kv)
-        assert _calls(daemon, "Commit") == 3
+        assert rpc_calls(daemon, "Commit") == 3
 
 
 def test_pieces_end_with_the_prompt_and_cover_it_once(monkeypatch):

@@ -10,15 +10,9 @@ import pytest
 import torch
 
 from kvstore.client import AsyncClient, Client, arena
-from tests.server.helpers import DaemonThread
+from tests.server.helpers import DaemonThread, rpc_calls
 
 from ..conftest import random_kv, random_tokens
-
-
-def _calls(daemon, method: str) -> int:
-    value = daemon.metrics.registry.get_sample_value(
-        "kvstore_rpc_latency_seconds_count", {"method": method})
-    return int(value or 0)
 
 
 class FakeClock:
@@ -40,10 +34,10 @@ async def test_default_client_on_a_fresh_daemon_uses_shared_memory(daemon, ns, s
     tokens, kv = random_tokens(64), random_kv(spec, 64)
     async with AsyncClient(daemon.unix_address) as client:
         assert await client.put(ns, tokens, kv) == 64
-        assert (_calls(daemon, "Reserve"), _calls(daemon, "Commit")) == (1, 1)
+        assert (rpc_calls(daemon, "Reserve"), rpc_calls(daemon, "Commit")) == (1, 1)
         assert torch.equal(await client.get(ns, tokens), kv)
-        assert _calls(daemon, "Acquire") == 1
-    assert (_calls(daemon, "Put"), _calls(daemon, "Get")) == (0, 0)
+        assert rpc_calls(daemon, "Acquire") == 1
+    assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Get")) == (0, 0)
 
 
 async def test_a_client_that_found_no_arena_finds_it_later(daemon, ns, spec, clock):
@@ -54,20 +48,20 @@ async def test_a_client_that_found_no_arena_finds_it_later(daemon, ns, spec, clo
     prompts = [(random_tokens(32, seed=i), random_kv(spec, 32, seed=i)) for i in range(4)]
     async with AsyncClient(daemon.unix_address) as client:
         assert await client.put(ns, *prompts[0]) == 32
-        assert (_calls(daemon, "Put"), _calls(daemon, "Reserve")) == (1, 0)
+        assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve")) == (1, 0)
         clock.now += arena.PROBE_RETRY_S / 2  # too soon to ask again: streams, no probe
         assert await client.put(ns, *prompts[1]) == 32
-        assert (_calls(daemon, "Put"), _calls(daemon, "Health")) == (2, 1)
+        assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Health")) == (2, 1)
 
         await daemon.fd_server.start()
         clock.now += arena.PROBE_RETRY_S
         assert await client.put(ns, *prompts[2]) == 32
-        assert (_calls(daemon, "Put"), _calls(daemon, "Reserve"), _calls(daemon, "Commit")) \
+        assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve"), rpc_calls(daemon, "Commit")) \
             == (2, 1, 1)
         assert torch.equal(await client.get(ns, prompts[0][0]), prompts[0][1])
-        assert (_calls(daemon, "Acquire"), _calls(daemon, "Get")) == (1, 0)
+        assert (rpc_calls(daemon, "Acquire"), rpc_calls(daemon, "Get")) == (1, 0)
         assert await client.put(ns, *prompts[3]) == 32  # no further probe once it works
-        assert (_calls(daemon, "Health"), _calls(daemon, "Reserve")) == (2, 2)
+        assert (rpc_calls(daemon, "Health"), rpc_calls(daemon, "Reserve")) == (2, 2)
 
 
 def test_blocking_client_finds_it_later_too(config, ns, spec, clock):
@@ -80,8 +74,8 @@ def test_blocking_client_finds_it_later_too(config, ns, spec, clock):
 
         on_daemon_loop(daemon.fd_server.close())
         assert client.put(ns, tokens, kv) == 32
-        assert (_calls(daemon, "Put"), _calls(daemon, "Reserve")) == (1, 0)
+        assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve")) == (1, 0)
         on_daemon_loop(daemon.fd_server.start())
         clock.now += arena.PROBE_RETRY_S
         assert torch.equal(client.get(ns, tokens), kv)
-        assert (_calls(daemon, "Acquire"), _calls(daemon, "Get")) == (1, 0)
+        assert (rpc_calls(daemon, "Acquire"), rpc_calls(daemon, "Get")) == (1, 0)

@@ -24,6 +24,7 @@ __all__ = [
     "DaemonProcess",
     "DaemonThread",
     "MiB",
+    "rpc_calls",
     "short_tmpdir",
     "small_config",
     "write_toml",
@@ -41,6 +42,14 @@ def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bo
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def rpc_calls(daemon, method: str) -> int:
+    """How many ``method`` calls ``daemon`` (a DaemonThread or served Daemon) answered, from
+    its per-method RPC latency counts (gRPC and call channels alike)."""
+    value = daemon.metrics.registry.get_sample_value(
+        "kvstore_rpc_latency_seconds_count", {"method": method})
+    return int(value or 0)
 
 
 def short_tmpdir() -> Path:

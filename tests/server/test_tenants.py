@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvstore.client import NO_RETRY, AsyncClient
-from kvstore.errors import ConfigError, PermissionDenied, Unauthenticated
+from kvstore.client import NO_RETRY, AsyncClient, requests
+from kvstore.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
 from kvstore.keys import block_keys
 from kvstore.server.daemon import serve
 
@@ -133,3 +133,31 @@ async def test_require_auth_on_unix(root, ns):
 async def test_tcp_without_tokens_is_refused_at_start(root):
     with pytest.raises(ConfigError, match="without tokens"):
         await serve(small_config(root, tcp_address="127.0.0.1:0"))
+
+
+async def test_an_acquire_cannot_carry_another_tenants_lease(tcp_daemon, ns, spec):
+    """Releases riding on an Acquire or Reserve pass Release's owner check: acme naming zeta's
+    lease is refused, and zeta's lease stays held; too many ids are refused by name."""
+    zeta_ns = dataclasses.replace(ns, tenant="zeta")
+    tokens = random_tokens(32, seed=11)
+    async with client(tcp_daemon.unix_address, "tok-acme") as acme, \
+            client(tcp_daemon.unix_address, "tok-zeta") as zeta, \
+            client(tcp_daemon.tcp_address, "tok-admin") as admin:
+        await acme.put(ns, tokens, random_kv(spec, 32))
+        await zeta.put(zeta_ns, tokens, random_kv(spec, 32))
+        lease = await zeta.acquire(zeta_ns, tokens)
+        for carrying in (requests.acquire(ns, tokens, None, release=[lease.lease_id]),
+                         requests.reserve(ns, random_tokens(32, seed=12), None,
+                                          release=[lease.lease_id])):
+            with pytest.raises(PermissionDenied, match="another tenant"):
+                await acme._unary(carrying)
+        assert (await admin.stats()).active_leases == 1  # zeta's, untouched
+        with pytest.raises(InvalidArgument, match="at most 64 leases to release, got 65"):
+            await acme._unary(requests.acquire(ns, tokens, None, release=["x"] * 65))
+        # ids of leases that are gone are not an error: they were released already
+        mine, released = await acme._unary(requests.acquire(ns, tokens, None,
+                                                            release=["gone-1", "gone-2"]))
+        assert released == 2 and mine.matched_tokens == 32
+        await acme.release(mine.lease_id)
+        await zeta.release(lease.lease_id)
+        assert (await admin.stats()).active_leases == 0
