@@ -372,3 +372,4 @@ class HealthInfo:
     # The daemon's descriptor socket, where a zero-copy client gets its tenant's host arena
     # (kvstore.rpc.fdpass); "" when the daemon has no host arena.
     arena_path: str
+    call_channel: bool = False  # the daemon serves this caller call channels (OpenChannel)

@@ -12,9 +12,10 @@ copies alone: a pool hand-off (tens of microseconds) would cost more than the sp
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -54,13 +55,23 @@ def copy_all(copies: Sequence[Copy], threads: int) -> None:
         _run(copies)
         return
     shares = _shares(copies, min(threads, MAX_COPY_THREADS, total // (MIN_SPLIT_BYTES // 2)))
+    run_shared([functools.partial(_run, share) for share in shares])
+
+
+def run_shared(work: Sequence[Callable[[], object]]) -> None:
+    """Run each of ``work`` (at most ``MAX_COPY_THREADS``, each releasing the GIL for most of
+    its time: copies, hashes) side by side, the first on this thread and the rest on the pool;
+    return once all ended (the first error raised then)."""
+    if len(work) > MAX_COPY_THREADS:
+        raise ValueError(f"at most {MAX_COPY_THREADS} shares run side by side, got {len(work)}")
     pool = _copy_pool()
-    futures = [pool.submit(_run, share) for share in shares[1:]]
+    futures = [pool.submit(share) for share in work[1:]]
     try:
-        _run(shares[0])
+        if work:
+            work[0]()
     finally:
-        # Even when this thread's share failed: the others read the caller's buffers, which
-        # must not be handed back (or their source pages released) while a copy still runs.
+        # Even when this thread's share failed: the others use the caller's buffers, which
+        # must not be handed back (or their source pages released) while one still runs.
         done, _ = concurrent.futures.wait(futures)
     for future in done:
         future.result()

@@ -259,7 +259,8 @@ class AsyncClient:
         for end in put_pieces(ns, len(tokens)):
             reservation = await self.reserve(ns, tokens[:end])
             write = asyncio.ensure_future(
-                asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation))
+                asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation, 0,
+                                  self._copy_threads))
             committing = False
             try:
                 await asyncio.shield(write)

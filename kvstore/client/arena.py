@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import mmap
 import os
 import socket
@@ -38,9 +39,9 @@ import torch
 
 from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
-from kvstore.codecs.base import BLOB_MAGIC, as_array, section_tensor, unpack_blob
+from kvstore.codecs.base import BLOB_MAGIC, Payload, as_array, section_tensor, unpack_blob
 from kvstore.codecs.raw import RawCodec
-from kvstore.copies import copy_all
+from kvstore.copies import MIN_SPLIT_BYTES, copy_all, run_shared
 from kvstore.errors import (
     CapacityError,
     CodecError,
@@ -455,12 +456,14 @@ def put_pieces(ns: Namespace, num_tokens: int, first_block: int = 0) -> list[int
 
 
 def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
-                      reservation: Reservation, first_block: int = 0) -> None:
+                      reservation: Reservation, first_block: int = 0,
+                      copy_threads: int = 1) -> None:
     """Encode each reserved block of ``kv`` with the reservation's codec straight into its
     slot: the page header and meta in front, the blob behind them, in one pass that copies
     (or quantises) and hashes (``kvstore.page.write_page``). ``kv`` starts at block
     ``first_block``: NotFound if the reservation holds a block before it (a prefix block the
-    caller counted on being stored)."""
+    caller counted on being stored). Pages of ``MIN_SPLIT_BYTES`` or more in all are written
+    by up to ``copy_threads`` threads, each a run of them."""
     codec = codecs.get(reservation.codec)
     bt = ns.spec.block_tokens
     kv = kv.detach().cpu()
@@ -468,6 +471,7 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
     if missing:
         raise NotFound(f"block {missing[0]} of the prefix is not stored; the blocks before "
                        f"block {first_block} must be stored before more are added to them")
+    pages = []
     for grant in reservation.blocks:
         _check_host(grant.medium)
         start = (grant.block_index - first_block) * bt
@@ -481,5 +485,15 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
         if length > grant.capacity_bytes:
             raise CapacityError(f"page of {length} bytes exceeds its "
                                 f"{grant.capacity_bytes}-byte slot")
-        write_page(maps.view(grant.region, grant.offset, length, writable=True), meta, payload,
-                   aligned=True)
+        pages.append((maps.view(grant.region, grant.offset, length, writable=True), meta,
+                      payload))
+    total = sum(payload.nbytes for _, _, payload in pages)
+    num_shares = min(copy_threads, len(pages)) if total >= MIN_SPLIT_BYTES else 1
+    run_shared([functools.partial(_write_pages, pages[i * len(pages) // num_shares :
+                                                      (i + 1) * len(pages) // num_shares])
+                for i in range(num_shares)])
+
+
+def _write_pages(pages: list[tuple[memoryview, PageMeta, Payload]]) -> None:
+    for view, meta, payload in pages:
+        write_page(view, meta, payload, aligned=True)

@@ -292,7 +292,8 @@ class Client:
             reservation = self.reserve(ns, tokens[:end])
             committing = False
             try:
-                write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block)
+                write_reservation(self._zero_copy.maps, ns, kv, reservation, first_block,
+                                  self._copy_threads)
                 committing = True
                 written += self.commit(reservation.reservation_id)
             except BaseException as exc:

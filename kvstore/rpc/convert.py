@@ -315,7 +315,7 @@ def reservation_from_proto(msg: pb.ReserveResponse) -> Reservation:
 def health_from_proto(msg: pb.HealthResponse) -> HealthInfo:
     return HealthInfo(status=msg.status, version=msg.version, uptime_s=msg.uptime_s,
                       pid=msg.pid, tenant=msg.tenant, is_admin=msg.is_admin,
-                      arena_path=msg.arena_path)
+                      arena_path=msg.arena_path, call_channel=msg.call_channel)
 
 
 def profile_to_proto(profile: ModelProfile) -> pb.ModelProfile:

@@ -16,6 +16,7 @@ import torch
 
 from kvstore import codecs
 from kvstore.codecs.base import as_array, check_out, unpack_blob
+from kvstore.copies import copy_all, default_copy_threads
 from kvstore.errors import CodecError, CorruptPage
 from kvstore.page import Page, verify_page
 
@@ -139,8 +140,10 @@ def _verify_and_decode(page: Page, out: torch.Tensor) -> bool:
     if page.meta.codec != codecs.RawCodec.name:
         codecs.decode(page.payload, out=out, verify=False)
         return True
-    # A raw page is a copy: numpy's, on this thread alone (a torch copy runs on an OpenMP team,
-    # which on a busy host waits for cores; on the loop it stalls everything behind it).
+    # A raw page is a copy: numpy's, on kvstore's own threads (a torch copy runs on an OpenMP
+    # team, which on a busy host waits for cores; on the loop it stalls everything behind it).
+    # A page of 4 MiB or more (a 128-token block) is shared with the copy pool: one page would
+    # otherwise be one thread's copy however many cores are idle.
     parts = unpack_blob(page.payload, verify=False)
     if parts.codec_id != codecs.RawCodec.codec_id:
         raise CodecError(f"blob was written by codec id {parts.codec_id}, not raw")
@@ -148,7 +151,7 @@ def _verify_and_decode(page: Page, out: torch.Tensor) -> bool:
     src = np.frombuffer(parts.sections[0], dtype=dst.dtype)  # no torch view: 20 us less a page
     if src.size != dst.size:
         raise CodecError(f"blob section holds {src.nbytes} bytes, expected {dst.nbytes}")
-    np.copyto(dst, src.reshape(dst.shape))
+    copy_all([(dst, src.reshape(dst.shape))], default_copy_threads())
     return True
 
 

@@ -43,11 +43,11 @@ class StoreSpy:
 def failing_writer(exc: BaseException, reserved: list):
     """A slot writer that writes the first block's page, then fails with ``exc``."""
 
-    def write(maps, ns, kv, reservation, first_block=0):
+    def write(maps, ns, kv, reservation, first_block=0, copy_threads=1):
         reserved.append(reservation)
         write_reservation(maps, ns, kv, dataclasses.replace(reservation,
                                                             blocks=reservation.blocks[:1]),
-                          first_block)
+                          first_block, copy_threads)
         raise exc
 
     return write
@@ -102,10 +102,10 @@ async def test_async_cancelled_put_aborts_after_the_writer_stops(daemon, ns, spe
     tokens, kv = random_tokens(32, seed=4), random_kv(spec, 32, seed=4)
     started, proceed, finished = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_writer(maps, ns, kv, reservation):
+    def slow_writer(maps, ns, kv, reservation, first_block=0, copy_threads=1):
         started.set()
         proceed.wait(30)
-        write_reservation(maps, ns, kv, reservation)
+        write_reservation(maps, ns, kv, reservation, first_block, copy_threads)
         finished.set()
 
     monkeypatch.setattr(aio_module, "write_reservation", slow_writer)

@@ -165,6 +165,7 @@ def test_blocking_client_uses_the_channel_and_its_off_switch(root):
             assert torch.equal(client.get(NS, list(range(32))), kv_for(32))
             client.flush_releases()
             used = calls.num_calls
+            assert client.health().call_channel  # Health itself is a gRPC call
             assert used >= 4 and client.lookup(NS, list(range(32))).matched_tokens == 32
             assert calls.num_calls == used + 1
         with Client(daemon.unix_address, retry=NO_RETRY, call_channel=False) as client:
@@ -203,6 +204,7 @@ def test_a_daemon_without_channels_is_called_over_grpc(root):
         assert daemon.datapath.calls is None
         with grpc.insecure_channel(daemon.unix_address) as channel:
             assert not pbg.KVStoreStub(channel).Health(pb.HealthRequest()).call_channel
+        assert not client.health().call_channel
         client.put(NS, list(range(32)), kv_for(32))
         assert client.lookup(NS, list(range(32))).matched_tokens == 32
         assert torch.equal(client.get(NS, list(range(32))), kv_for(32))
