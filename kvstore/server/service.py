@@ -456,8 +456,8 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def _release(self, lease_id: str, scope: CallScope) -> None:
         self._grants.check(lease_id, scope.caller, "lease")
-        self._sessions.forget(lease_id)
-        await self._store.release(lease_id)
+        await self._store.release(lease_id)  # LeaseNotFound for a reservation's id, too
+        self._sessions.forget(lease_id)  # only now: a reservation named here stays noted
         self._grants.discard(lease_id)
 
     async def Hold(self, request: pb.HoldRequest, context) -> AsyncIterator[pb.HoldEvent]:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvstore.client import Client
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, LeaseNotFound, PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
@@ -78,6 +78,19 @@ def test_closing_a_client_gives_back_what_it_held(tmp_path):
         client = Client(daemon.unix_address)
         client.acquire(ns(), tokens, lease_s=600)
         assert held(watcher) == (1, 0)
+        client.close()
+        assert wait_for(lambda: held(watcher) == (0, 0))
+
+
+def test_a_reservation_named_in_a_release_stays_its_sessions(tmp_path):
+    """Regression: a Release naming a reservation's id (refused: it is no lease) made the
+    session forget the reservation, which then outlived its client until its deadline."""
+    with DaemonThread(small_config(tmp_path)) as daemon, Client(daemon.unix_address) as watcher:
+        client = Client(daemon.unix_address)
+        reservation = client.reserve(ns(), list(range(1000, 1064)), lease_s=600)
+        with pytest.raises(LeaseNotFound):
+            client.release(reservation.reservation_id)
+        assert held(watcher) == (0, 1)
         client.close()
         assert wait_for(lambda: held(watcher) == (0, 0))
 
