@@ -24,6 +24,7 @@ from kvstore.errors import InvalidArgument
 MIN_SPLIT_BYTES = 4 << 20  # a share under 2 MiB saves less than its hand-off (one 2 MiB page)
 MAX_COPY_THREADS = 4  # past this, one host's copies contend for its memory channels
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 Copy = tuple[np.ndarray, np.ndarray]  # (destination, source), same shape
@@ -109,9 +110,12 @@ def _shares(copies: Sequence[Copy], num_shares: int) -> list[list[Copy]]:
 
 
 def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
+    """The pool, made on first use, and again in a forked child (which has none of its
+    threads: work handed to the parent's pool there would never run)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = concurrent.futures.ThreadPoolExecutor(MAX_COPY_THREADS - 1,
                                                           thread_name_prefix="kvstore-copy")
+            _pool_pid = os.getpid()
         return _pool

@@ -4,6 +4,10 @@ error in any share reaches the caller only after every share ended."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -64,3 +68,25 @@ def test_copy_threads_are_checked():
     for wrong in (0, MAX_COPY_THREADS + 1, 1.5, True, "2"):
         with pytest.raises(InvalidArgument, match="copy_threads must be an int from 1 to 4"):
             resolve_copy_threads(wrong)
+
+
+def test_a_forked_child_copies_with_a_pool_of_its_own():
+    """The parent's pool threads do not exist in a forked child: a split copy there must not
+    wait forever on them."""
+    pairs = [(np.zeros(2 * MiB, np.uint8), np.ones(2 * MiB, np.uint8)) for _ in range(4)]
+    copy_all(pairs, 2)  # the parent's pool now exists
+    pid = os.fork()
+    if pid == 0:
+        child = [(np.zeros(2 * MiB, np.uint8), np.full(2 * MiB, 3, np.uint8)) for _ in range(4)]
+        copy_all(child, 2)
+        os._exit(0 if all((dst == 3).all() for dst, _ in child) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copy never finished")
