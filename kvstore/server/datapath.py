@@ -53,6 +53,7 @@ from kvstore.rpc.datapath import (
     encode_frame,
     new_ticket,
     parse_hello,
+    widen_buffers,
 )
 from kvstore.rpc.status import status_for
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, TokenTable, authenticate
@@ -441,6 +442,7 @@ class DataPathServer:
                 self.discard(transfer)  # spent: its place among the tickets goes back
                 await self._serve_channel(conn, transfer, transport)
                 return
+            widen_buffers(conn)
             try:
                 if transfer.is_put:
                     await self._receive(conn, transfer)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from kvstore.client.address import parse_address
 from kvstore.client.requests import DataSocket
 from kvstore.errors import InvalidArgument
+from kvstore.rpc import datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.datapath import (
     HELLO,
@@ -73,3 +75,20 @@ def test_an_unreachable_data_socket_makes_the_client_stream_for_a_while(tmp_path
     assert data.usable
     assert data.connect(ticket) is None
     assert not data.usable
+
+
+def test_unix_data_connections_hold_more_in_flight_tcp_ones_are_left_alone():
+    """A Unix transfer connection's send buffer is widened (as far as wmem_max allows) so a
+    32 MiB transfer moves in a few handoffs; TCP keeps its own autotuned sizes."""
+    wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+        before = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        tcp_before = tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        datapath.widen_buffers(left)
+        datapath.widen_buffers(tcp)
+        # the kernel doubles what it grants (its bookkeeping), up to twice wmem_max
+        granted = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert granted == 2 * min(datapath.UNIX_BUFFER_BYTES, wmem_max)
+        assert granted >= before
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == tcp_before

@@ -292,7 +292,8 @@ async def _get_ticket(stub, tokens: list[int]):
 
 
 async def test_get_reader_that_never_reads_is_dropped(daemon, stub):
-    kv, tokens = kv_for(1024), tokens_for(1024)  # 16 MiB: more than the socket buffers
+    # 32 MiB: more than a widened Unix socket holds (datapath.UNIX_BUFFER_BYTES)
+    kv, tokens = kv_for(32768), tokens_for(32768)
     async with AsyncClient(daemon.unix_address, zero_copy=False, retry=NO_RETRY) as client:
         await client.put(NS, tokens, kv)
     call, ticket = await _get_ticket(stub, tokens)
@@ -307,7 +308,7 @@ async def test_get_reader_that_never_reads_is_dropped(daemon, stub):
     writer.close()
     assert await eventually(lambda: settled(daemon), 20 * IDLE_S)
     # its pages were sent from where they lie, pinned: a dropped reader unpins them
-    assert await daemon.store.evict(model_id=NS.model_id) == 64
+    assert await daemon.store.evict(model_id=NS.model_id) == 2048
 
 
 async def test_get_cancelled_by_its_caller_gives_its_tensor_back(daemon, stub):
