@@ -253,12 +253,18 @@ def worker() -> int:
 # --------------------------------------------------------------------------- kvstore side
 
 
+def lmcache_env(log_level: str) -> dict[str, str]:
+    """The environment LMCache's processes run in: no usage reports, no banner, its log at
+    ``log_level``."""
+    return {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+            "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": log_level}
+
+
 class LMCacheWorker:
     """The LMCache worker subprocess, driven a command at a time."""
 
     def __init__(self, python: Path, log_path: Path) -> None:
-        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-               "LMCACHE_LOG_LEVEL": "WARNING",
+        env = {**lmcache_env("WARNING"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                            os.environ.get("PYTHONPATH")]))}
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
@@ -420,36 +426,19 @@ def lmcache_python(path: str | os.PathLike[str] | None = None) -> Path:
     return chosen
 
 
-def run_lmcache_bench(total_bytes: int = 256 * MiB, repeat: int = 3, quick: bool = False,
-                      python: str | os.PathLike[str] | None = None) -> Any:
-    """Measure every case on every path of both stores and return the report.
-
-    Args:
-        total_bytes: bytes each put or get pass of a path moves (whole calls, at least one).
-        repeat: recorded rounds per path; the table shows medians.
-        quick: tiny two-layer payloads instead of the 7-8B model's (seconds; for tests).
-        python: the LMCache venv's python (see :func:`lmcache_python`).
-
-    Returns:
-        A ``BenchReport``: one row per (case, op, kvstore path) with its GB/s, the LMCache path
-        beside it, that path's GB/s and their ratio (above 1: kvstore is faster).
-    """
+def _backend_section(total_bytes: int, repeat: int, quick: bool, venv_python: Path
+                     ) -> tuple[list[dict[str, Any]], str]:
+    """Every case on every path of both stores: the rows and LMCache's version."""
     import tempfile
 
-    from kvstore.bench.report import BenchReport, Column
     from kvstore.bench.rpc import _process, _wait_until
     from kvstore.client import NO_RETRY, Client
     from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
-    from kvstore.errors import InvalidArgument
     from kvstore.store import Store
 
-    if total_bytes < 1 or repeat < 1:
-        raise InvalidArgument(f"total_bytes ({total_bytes}) and repeat ({repeat}) must be "
-                              "positive")
     cases = QUICK_CASES if quick else CASES
     pass_bytes = max(calls_per_pass(c, total_bytes) * c.call_bytes for c in cases)
     dram_bytes = int(pass_bytes * 1.1) + 256 * MiB
-    venv_python = lmcache_python(python)
     rows: list[dict[str, Any]] = []
     loop = asyncio.new_event_loop()
     store = Store(KVStoreConfig(dram=DramConfig(capacity_bytes=dram_bytes),
@@ -474,29 +463,91 @@ def run_lmcache_bench(total_bytes: int = 256 * MiB, repeat: int = 3, quick: bool
                 worker_proc.close()
                 loop.run_until_complete(store.close())
                 loop.close()
+    return rows, worker_proc.version
+
+
+def _installed_version(venv_python: Path) -> str:
+    """The lmcache version installed in the LMCache venv (read without importing lmcache)."""
+    probe = "import importlib.metadata as m; print(m.version('lmcache'))"
+    done = subprocess.run([str(venv_python), "-c", probe], capture_output=True, text=True,
+                          check=True)
+    return done.stdout.strip()
+
+
+_BACKEND_NOTES = (
+    ("kvstore/LMCache above 1: kvstore is faster. A lookup asks how much of a prompt just put "
+     "is stored, from its tokens: kvstore's Lookup once per prompt; LMCache's token database "
+     "hashing the chunks, then contains / exists once per chunk from the first, as its engine "
+     "asks."),
+    ("A put starts from the caller's tensor; a get ends with the K/V in a tensor the caller "
+     "can use (LMCache's memory object copied out, as its engine copies it into the cache)."),
+    ("LMCache's remote server has no shared-memory path: both daemon paths stand beside its "
+     "loopback TCP server."))
+_SERVER_NOTES = (
+    ("Beside `lmcache server`: LMCache's numbers are its own `lmcache bench server --mode cpu` "
+     "report (the p50 and mean latency of each operation of one request after another); "
+     "kvstore's are the same requests from a Client of its daemon through shared memory, "
+     "timed the same way. Rates are a request's bytes (or one lookup) over the mean latency: "
+     "kvstore/LMCache above 1 is kvstore ahead; for the ms p50 rows below 1 is."),)
+
+
+def run_lmcache_bench(total_bytes: int = 256 * MiB, repeat: int = 3, quick: bool = False,
+                      python: str | os.PathLike[str] | None = None, backends: bool = True,
+                      server: bool = False) -> Any:
+    """Measure both stores and return the report.
+
+    Args:
+        total_bytes: bytes each put or get pass of a path moves (whole calls, at least one).
+        repeat: recorded rounds per path; the table shows medians.
+        quick: tiny two-layer payloads instead of the 7-8B model's (seconds; for tests).
+        python: the LMCache venv's python (see :func:`lmcache_python`).
+        backends: every case on every path beside LMCache's CPU backend and ``lm://`` server.
+        server: the section beside LMCache's multiprocess ``lmcache server``, driven by its
+            ``lmcache bench server --mode cpu`` (``kvstore.bench.lmcache_server``).
+
+    Returns:
+        A ``BenchReport``: one row per (case, op, kvstore path) with its rate, the LMCache path
+        beside it, that path's rate and their ratio (above 1: kvstore is faster, except for
+        the ``ms p50`` rows, where below 1 is).
+    """
+    from kvstore.bench.report import BenchReport, Column
+    from kvstore.errors import InvalidArgument
+
+    if total_bytes < 1 or repeat < 1:
+        raise InvalidArgument(f"total_bytes ({total_bytes}) and repeat ({repeat}) must be "
+                              "positive")
+    if not (backends or server):
+        raise InvalidArgument("nothing to run: neither the backends nor the server section")
+    venv_python = lmcache_python(python)
+    rows: list[dict[str, Any]] = []
+    params: dict[str, Any] = {"total_bytes": total_bytes, "repeat": repeat, "quick": quick}
+    notes: tuple[str, ...] = ()
+    version = _installed_version(venv_python)
+    if backends:
+        backend_rows, version = _backend_section(total_bytes, repeat, quick, venv_python)
+        rows += backend_rows
+        notes += _BACKEND_NOTES
+        params["cases"] = [asdict(c) | {"call_bytes": c.call_bytes}
+                           for c in (QUICK_CASES if quick else CASES)]
+    if server:
+        from kvstore.bench.lmcache_server import run_server_section
+
+        server_rows, params["server"] = run_server_section(venv_python, total_bytes, repeat,
+                                                           quick)
+        rows += server_rows
+        notes += _SERVER_NOTES
+    params["lmcache_version"] = version
     return BenchReport(
-        name="lmcache", title=f"kvstore vs LMCache {worker_proc.version} (same payloads, "
-                              "same run; GB/s medians)",
+        name="lmcache", title=f"kvstore vs LMCache {version} (same payloads, same run; "
+                              "medians)",
         columns=(Column("op", "op", justify="left"), Column("path", "kvstore path",
                                                             justify="left"),
                  Column("rate", "rate"), Column("lmcache_path", "beside LMCache",
                                                 justify="left"),
                  Column("lmcache_rate", "rate"), Column("unit", "unit", justify="left"),
+                 Column("better", "better", justify="left"),
                  Column("ratio", "kvstore/LMCache")),
-        rows=tuple(rows), section_key="case",
-        params={"total_bytes": total_bytes, "repeat": repeat, "quick": quick,
-                "lmcache_version": worker_proc.version,
-                "cases": [asdict(c) | {"call_bytes": c.call_bytes} for c in cases]},
-        notes=(("kvstore/LMCache above 1: kvstore is faster. A lookup asks how much of a "
-                "prompt just put is stored, from its tokens: kvstore's Lookup once per prompt; "
-                "LMCache's token database hashing the chunks, then contains / exists once per "
-                "chunk from the first, as its engine asks."),
-               ("A put starts from the caller's tensor; a get ends with the K/V in a tensor "
-                "the caller can use (LMCache's memory object copied out, as its engine copies "
-                "it into the cache)."),
-               ("LMCache's remote server has no shared-memory path: both daemon paths stand "
-                "beside its loopback TCP server.")),
-    )
+        rows=tuple(rows), section_key="case", params=params, notes=notes)
 
 
 def main(argv: list[str] | None = None) -> int:

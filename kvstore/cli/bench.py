@@ -207,13 +207,20 @@ def bench_lmcache(
     lmcache_python: Annotated[Path | None, typer.Option(
         dir_okay=False, show_default=False, envvar="KVSTORE_LMCACHE_PYTHON",
         help="The LMCache venv's python [default: .venv-lmcache/bin/python]")] = None,
+    backends: Annotated[bool, typer.Option(
+        help="Every path beside LMCache's CPU backend and its lm:// server.")] = True,
+    server: Annotated[bool, typer.Option(
+        help="Also beside LMCache's multiprocess `lmcache server`, driven by its own `lmcache "
+             "bench server --mode cpu` (a minute or more).")] = False,
     json_path: JsonPathOpt = None,
 ) -> None:
     """Put/get GB/s of kvstore (Store, daemon socket, shared memory) beside LMCache 0.5.6 (CPU
-    backend, lm:// server) on the same payloads, in one run (kvstore.bench.lmcache)."""
+    backend, lm:// server) on the same payloads, in one run; with --server also store, retrieve
+    and lookup beside its `lmcache server` (kvstore.bench.lmcache, .lmcache_server)."""
     run = load_runner("kvstore.bench.lmcache", "run_lmcache_bench", "kvstore bench lmcache")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), repeat=repeat,
-                 quick=quick, python=lmcache_python), json_path)
+                 quick=quick, python=lmcache_python, backends=backends, server=server),
+             json_path)
 
 
 @bench_app.command("scale")

@@ -2,7 +2,8 @@
 # (a CUDA torch, cupy, cuda-python, numpy<=2.2.6) must not reach .venv.
 # `bash scripts/services/lmcache.sh build` builds .venv-lmcache once (about 2 minutes): the CPU
 # torch, lmcache without dependencies, then the pure-Python and CPU packages the paths the
-# benchmark drives import (its CPU backend, its lm:// server and connector); no CUDA package.
+# benchmark drives import (its CPU backend, its lm:// server and connector, its multiprocess
+# `lmcache server` and the `lmcache bench server` client); no CUDA package.
 # `make test` sources this with `start`, which builds nothing (CI time is limited): it exports
 # KVSTORE_LMCACHE_PYTHON only when the venv is already there, and the smoke test skips otherwise.
 kvstore_lmcache_start() {
@@ -13,7 +14,8 @@ kvstore_lmcache_start() {
 
 kvstore_lmcache_build() {
     local venv="$PWD/.venv-lmcache"
-    local probe='import lmcache.v1.storage_backend.connector.lm_connector, lmcache.v1.server.__main__'
+    local probe='import lmcache.v1.storage_backend.connector.lm_connector, lmcache.v1.server.__main__
+import lmcache.v1.multiprocess.http_server, lmcache.cli.commands.bench.server_bench.client'
     if [ ! -x "$venv/bin/python" ] || ! LMCACHE_TRACK_USAGE=false "$venv/bin/python" -c "$probe" \
             >/dev/null 2>&1; then
         echo "building $venv (lmcache==0.5.6 on torch==2.13.0+cpu)" >&2

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from kvstore.bench.lmcache import KVSTORE_PATHS, LMCACHE_VERSION, PAIRS, QUICK_CASES
 from kvstore.bench.lmcache import lmcache_python as find_lmcache_python
+from kvstore.bench.lmcache_server import KVSTORE_PATH, LMCACHE_PATH, OPS, QUICK_SERVER_CASE
 from kvstore.cli import app
 from kvstore.errors import KVStoreError
 
@@ -51,6 +52,42 @@ def test_bench_lmcache_writes_every_row(tmp_path: Path) -> None:
         else:
             assert row["gbps"] == row["rate"] and row["unit"] == "GB/s"
             assert len(row["round_gbps"]) == len(row["lmcache_round_gbps"]) == 1
+
+
+@pytest.mark.skipif(LMCACHE_PYTHON is None,
+                    reason="no LMCache venv: `bash scripts/services/lmcache.sh build` builds "
+                           ".venv-lmcache (or set KVSTORE_LMCACHE_PYTHON)")
+def test_bench_lmcache_server_rows_beside_lmcache_bench_server(tmp_path: Path) -> None:
+    """The section beside `lmcache server` alone: LMCache's own bench client and kvstore's
+    Client ran the same requests (both check what came back), one rate row and one p50 row
+    per operation."""
+    out = tmp_path / "lmcache-server.json"
+    num_requests = 3
+    result = CliRunner().invoke(app, ["bench", "lmcache", "--quick", "--no-backends", "--server",
+                                      "--total-bytes",
+                                      str(num_requests * QUICK_SERVER_CASE.request_bytes),
+                                      "--repeat", "1", "--lmcache-python", str(LMCACHE_PYTHON),
+                                      "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["params"]["lmcache_version"] == LMCACHE_VERSION
+    server = report["params"]["server"]
+    assert server["num_requests"] == num_requests and server["concurrency"] == 1
+    # one recorded round a side, each timing every request's four operations
+    assert len(server["kvstore_rounds"]) == len(server["lmcache_rounds"]) == 1
+    for side in (server["kvstore_rounds"][0], server["lmcache_rounds"][0]):
+        assert set(side) == set(OPS)
+        assert all(t["p50_ms"] > 0 and t["mean_ms"] > 0 for t in side.values())
+    rows = {(r["op"], r["unit"]): r for r in report["rows"]}
+    units = {op: "lookups/s" if op.startswith("lookup") else "GB/s" for op in OPS}
+    assert set(rows) == {(op, unit) for op in OPS for unit in (units[op], "ms p50")}
+    for (_, unit), row in rows.items():
+        assert (row["path"], row["lmcache_path"]) == (KVSTORE_PATH, LMCACHE_PATH)
+        assert row["better"] == ("lower" if unit == "ms p50" else "higher")
+        assert row["calls"] == num_requests
+        assert row["request_bytes"] == QUICK_SERVER_CASE.request_bytes
+        assert row["rate"] > 0 and row["lmcache_rate"] > 0 and row["ratio"] > 0
+        assert len(row["round_rate"]) == len(row["lmcache_round_rate"]) == 1
 
 
 def test_bench_lmcache_without_its_venv_says_how_to_build_it(tmp_path: Path) -> None:
