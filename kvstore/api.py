@@ -20,6 +20,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
 
 MAX_LEASE_S = 3600.0  # a lease or reservation longer than this is a client bug, not a use case
+MAX_CARRIED_RELEASES = 64  # leases one Acquire or Reserve may release first (their `release`)
 
 
 class Medium(enum.StrEnum):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -13,6 +14,7 @@ import grpc
 import torch
 
 from kvstore.api import (
+    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -426,8 +428,8 @@ class AsyncClient:
 
     async def _carrying(self, call: Callable[[list[str]], Unary[tuple[T, int]]]) -> T:
         """See ``Client._carrying``."""
-        carried = list(self._late)
-        self._late.clear()
+        carried = list(itertools.islice(self._late, MAX_CARRIED_RELEASES))
+        self._late.difference_update(carried)
         num_released = None
         try:
             result, num_released = await self._unary(call(carried))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ import grpc
 import torch
 
 from kvstore.api import (
+    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -645,11 +647,7 @@ class LateReleases:
     def send(self, lease_id: str) -> None:
         """Queue ``lease_id``'s Release (the worker starts at the first)."""
         with self._cond:
-            if self._thread is None:
-                self._stopping = False
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="kvstore-release")
-                self._thread.start()
+            self._ensure_worker()
             while len(self._waiting) + self._in_flight >= self.MAX_PENDING:
                 self._cond.wait()
             self._waiting[lease_id] = time.monotonic() + self.LINGER_S
@@ -661,8 +659,9 @@ class LateReleases:
         with self._cond:
             if not self.can_carry or not self._waiting:
                 return []
-            taken = list(self._waiting)
-            self._waiting.clear()
+            taken = list(itertools.islice(self._waiting, MAX_CARRIED_RELEASES))
+            for lease_id in taken:
+                del self._waiting[lease_id]
             self._in_flight += len(taken)
             return taken
 
@@ -679,7 +678,17 @@ class LateReleases:
                 if num_released == 0:
                     self.can_carry = False  # a daemon that ignores the field
                 self._waiting.update(dict.fromkeys(lease_ids, 0.0))
+                self._ensure_worker()  # even after close: these must still be sent
             self._cond.notify_all()
+
+    def _ensure_worker(self) -> None:
+        """Start the worker if none runs (the first Release, or one handed back after
+        ``close``); the caller holds the condition's lock."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="kvstore-release")
+            self._thread.start()
 
     @property
     def is_pending(self) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvstore import __version__
-from kvstore.api import MAX_LEASE_S
+from kvstore.api import MAX_CARRIED_RELEASES, MAX_LEASE_S
 from kvstore.config import KVStoreConfig
 from kvstore.errors import (
     CapacityError,
@@ -69,8 +69,6 @@ MAX_HINT_DEADLINE_S = 3600.0
 MAX_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_DEVICE_NAME = 64  # "GPU-" and a UUID: 40
 MAX_LIST_LIMIT = 100_000
-MAX_CARRIED_RELEASES = 64  # leases one Acquire or Reserve may release first (a client
-# queues at most 8)
 DEFAULT_LIST_LIMIT = 1000
 MIN_CHUNK_BYTES = 64 << 10  # a Get may ask for smaller chunks, not for a million tiny ones
 

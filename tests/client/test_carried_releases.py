@@ -5,6 +5,7 @@ daemon's per-method RPC counts; what is held from its stats."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -109,3 +110,22 @@ async def test_the_async_client_carries_its_releases_too(tmp_path, monkeypatch):
             await client.flush_releases()
             assert (await client.stats()).active_leases == 0
             assert rpc_calls(daemon, "Release") == 1
+
+
+async def test_an_acquire_carries_at_most_the_daemons_limit(tmp_path, monkeypatch):
+    """More late Releases waiting than one call may carry (80 concurrent gets' leases): the
+    next Acquire takes 64 of them and succeeds; the rest wait for the next call."""
+    monkeypatch.setattr(aio_module, "RELEASE_LINGER_S", 30.0)
+    kv = random_kv(SPEC, 64)
+    with DaemonThread(small_config(tmp_path)) as daemon:
+        async with AsyncClient(daemon.unix_address) as client:
+            await client.put(NS, PROMPTS[0], kv, zero_copy=True)
+            got = await asyncio.gather(*(client.get(NS, PROMPTS[0], zero_copy=True)
+                                         for _ in range(80)))
+            assert all(torch.equal(g, kv) for g in got)
+            assert (await client.stats()).active_leases == 80
+            assert torch.equal(await client.get(NS, PROMPTS[0], zero_copy=True), kv)
+            assert (await client.stats()).active_leases == 80 - 64 + 1
+            assert rpc_calls(daemon, "Release") == 0
+            await client.flush_releases()
+            assert (await client.stats()).active_leases == 0
