@@ -515,11 +515,17 @@ class Client:
         expired."""
         self._unary(requests.abort(reservation_id))
 
+    def release_later(self, lease_id: str) -> None:
+        """Release ``lease_id`` without waiting: the Release rides on this client's next
+        Acquire or Reserve within ``RELEASE_LINGER_S``, else goes alone from a worker thread
+        (as a get's does); ``flush_releases`` waits for it."""
+        self._late.send(lease_id)
+
     def flush_releases(self) -> None:
         """Wait until the daemon answered the Release of every lease an earlier get or
-        read_blocks read (they are sent after those calls return): another client's evict
-        right after then finds nothing of it pinned (this client's ``evict`` waits by
-        itself)."""
+        read_blocks read, or ``release_later`` was given (they are sent after those calls
+        return): another client's evict right after then finds nothing of it pinned (this
+        client's ``evict`` waits by itself)."""
         self._late.flush()
 
     # ------------------------------------------------------------------------------ lifecycle

@@ -19,7 +19,7 @@ from kvstore.config import DramConfig, HbmConfig, TierConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
-from ..server.helpers import DaemonThread, small_config, wait_for
+from ..server.helpers import DaemonThread, rpc_calls, small_config, wait_for
 
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_runnable(torch.device(DEVICE)),
@@ -276,3 +276,24 @@ def test_a_prefix_over_two_devices_pools_saves_and_loads_across_them(tmp_path):
                    for x, y in zip(src, dst))
         stats = client.stats()
         assert stats.active_leases == 0 and stats.active_reservations == 0
+
+
+@pytest.mark.parametrize("tiers", ["hbm", "dram"])
+def test_a_loads_release_rides_on_the_next_loads_acquire(tmp_path, tiers):
+    """Loads one after another: each lease goes back on the next load's Acquire (no Release
+    of its own); closing the cache sends and waits for the last one."""
+    config = with_hbm(small_config(tmp_path)) if tiers == "hbm" else small_config(tmp_path)
+    ns = Namespace(model_id="m", spec=SPEC, tenant="default")
+    tokens = list(range(48))
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        client._late.LINGER_S = 30.0  # nothing but a carrying call or the close sends them
+        EngineCache(client, ns, engine(poison=False)).save(tokens, [0, 1, 2])
+        before = rpc_calls(daemon, "Release")
+        with EngineCache(client, ns, engine(poison=True)) as loader:
+            for pages in ([5, 6, 7], [8, 9, 10], [1, 2, 3]):
+                assert loader.load(tokens, pages, advice=False).wait() == 48
+                # the cache's worker hands the lease over once the load landed
+                assert wait_for(lambda: client._late.is_pending, interval_s=0.01)
+                assert client.stats().active_leases == 1  # the one before rode along
+        assert rpc_calls(daemon, "Release") - before == 1  # the last load's, at the close
+        assert client.stats().active_leases == 0
