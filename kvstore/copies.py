@@ -26,6 +26,7 @@ MAX_COPY_THREADS = 4  # past this, one host's copies contend for its memory chan
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_pid = 0
 _pool_lock = threading.Lock()
+_on_pool = threading.local()  # is_set on the pool's own threads
 
 Copy = tuple[np.ndarray, np.ndarray]  # (destination, source), same shape
 
@@ -65,6 +66,12 @@ def run_shared(work: Sequence[Callable[[], object]]) -> None:
     return once all ended (the first error raised then)."""
     if len(work) > MAX_COPY_THREADS:
         raise ValueError(f"at most {MAX_COPY_THREADS} shares run side by side, got {len(work)}")
+    if getattr(_on_pool, "is_set", False):
+        # A share that shares again runs it all itself: pool threads waiting on the pool
+        # could wait on each other forever.
+        for share in work:
+            share()
+        return
     pool = _copy_pool()
     futures = [pool.submit(share) for share in work[1:]]
     try:
@@ -98,8 +105,10 @@ def _shares(copies: Sequence[Copy], num_shares: int) -> list[list[Copy]]:
             if room <= 0 and len(shares) < num_shares:
                 shares.append([])
                 room = target
-            take = rows - start if row_bytes == 0 else min(rows - start,
-                                                           max(1, -(-room // row_bytes)))
+            if row_bytes == 0 or len(shares) == num_shares:  # the last share takes the rest
+                take = rows - start
+            else:
+                take = min(rows - start, max(1, -(-room // row_bytes)))
             if dst.ndim == 0 or (start == 0 and take == rows):
                 shares[-1].append((dst, src))
             else:
@@ -109,13 +118,18 @@ def _shares(copies: Sequence[Copy], num_shares: int) -> list[list[Copy]]:
     return [share for share in shares if share]
 
 
+def _mark_pool_thread() -> None:
+    _on_pool.is_set = True
+
+
 def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The pool, made on first use, and again in a forked child (which has none of its
     threads: work handed to the parent's pool there would never run)."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool = concurrent.futures.ThreadPoolExecutor(MAX_COPY_THREADS - 1,
-                                                          thread_name_prefix="kvstore-copy")
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                MAX_COPY_THREADS - 1, thread_name_prefix="kvstore-copy",
+                initializer=_mark_pool_thread)
             _pool_pid = os.getpid()
         return _pool

@@ -90,3 +90,24 @@ def test_a_forked_child_copies_with_a_pool_of_its_own():
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's copy never finished")
+
+
+def test_a_share_that_shares_again_runs_it_itself():
+    """Work on a pool thread that splits again must not wait on the pool it runs on."""
+    inner = [(np.zeros(2 * MiB, np.uint8), np.full(2 * MiB, 5, np.uint8)) for _ in range(4)]
+
+    def nested() -> None:
+        copy_all(inner, MAX_COPY_THREADS)
+
+    copies.run_shared([nested] * MAX_COPY_THREADS)  # every pool thread busy with a nested split
+    assert all((dst == 5).all() for dst, _ in inner)
+
+
+def test_the_last_share_takes_the_rest_whole():
+    """Shares are cut at row bounds; the last takes what is left in one piece, however the
+    rounding fell."""
+    pairs = [(np.zeros((32, 1024), np.uint16), np.ones((32, 1024), np.uint16))
+             for _ in range(16)]
+    shares = copies._shares(pairs, 3)
+    assert len(shares) == 3 and len(shares[-1]) <= 6
+    assert sum(d.nbytes for share in shares for d, _ in share) == 16 * 32 * 1024 * 2
