@@ -37,6 +37,7 @@ import torch
 
 from kvstore.bench.report import BenchReport, Column, write_report
 from kvstore.client import NO_RETRY, AsyncClient, Client
+from kvstore.copies import copy_all, default_copy_threads
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -284,7 +285,8 @@ def _transfer_rows(client: Client, echo: Echo, total_bytes: int) -> list[dict]:
                                                                     out=warm)))
     echo_put = _seconds(lambda: [echo.put(view, chunk) for _ in range(num_calls)])
     echo_get = _seconds(lambda: _each(range(num_calls), lambda _: echo.get(nbytes, chunk)))
-    copy_in, copy_out = _memfd_copies(view, num_calls)
+    copy_in, copy_out, copy_out_shared = _memfd_copies(view, num_calls)
+    threads = default_copy_threads()
     client.flush_releases()
     client.evict(model_id=ns.model_id)
     extra = {"payload_bytes": nbytes}
@@ -301,13 +303,18 @@ def _transfer_rows(client: Client, echo: Echo, total_bytes: int) -> list[dict]:
                   "warm out=)", moved / get_shm_out, moved / copy_out, 0.8, **extra),
         _copy_row("get 2 MiB blocks x16, shared memory, vs one copy out of a memfd (a fresh "
                   "result)", moved / get_shm, moved / copy_out, 0.8, **extra),
+        # The ceiling on this host: the same copy spread over the client's copy threads.
+        _copy_row(f"get 2 MiB blocks x16, shared memory, vs that copy on {threads} threads "
+                  "(into a warm out=)", moved / get_shm_out, moved / copy_out_shared, None,
+                  copy_threads=threads, **extra),
     ]
 
 
-def _memfd_copies(view: memoryview, num_calls: int) -> tuple[float, float]:
+def _memfd_copies(view: memoryview, num_calls: int) -> tuple[float, float, float]:
     """Seconds of ``num_calls`` single-threaded copies (``np.copyto``) of ``view`` into a
-    prefaulted memfd mapping, and as many out of it into a warm buffer: the floor of a
-    shared-memory put and get of the same bytes."""
+    prefaulted memfd mapping, as many out of it into a warm buffer (the floor of a
+    shared-memory put and get of the same bytes), and as many out of it shared between the
+    client's default copy threads (``copy_all``: this host's ceiling for a get)."""
     src = np.frombuffer(view, dtype=np.uint8)
     fd = os.memfd_create("kvstore-bench-copy", os.MFD_CLOEXEC)
     try:
@@ -318,14 +325,18 @@ def _memfd_copies(view: memoryview, num_calls: int) -> tuple[float, float]:
         np.copyto(shared, src)  # untimed: faults the pages in
         copy_in = _seconds(lambda: [np.copyto(shared, src) for _ in range(num_calls)])
         copy_out = _seconds(lambda: [np.copyto(out, shared) for _ in range(num_calls)])
+        threads = default_copy_threads()
+        copy_out_shared = _seconds(lambda: [copy_all([(out, shared)], threads)
+                                            for _ in range(num_calls)])
         shared = None  # the mapping closes once no array views it
         mapped.close()
     finally:
         os.close(fd)
-    return copy_in, copy_out
+    return copy_in, copy_out, copy_out_shared
 
 
-def _copy_row(measurement: str, value: float, copy_gbps: float, aim: float, **extra) -> dict:
+def _copy_row(measurement: str, value: float, copy_gbps: float, aim: float | None,
+              **extra) -> dict:
     return {"section": _COPY_SECTION, "measurement": measurement, "value": value,
             "unit": "GB/s", "copy": copy_gbps, "vs_copy": value / copy_gbps, "aim": aim, **extra}
 

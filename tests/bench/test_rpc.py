@@ -12,7 +12,7 @@ def test_rpc_bench_smoke():
     report = run_rpc_bench(total_bytes=32 << 20, lookup_repeats=5, small_call_s=0.2,
                            concurrency=4, redis_repeats=1)
     rows = {row["measurement"]: row for row in report.rows}
-    assert len(rows) == 19 + (8 if redis_available() else 0)
+    assert len(rows) == 20 + (8 if redis_available() else 0)
     channel_rows = [r for name, r in rows.items() if name.endswith("channel vs gRPC")]
     assert len(channel_rows) == 7  # Lookup p50/p99 at 8k and 32k, one-block put/get, calls/s
     for row in channel_rows:
@@ -30,7 +30,10 @@ def test_rpc_bench_smoke():
                  if name.startswith(("put 2 MiB blocks x16, shared memory, vs one copy",
                                      "get 2 MiB blocks x16, shared memory, vs one copy"))]
     assert len(copy_rows) == 3  # put; get into a warm out= and into a fresh result
-    for row in copy_rows:
+    ceiling = next(r for name, r in rows.items() if name.startswith(
+        "get 2 MiB blocks x16, shared memory, vs that copy on"))  # the client's copy threads
+    assert ceiling["copy_threads"] >= 1 and ceiling["aim"] is None
+    for row in (*copy_rows, ceiling):
         assert row["value"] > 0 and row["copy"] > 0
         assert row["vs_copy"] == pytest.approx(row["value"] / row["copy"])
     assert report.as_dict()["params"]["total_bytes"] == 32 << 20
