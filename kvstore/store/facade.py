@@ -438,11 +438,18 @@ class Store:
             and (wanted is None or e.meta.key in wanted)
         ]
         chosen.sort(key=lambda e: -e.meta.block_index)
+        removed = 0
         for entry in chosen:
+            key = entry.meta.key
             for name in list(entry.sizes):
-                await self.tiers[name].delete(entry.meta.key)
-                self._dir.unplace(entry.meta.key, name)
-        return len(chosen)
+                # Deleting awaits: a lease or a promotion may pin the block meanwhile, and then
+                # what it holds stays (a lease's reader must never see its slot freed).
+                if entry.pins or self._dir.get(key) is not entry:
+                    break
+                await self.tiers[name].delete(key)
+                self._dir.unplace(key, name)
+            removed += self._dir.get(key) is None
+        return removed
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         """Counters per tier and per request type; with ``tenant``, only that tenant's blocks."""

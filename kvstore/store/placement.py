@@ -339,6 +339,11 @@ class Placement:
             if target.name in entry.sizes:  # another promotion won the race
                 return True
             ok = await self.write(target, entry.meta, data)  # the source stays pinned till then
+            if ok and self._dir.get(key) is not entry:
+                # Evicted while it was copied: the copy must not bring the block back.
+                await target.tier.delete(key)
+                self._dir.unplace(key, target.name)
+                ok = False
         finally:
             self._dir.unpin([entry])
         return ok
