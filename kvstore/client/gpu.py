@@ -123,9 +123,7 @@ class EngineCache:
         the cache is collected. Close it before its client: a mapping the client unmaps while
         registered stays registered."""
         self._releasing.shutdown(wait=True)
-        flush = getattr(self.client, "flush_releases", None)
-        if flush is not None:  # the late Releases of those leases answered, too
-            flush()
+        self.client.flush_releases()  # the late Releases of those leases answered, too
         _unregister(self._pinned)
 
     def __enter__(self) -> Self:
@@ -628,15 +626,14 @@ def _release_after(event, release) -> None:
 
 
 def _releaser(client, lease: Lease):
-    """Gives ``lease`` back once: through the client's late Releases where it has them (the
-    next load's Acquire carries it), else a Release of its own."""
+    """Gives ``lease`` back once, through the client's late Releases (the next load's Acquire
+    carries it)."""
     done = False
-    give_back = getattr(client, "release_later", None) or client.release
 
     def release() -> None:
         nonlocal done
         if not done:
             done = True
-            give_back(lease.lease_id)
+            client.release_later(lease.lease_id)
 
     return release

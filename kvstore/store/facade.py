@@ -448,7 +448,8 @@ class Store:
                     break
                 await self.tiers[name].delete(key)
                 self._dir.unplace(key, name)
-            removed += self._dir.get(key) is None
+            if self._dir.get(key) is None:  # every copy gone, not only some
+                removed += 1
         return removed
 
     def stats(self, tenant: str | None = None) -> StoreStats:

@@ -338,6 +338,8 @@ class Placement:
                 return False
             if target.name in entry.sizes:  # another promotion won the race
                 return True
+            if self._dir.get(key) is not entry:  # evicted while it was read: nothing to write
+                return False
             ok = await self.write(target, entry.meta, data)  # the source stays pinned till then
             if ok and self._dir.get(key) is not entry:
                 # Evicted while it was copied: the copy must not bring the block back.
