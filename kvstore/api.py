@@ -246,6 +246,9 @@ class Reservation:
     deadline: float
     codec: str  # the codec chain pages written into the slots must use
     blocks: SlotGrants
+    # The commit computes the pages' checksums on its own copy (host slots of this daemon):
+    # a writer need not hash what it writes and may leave them zero.
+    sealed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, SlotGrants):

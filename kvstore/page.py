@@ -121,7 +121,7 @@ def encode_page(meta: PageMeta, payload: bytes | bytearray | memoryview) -> byte
 
 
 def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload,
-               aligned: bool = False) -> int:
+               aligned: bool = False, sums: bool = True) -> int:
     """Write the page of an encoded ``payload`` straight into the front of ``out`` (a slot, a
     reused write buffer); return the page's length.
 
@@ -131,6 +131,8 @@ def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload,
     blob not framed yet, a ``BlobPlan``; others are written as without it): a version 2 page,
     the payload hashed once, its meta padded so the blob's first section starts
     ``SECTION_ALIGN_BYTES``-aligned (size it with ``page_bytes(payload, meta)``).
+    ``sums=False`` (an aligned page into a slot whose commit seals it, ``PageSeal``): no
+    hashing at all, both checksums left zero.
     CapacityError, with nothing written, if ``out`` is too small.
     """
     blob_sum = aligned and _is_blob_plan(payload)
@@ -148,6 +150,9 @@ def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload,
     h.update(meta_bytes)
     view[:HEADER_BYTES] = header
     view[HEADER_BYTES:start] = meta_bytes
+    if blob_sum and not sums:
+        payload.write_into(view[start:total], own_sum=False)  # type: ignore[call-arg]
+        return total
     if blob_sum:  # the blob hashes itself; the page hash takes its sum
         payload.write_into(view[start:total])
         h.update(view[total - _BLOB_SUM_BYTES : total])
@@ -155,6 +160,74 @@ def write_page(out: memoryview | bytearray, meta: PageMeta, payload: Payload,
         payload.write_into(view[start:total], (h,))
     _CHECKSUM.pack_into(view, _CHECKSUM_OFFSET, h.intdigest())
     return total
+
+
+class PageSeal:
+    """A page's checksums, computed on a copy of it as the copy lands (a commit seals what a
+    writer put into its slot this way: the checksums the writer left, if any, are ignored).
+
+    ``feed(view, copied)``: the first ``copied`` bytes of ``view`` (the copy, exactly the
+    page's length) are final; bytes not fed before go to the hashes while they are still in
+    cache. The header is parsed once it is in: CorruptPage if it is damaged, names another
+    key, or describes a page of another length than ``view``. ``seal(out)``, once all of it is
+    fed: the blob's own checksum (a version 2 page) and the page checksum written into
+    ``out``, the same memory as ``view`` and writable.
+    """
+
+    __slots__ = ("_hash", "_hash_end", "_hashed", "_key", "fields", "payload_start")
+
+    def __init__(self, expected_key: bytes) -> None:
+        self._key = expected_key
+        self.fields: tuple | None = None  # the header's, once parsed
+        self.payload_start = 0
+        self._hashed = self._hash_end = 0
+        self._hash = xxhash.xxh3_64()
+
+    def feed(self, view: memoryview, copied: int) -> None:
+        if self.fields is None:
+            if copied < HEADER_BYTES:
+                return
+            self._start(view)
+        end = min(copied, self._hash_end)
+        if end > self._hashed:
+            self._hash.update(view[self._hashed : end])
+            self._hashed = end
+
+    def _start(self, view: memoryview) -> None:
+        view, fields = _parse_header(view, self._key)
+        end = _page_end(fields)
+        if end != len(view):  # the writer's header sized the copy; the copy's must agree
+            raise CorruptPage(f"page for key {bytes(self._key).hex()} is {end} bytes; "
+                              f"{len(view)} were copied")
+        self.payload_start = HEADER_BYTES + fields[7]
+        if fields[1] == PAGE_VERSION_BLOB_SUM:
+            if fields[8] < _BLOB_SUM_BYTES:
+                raise CorruptPage(f"page for key {bytes(self._key).hex()} holds a "
+                                  f"{fields[8]}-byte payload, too short for a blob")
+            self._hashed, self._hash_end = self.payload_start, end - _BLOB_SUM_BYTES
+        else:  # version 1: one hash over the header (checksum zero), meta and payload
+            self._hash.update(view[:_CHECKSUM_OFFSET])
+            self._hash.update(_ZERO_CHECKSUM)
+            self._hashed, self._hash_end = HEADER_BYTES, end
+        self.fields = fields
+
+    def seal(self, out: memoryview) -> None:
+        fields = self.fields
+        if fields is None or self._hashed != self._hash_end:
+            raise CorruptPage(f"page for key {bytes(self._key).hex()} sealed before all of it "
+                              "was copied")
+        out = memoryview(out).cast("B")
+        if fields[1] != PAGE_VERSION_BLOB_SUM:
+            _CHECKSUM.pack_into(out, _CHECKSUM_OFFSET, self._hash.intdigest())
+            return
+        blob_end = self._hash_end
+        _CHECKSUM.pack_into(out, blob_end, self._hash.intdigest())
+        h = xxhash.xxh3_64()
+        h.update(out[:_CHECKSUM_OFFSET])
+        h.update(_ZERO_CHECKSUM)
+        h.update(out[HEADER_BYTES : self.payload_start])
+        h.update(out[blob_end : blob_end + _BLOB_SUM_BYTES])
+        _CHECKSUM.pack_into(out, _CHECKSUM_OFFSET, h.intdigest())
 
 
 class PendingPage:

@@ -460,7 +460,8 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
                       copy_threads: int = 1) -> None:
     """Encode each reserved block of ``kv`` with the reservation's codec straight into its
     slot: the page header and meta in front, the blob behind them, in one pass that copies
-    (or quantises) and hashes (``kvstore.page.write_page``). ``kv`` starts at block
+    (or quantises) and hashes (``kvstore.page.write_page``); with no hashing where the
+    reservation says its commit seals the pages (``Reservation.sealed``). ``kv`` starts at block
     ``first_block``: NotFound if the reservation holds a block before it (a prefix block the
     caller counted on being stored). Pages of ``MIN_SPLIT_BYTES`` or more in all are written
     by up to ``copy_threads`` threads, each a run of them."""
@@ -490,10 +491,11 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
     total = sum(payload.nbytes for _, _, payload in pages)
     num_shares = min(copy_threads, len(pages)) if total >= MIN_SPLIT_BYTES else 1
     run_shared([functools.partial(_write_pages, pages[i * len(pages) // num_shares :
-                                                      (i + 1) * len(pages) // num_shares])
+                                                      (i + 1) * len(pages) // num_shares],
+                                  not reservation.sealed)
                 for i in range(num_shares)])
 
 
-def _write_pages(pages: list[tuple[memoryview, PageMeta, Payload]]) -> None:
+def _write_pages(pages: list[tuple[memoryview, PageMeta, Payload]], sums: bool) -> None:
     for view, meta, payload in pages:
-        write_page(view, meta, payload, aligned=True)
+        write_page(view, meta, payload, aligned=True, sums=sums)

@@ -201,17 +201,20 @@ class BlobPlan(Payload):
         )
         self.nbytes = len(self.header) + sum(sizes) + _CHECKSUM.size
 
-    def write_into(self, out: memoryview, hashers: Sequence[Hasher] = ()) -> int:
+    def write_into(self, out: memoryview, hashers: Sequence[Hasher] = (),
+                   own_sum: bool = True) -> int:
+        """``Payload.write_into``; ``own_sum=False`` leaves the blob's trailing checksum zero
+        and hashes nothing (with no ``hashers``): for a page the store seals, which computes
+        every checksum on its own copy (``kvstore.page.PageSeal``)."""
         view = self._check_room(out)
-        own = xxhash.xxh3_64()
-        every = (own, *hashers)
+        every = (xxhash.xxh3_64(), *hashers) if own_sum else tuple(hashers)
         pos = len(self.header)
         view[:pos] = self.header
         for h in every:
             h.update(self.header)
         for section in self.sections:
             pos += copy_section(view[pos:], section, every)
-        _CHECKSUM.pack_into(view, pos, own.intdigest())
+        _CHECKSUM.pack_into(view, pos, every[0].intdigest() if own_sum else 0)
         for h in hashers:
             h.update(view[pos : pos + _CHECKSUM.size])
         return self.nbytes
@@ -237,6 +240,46 @@ def unpack_blob(blob: bytes | bytearray | memoryview, verify: bool = True) -> Bl
     view = memoryview(blob).cast("B")
     if len(view) < _FIXED.size + 8:
         raise CodecError(f"blob truncated: {len(view)} bytes")
+    head = blob_header(view)
+    if head is None:
+        raise CodecError("blob truncated inside its header")
+    end = head.nbytes - _CHECKSUM.size
+    if len(view) != head.nbytes:
+        raise CodecError(f"blob length {len(view)} does not match its header ({head.nbytes})")
+    (checksum,) = struct.unpack_from("<Q", view, end)
+    if verify and xxhash.xxh3_64_intdigest(view[:end]) != checksum:
+        raise CodecError("blob checksum mismatch: the blob is damaged")
+    sections = []
+    pos = head.header_bytes
+    for length in head.section_bytes:
+        sections.append(view[pos : pos + length])
+        pos += length
+    return BlobParts(head.codec_id, head.dtype, head.shape, head.params, sections)
+
+
+@dataclass(frozen=True, slots=True)
+class BlobHeader:
+    """What a blob's header says: enough to find its sections before the rest is there."""
+
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    params: bytes
+    header_bytes: int  # where the first section starts
+    section_bytes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The whole blob's length, its trailing checksum included."""
+        return self.header_bytes + sum(self.section_bytes) + _CHECKSUM.size
+
+
+def blob_header(prefix: bytes | bytearray | memoryview) -> BlobHeader | None:
+    """Parse the header at the front of ``prefix`` (a blob, or only its first bytes); None if
+    ``prefix`` ends inside the header. CodecError if the header is not a blob's."""
+    view = memoryview(prefix).cast("B")
+    if len(view) < _FIXED.size:
+        return None
     magic, version, codec_id, dcode, ndim = _FIXED.unpack_from(view)
     if magic != BLOB_MAGIC:
         raise CodecError(f"not a kvstore codec blob (magic {bytes(magic)!r})")
@@ -250,6 +293,8 @@ def unpack_blob(blob: bytes | bytearray | memoryview, verify: bool = True) -> Bl
         pos += 4 * ndim
         (params_len,) = struct.unpack_from("<H", view, pos)
         pos += 2
+        if len(view) < pos + params_len:
+            return None
         params = bytes(view[pos : pos + params_len])
         pos += params_len
         (num_sections,) = struct.unpack_from("<B", view, pos)
@@ -259,18 +304,8 @@ def unpack_blob(blob: bytes | bytearray | memoryview, verify: bool = True) -> Bl
         lengths = struct.unpack_from(f"<{num_sections}Q", view, pos)
         pos += 8 * num_sections
     except struct.error:
-        raise CodecError("blob truncated inside its header") from None
-    end = pos + sum(lengths)
-    if len(view) != end + 8:
-        raise CodecError(f"blob length {len(view)} does not match its header ({end + 8})")
-    (checksum,) = struct.unpack_from("<Q", view, end)
-    if verify and xxhash.xxh3_64_intdigest(view[:end]) != checksum:
-        raise CodecError("blob checksum mismatch: the blob is damaged")
-    sections = []
-    for length in lengths:
-        sections.append(view[pos : pos + length])
-        pos += length
-    return BlobParts(codec_id, _CODE_DTYPES[dcode], tuple(shape), params, sections)
+        return None
+    return BlobHeader(codec_id, _CODE_DTYPES[dcode], tuple(shape), params, pos, lengths)
 
 
 def section_tensor(section: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -286,7 +286,8 @@ def lease_from_proto(msg: pb.AcquireResponse) -> Lease:
 def reservation_to_proto(reservation: Reservation, packed: bool = False) -> pb.ReserveResponse:
     """The reply to a Reserve; ``packed``: the slots as one BlockTable (the request asked)."""
     msg = pb.ReserveResponse(reservation_id=reservation.reservation_id,
-                             deadline=reservation.deadline, codec=reservation.codec)
+                             deadline=reservation.deadline, codec=reservation.codec,
+                             sealed=reservation.sealed)
     if packed:
         msg.table.CopyFrom(_table_to_proto(reservation.blocks))
     else:
@@ -309,7 +310,7 @@ def reservation_from_proto(msg: pb.ReserveResponse) -> Reservation:
                       medium=medium_from_proto(g.medium), region=g.region, offset=g.offset,
                       capacity_bytes=g.capacity_bytes) for g in msg.blocks)
     return Reservation(reservation_id=msg.reservation_id, deadline=msg.deadline,
-                       codec=msg.codec, blocks=blocks)
+                       codec=msg.codec, blocks=blocks, sealed=msg.sealed)
 
 
 def health_from_proto(msg: pb.HealthResponse) -> HealthInfo:

@@ -388,20 +388,22 @@ class SlotGrant(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., block_index: _Optional[int] = ..., parent: _Optional[bytes] = ..., region: _Optional[str] = ..., offset: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "deadline", "codec", "blocks", "table", "released")
+    __slots__ = ("reservation_id", "deadline", "codec", "blocks", "table", "released", "sealed")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     deadline: float
     codec: str
     blocks: _containers.RepeatedCompositeFieldContainer[SlotGrant]
     table: BlockTable
     released: int
-    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., released: _Optional[int] = ...) -> None: ...
+    sealed: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., deadline: _Optional[float] = ..., codec: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ..., released: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "ready_event")

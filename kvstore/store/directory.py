@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
+from itertools import repeat, takewhile
 from operator import attrgetter
 
 from kvstore.api import BlockInfo
@@ -37,6 +37,9 @@ class BlockEntry:
     hits: int = 0
     created_s: float = field(default_factory=time.time)
     fastest: str = ""  # the first tier of the chain that holds it (kept by the directory)
+    # False once evict took it (unpinned then): no new lease, read, promotion, demotion or
+    # lift starts on it, so evict deletes its copies with no reader appearing between.
+    live: bool = True
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -44,6 +47,16 @@ class BlockEntry:
 
 
 _FASTEST = attrgetter("fastest")
+_LIVE = attrgetter("live")
+
+
+class _NotStored:
+    """What ``match_prefix`` probes a missing key as: not live, like an entry being evicted."""
+
+    live = False
+
+
+_NOT_STORED = _NotStored()
 
 
 class BlockDirectory:
@@ -68,6 +81,7 @@ class BlockDirectory:
         # Chains used and not yet applied to the orders, oldest first (see the module doc):
         # (keys, entries, namespace, whether it counts as a hit).
         self._touches: list[tuple[Sequence[BlockKey], list[BlockEntry], bytes | None, bool]] = []
+        self._evicting = 0  # entries evict has taken and not finished with
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -130,10 +144,31 @@ class BlockDirectory:
         return entry
 
     def match_prefix(self, keys: Iterable[BlockKey]) -> list[BlockEntry]:
-        """Entries of the longest prefix of ``keys`` that is stored."""
-        # Probed in C (map over dict.get), stopping at the first miss (takewhile over bool:
-        # an entry is always true, a miss is None); no Python code runs per block.
-        return list(takewhile(bool, map(self._entries.get, keys)))
+        """Entries of the longest prefix of ``keys`` that is stored (and not being evicted)."""
+        # Probed in C (map over dict.get), stopping at the first miss (takewhile over bool: an
+        # entry is always true, a miss is None); no Python code runs per block. While an evict
+        # runs, also at an entry it took (a default for misses and takewhile over ``live``:
+        # 1.6x the time, 130 against 82 us for 2048 blocks).
+        if not self._evicting:
+            return list(takewhile(bool, map(self._entries.get, keys)))
+        return list(takewhile(_LIVE, map(self._entries.get, keys, repeat(_NOT_STORED))))
+
+    def take_for_eviction(self, entry: BlockEntry) -> bool:
+        """Mark an unpinned, stored ``entry`` as being evicted (``BlockEntry.live``); False,
+        with nothing marked, if it is pinned, already taken or no longer stored."""
+        if entry.pins or not entry.live or self._entries.get(entry.meta.key) is not entry:
+            return False
+        entry.live = False
+        self._evicting += 1
+        return True
+
+    def end_eviction(self, entry: BlockEntry) -> bool:
+        """The eviction of a taken ``entry`` ended; True if the block is gone from every tier
+        (else it is live again: a delete that failed keeps what was not deleted)."""
+        self._evicting -= 1
+        gone = self._entries.get(entry.meta.key) is not entry
+        entry.live = not gone
+        return gone
 
     def tokens_per_tier(self, entries: Sequence[BlockEntry], block_tokens: int
                         ) -> dict[str, int]:

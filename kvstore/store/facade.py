@@ -440,16 +440,17 @@ class Store:
         chosen.sort(key=lambda e: -e.meta.block_index)
         removed = 0
         for entry in chosen:
-            key = entry.meta.key
-            for name in list(entry.sizes):
-                # Deleting awaits: a lease or a promotion may pin the block meanwhile, and then
-                # what it holds stays (a lease's reader must never see its slot freed).
-                if entry.pins or self._dir.get(key) is not entry:
-                    break
-                await self.tiers[name].delete(key)
-                self._dir.unplace(key, name)
-            if self._dir.get(key) is None:  # every copy gone, not only some
-                removed += 1
+            # Earlier deletes awaited: a lease, read or promotion may have pinned it since.
+            # Once taken, nobody starts reading it (BlockEntry.live) while its copies go.
+            if not self._dir.take_for_eviction(entry):
+                continue
+            try:
+                for name in list(entry.sizes):
+                    await self.tiers[name].delete(entry.meta.key)
+                    self._dir.unplace(entry.meta.key, name)
+            finally:
+                gone = self._dir.end_eviction(entry)
+            removed += gone
         return removed
 
     def stats(self, tenant: str | None = None) -> StoreStats:
@@ -660,7 +661,7 @@ class Store:
         encoded, buffer = await asyncio.to_thread(self._encode_blocks, ns, keys, kv, lifts)
         for block in encoded:
             entry = self._dir.get(block.meta.key)
-            if entry is not None:
+            if entry is not None and entry.live:
                 await self._placement.lift(entry, block.data)
         del encoded
         self._buffers.give(buffer)
@@ -808,6 +809,8 @@ class Store:
                 if page is None:
                     break
                 entry = self._dir.get(key)
+                if entry is not None and not entry.live:  # being evicted: the prefix ends
+                    break
                 if entry is None:
                     try:
                         entry = await self._placement.store_new(page.meta, page.data)

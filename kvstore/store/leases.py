@@ -4,7 +4,6 @@ the chain lends slots (``SlotTier``); prefetch hints are kvstore.store.hints."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import secrets
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from kvstore.api import MAX_LEASE_S, BlockLocations, Lease, Medium, Reservation, SlotGrants
-from kvstore.codecs.base import Codec, bits_all_finite, is_all_finite, unpack_blob
+from kvstore.codecs.base import Codec, bits_all_finite, blob_header, is_all_finite
 from kvstore.codecs.raw import RawCodec
 from kvstore.config import QuotaConfig
 from kvstore.errors import (
@@ -31,7 +30,7 @@ from kvstore.errors import (
     shown,
 )
 from kvstore.keys import KEY_BYTES, BlockKey, Namespace
-from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, decode_page, page_length
+from kvstore.page import HEADER_BYTES, MAX_META_BYTES, PageMeta, PageSeal, page_length, parse_page
 from kvstore.spec import KVSpec
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.placement import Count, Link, Placement
@@ -310,7 +309,8 @@ class LeaseManager:
         hold = self._reservations.add(ReservationHold(secrets.token_hex(12), deadline, ns, slots,
                                                       prefix))
         return Reservation(hold.held_id, hold.deadline, link.codec.name,
-                           _grants(tier, ns.tenant, slots))
+                           _grants(tier, ns.tenant, slots),
+                           sealed=isinstance(tier, CheckedCopies))
 
     def reserved_keys(self, reservation_id: str) -> list[BlockKey]:
         """The keys an open reservation has slots for ([] if unknown)."""
@@ -322,7 +322,7 @@ class LeaseManager:
         tokens newly published.
 
         Host slots (``CheckedCopies``): each page is copied once, where no client can write
-        (making room for it first), and every check is made on that copy (``check_written``),
+        (making room for it first), and every check is made on that copy (``WrittenPage``),
         which is what gets published: a writer that changes its slot during or after the copy
         changes nothing anyone reads unchecked. A page that fails aborts the whole commit and
         frees every slot: nothing half-written, or that would not decode on a later read,
@@ -417,7 +417,7 @@ class LeaseManager:
         if not await self._placement.make_room(reserved.link, nbytes, hold.tenant):
             return None
         return await tier.claim(reserved.slot, reserved.key, nbytes,
-                                functools.partial(check_written, hold.ns, reserved))
+                                WrittenPage(hold.ns, reserved))
 
     @staticmethod
     def _device_meta(ns: Namespace, reserved: ReservedSlot) -> PageMeta:
@@ -480,61 +480,116 @@ def _grants(tier: SlotTier, tenant: str, slots: list[ReservedSlot]) -> SlotGrant
                       b"".join([r.parent or bytes(KEY_BYTES) for r in slots]))
 
 
-def check_written(ns: Namespace, reserved: ReservedSlot, page_view: memoryview) -> PageMeta:
-    """The meta of the page a writer put into its slot for ``reserved``, checked on
-    ``page_view``: a copy of it no client can write (the tier's, in published memory), exactly
-    the page's length.
+class WrittenPage:
+    """The commit's check of the page a writer put into its slot for ``reserved``, made on
+    the tier's copy of it as the copy lands (``PageCheck``: no client can write the copy), and
+    the seal of that copy: every checksum computed there (``PageSeal``), whatever the writer
+    left in its slot's.
 
-    Checks the length, header, checksum, key, parent, namespace, position, tenant, model and
-    codec name, then decodes the payload under the reservation's codec into the namespace's
-    shape and dtype and requires every value to be finite (a lossy tier's encoder refuses NaN
-    and Inf, so such a page could never be demoted). CorruptPage or InvalidArgument names the
-    block. Blocking: run it in a thread.
+    Checks the length, header, key, parent, namespace, position, tenant, model and codec name,
+    and requires every value of the payload, decoded under the reservation's codec into the
+    namespace's shape and dtype, to be finite (a lossy tier's encoder refuses NaN and Inf, so
+    such a page could never be demoted): a raw page's K/V on its bits, piece by piece as they
+    land, any other decoded at the end. CorruptPage or InvalidArgument names the block.
+    Blocking: the tier runs it in a thread.
     """
-    key = reserved.key
-    page = decode_page(page_view, expected_key=key)
-    if len(page.data) != len(page_view):  # a writer changed the header while it was copied
-        raise CorruptPage(f"page for key {key.hex()} is {len(page.data)} bytes; "
-                          f"{len(page_view)} were copied")
-    meta = page.meta
-    if (meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index
-            or meta.parent != reserved.parent):
-        raise CorruptPage(f"page for key {key.hex()} names another namespace, position or parent")
-    if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
-        raise CorruptPage(f"page for key {key.hex()} names tenant/model "
-                          f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
-                          f"{ns.tenant}/{ns.model_id}")
-    codec = reserved.link.codec
-    if meta.codec != codec.name:
-        raise InvalidArgument(f"page for key {key.hex()} is encoded with "
-                              f"{shown(meta.codec)}; the reservation asked for {codec.name!r}")
-    spec = ns.spec
-    shape = spec.shape(spec.block_tokens)
-    try:
-        # The page checksum just held over the payload: its blob checksum is not hashed again.
-        finite = _decodes_finite(codec, page.payload, shape, spec.torch_dtype)
-    except _DECODE_FAILURES as exc:  # a garbage payload is refused, whatever it breaks
-        raise CorruptPage(f"page for key {key.hex()} does not decode as {codec.name} K/V of "
-                          f"shape {tuple(shape)} {spec.dtype}: {exc}") from None
-    if not finite:
-        raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
-    return meta
 
+    __slots__ = ("_checked", "_ns", "_reserved", "_seal", "_section")
 
-def _decodes_finite(codec: Codec, payload: memoryview, shape: tuple[int, ...],
-                    dtype: torch.dtype) -> bool:
-    """Whether a verified payload holds finite K/V: raw K/V checked on its bits where it lies
-    (decoding it would only copy it; a torch view of it cost 80 us a page on the busy box),
-    anything else decoded into a new tensor."""
-    if not isinstance(codec, RawCodec):
-        return is_all_finite(codec.decode(payload, out=torch.empty(shape, dtype=dtype),
-                                          verify=False))
-    parts = unpack_blob(payload, verify=False)
-    if parts.codec_id != codec.codec_id or parts.dtype != dtype or parts.shape != shape:
-        raise CodecError(f"blob holds codec id {parts.codec_id}, {parts.shape} {parts.dtype}")
-    section = parts.sections[0]
-    expected = math.prod(shape) * dtype.itemsize
-    if section.nbytes != expected:
-        raise CodecError(f"blob section holds {section.nbytes} bytes, expected {expected}")
-    bits = np.frombuffer(section, dtype=np.uint8).view(f"u{dtype.itemsize}")
-    return bits_all_finite(bits, dtype)
+    def __init__(self, ns: Namespace, reserved: ReservedSlot) -> None:
+        self._ns = ns
+        self._reserved = reserved
+        self._seal = PageSeal(reserved.key)
+        # A raw page's K/V bits (start, end in the page), once its blob header is in; None
+        # before, () for a page of another codec (decoded and checked at the end).
+        self._section: tuple[int, int] | tuple[()] | None = None
+        self._checked = 0
+
+    def feed(self, view: memoryview, copied: int) -> None:
+        self._seal.feed(view, copied)
+        if self._seal.fields is None:
+            return
+        if self._section is None:
+            self._section = self._raw_section(view, copied)
+            if self._section is None:
+                return
+        if not self._section:
+            return
+        start, end = self._section
+        itemsize = self._ns.spec.torch_dtype.itemsize
+        upto = min(copied, end)
+        upto -= (upto - start) % itemsize
+        if upto > self._checked:
+            bits = np.frombuffer(view[self._checked : upto], dtype=f"u{itemsize}")
+            if not bits_all_finite(bits, self._ns.spec.torch_dtype):
+                raise CorruptPage(f"page for key {self._reserved.key.hex()} decodes to NaN or "
+                                  "Inf values")
+            self._checked = upto
+
+    def _raw_section(self, view: memoryview, copied: int) -> tuple[int, int] | tuple[()] | None:
+        """Where a raw page's K/V lies, once its blob header is copied (None before)."""
+        if not isinstance(self._reserved.link.codec, RawCodec):
+            return ()
+        payload = self._seal.payload_start
+        try:
+            head = blob_header(view[payload : max(payload, copied)])
+        except CodecError as exc:
+            raise self._undecodable(exc) from None
+        if head is None:
+            return None
+        codec_id = self._seal.fields[2]  # type: ignore[index]
+        if codec_id != RawCodec.codec_id:  # what the page says it is: not what was asked for
+            raise InvalidArgument(f"page for key {self._reserved.key.hex()} is encoded with "
+                                  f"codec id {codec_id}; the reservation asked for "
+                                  f"{self._reserved.link.codec.name!r}")
+        spec = self._ns.spec
+        shape = spec.shape(spec.block_tokens)
+        expected = math.prod(shape) * spec.torch_dtype.itemsize
+        if (head.codec_id != RawCodec.codec_id or head.dtype != spec.torch_dtype
+                or head.shape != shape or head.section_bytes != (expected,)):
+            raise self._undecodable(CodecError(
+                f"blob holds codec id {head.codec_id}, {head.shape} {head.dtype} in "
+                f"sections of {head.section_bytes} bytes"))
+        if payload + head.nbytes != len(view):
+            raise self._undecodable(CodecError(
+                f"blob of {head.nbytes} bytes in a {len(view) - payload}-byte payload"))
+        start = payload + head.header_bytes
+        self._checked = start
+        return start, start + expected
+
+    def finish(self, out: memoryview) -> PageMeta:
+        self._seal.seal(out)
+        key, ns, reserved = self._reserved.key, self._ns, self._reserved
+        page = parse_page(out.toreadonly(), expected_key=key, is_trusted=True)
+        meta = page.meta
+        if (meta.namespace != ns.fingerprint or meta.block_index != reserved.block_index
+                or meta.parent != reserved.parent):
+            raise CorruptPage(f"page for key {key.hex()} names another namespace, position or "
+                              "parent")
+        if meta.tenant != ns.tenant or meta.model_id != ns.model_id:
+            raise CorruptPage(f"page for key {key.hex()} names tenant/model "
+                              f"{shown(meta.tenant)}/{shown(meta.model_id)}, reserved for "
+                              f"{ns.tenant}/{ns.model_id}")
+        codec = reserved.link.codec
+        if meta.codec != codec.name:
+            raise InvalidArgument(f"page for key {key.hex()} is encoded with "
+                                  f"{shown(meta.codec)}; the reservation asked for "
+                                  f"{codec.name!r}")
+        if self._section == ():
+            spec = ns.spec
+            try:
+                decoded = codec.decode(page.payload, out=torch.empty(
+                    spec.shape(spec.block_tokens), dtype=spec.torch_dtype), verify=False)
+            except _DECODE_FAILURES as exc:  # a garbage payload is refused, whatever it breaks
+                raise self._undecodable(exc) from None
+            if not is_all_finite(decoded):
+                raise CorruptPage(f"page for key {key.hex()} decodes to NaN or Inf values")
+        elif self._section is None or self._checked != self._section[1]:
+            raise self._undecodable(CodecError("its blob ends inside its header"))
+        return meta
+
+    def _undecodable(self, exc: BaseException) -> CorruptPage:
+        spec = self._ns.spec
+        return CorruptPage(f"page for key {self._reserved.key.hex()} does not decode as "
+                           f"{self._reserved.link.codec.name} K/V of shape "
+                           f"{tuple(spec.shape(spec.block_tokens))} {spec.dtype}: {exc}")

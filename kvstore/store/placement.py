@@ -246,7 +246,8 @@ class Placement:
         entry = self._dir.get(key)
         if entry is None or entry.pins or link.name not in entry.sizes:
             return
-        if not any(faster.name in entry.sizes for faster in self.links[:link.index]):
+        if entry.live and not any(faster.name in entry.sizes
+                                  for faster in self.links[:link.index]):
             self._dir.pin([entry])  # the page must outlive its copy down the chain
             try:
                 if await self.demote(link, entry):
@@ -326,7 +327,7 @@ class Placement:
         key = entry.meta.key
         if target.name in entry.sizes:
             return True
-        if self._dir.get(key) is not entry:
+        if self._dir.get(key) is not entry or not entry.live:
             return False
         self._dir.pin([entry])
         try:
@@ -338,11 +339,13 @@ class Placement:
                 return False
             if target.name in entry.sizes:  # another promotion won the race
                 return True
-            if self._dir.get(key) is not entry:  # evicted while it was read: nothing to write
+            # Evict leaves pinned blocks alone, but a block can still go while it is read (its
+            # last other copy found corrupt): then nothing is written.
+            if self._dir.get(key) is not entry:
                 return False
             ok = await self.write(target, entry.meta, data)  # the source stays pinned till then
             if ok and self._dir.get(key) is not entry:
-                # Evicted while it was copied: the copy must not bring the block back.
+                # Gone while it was written: the copy must not bring the block back.
                 await target.tier.delete(key)
                 self._dir.unplace(key, target.name)
                 ok = False

@@ -291,22 +291,36 @@ class SharedTier(Tier):
         """"" when the shared store answers; otherwise what is wrong, in words (no secrets)."""
 
 
+class PageCheck(Protocol):
+    """The store's check of one page a writer put into a slot, made on the tier's copy of it
+    while the copy lands (``CheckedCopies.claim``)."""
+
+    def feed(self, view: memoryview, copied: int) -> None:
+        """The first ``copied`` bytes of ``view`` (the copy, read-only, exactly the page's
+        length) are final: check what came since the last call; raise on a fault."""
+
+    def finish(self, out: memoryview) -> PageMeta:
+        """All of the page is copied and fed: finish the checks and seal the copy (``out``,
+        the same memory, writable); the page's meta, or raise."""
+
+
 @runtime_checkable
 class CheckedCopies(Protocol):
     """A slot tier of host memory whose writers fill slots through a host view
     (``slot_view``): a slot becomes a stored page in two steps, so that a reservation's pages
     are all checked before any is published. ``claim`` takes room for the page where no client
     can write, copies the page there and runs the store's ``check`` on that copy, both in a
-    thread, and returns at once (None, the slot still the caller's, when there is no room);
+    thread, piece by piece, each piece checked while it is in cache (``PageCheck``), and
+    returns at once (None, the slot still the caller's, when there is no room);
     ``checked`` waits for them (raising what ``check`` raised); ``publish`` then makes the
     checked copy readable and frees the writer's slot, or ``drop`` gives the room back. Only
     the copy is checked and served: whatever the writer does to its slot during or after the
     copy reaches no reader unchecked."""
 
     async def claim(self, slot: Slot, key: BlockKey, nbytes: int,
-                    check: Callable[[memoryview], PageMeta]) -> object | None:
+                    check: PageCheck) -> object | None:
         """Start copying the ``nbytes``-byte page in ``slot`` and checking the copy
-        (``check(view)`` returns the page's meta or raises); None when there is no room."""
+        (``check.finish`` returns the page's meta or raises); None when there is no room."""
 
     async def checked(self, claim: object) -> PageMeta:
         """Wait for a claim's copy and check; its meta, or what ``check`` raised."""

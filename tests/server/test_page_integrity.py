@@ -15,7 +15,7 @@ from kvstore import codecs
 from kvstore.client import NO_RETRY, AsyncClient
 from kvstore.client.arena import ArenaMaps, fetch_region_fd
 from kvstore.errors import CorruptPage
-from kvstore.page import PageMeta, encode_page
+from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
 from kvstore.rpc.fdpass import fd_socket_path
 from kvstore.server.daemon import serve
 
@@ -198,5 +198,91 @@ async def test_commit_refuses_a_page_that_does_not_decode(root, ns, spec, codec_
         async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
             assert (await acme.lookup(ns, tokens)).matched_tokens == 32
             assert (await acme.get(ns, tokens, zero_copy=False)).shape == kv.shape
+    finally:
+        await daemon.stop(1.0)
+
+
+def _write_framed(channel: str, ns, grant, block: torch.Tensor, checksum: bytes | None) -> None:
+    """Write ``block``'s raw page into a reserved slot the way a client does when the
+    reservation is sealed (no hashing, both checksums zero), or with ``checksum`` over the
+    page's checksum field (what a broken or hostile writer might leave there)."""
+    codec = codecs.get("raw")
+    meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
+                    block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
+                    codec=codec.name, codec_id=codec.codec_id)
+    maps = ArenaMaps(token=TOKENS[ns.tenant], channel=channel)
+    try:
+        view = maps.view(grant.region, grant.offset, grant.capacity_bytes, writable=True)
+        length = write_page(view, meta, codec.prepare(block), aligned=True, sums=False)
+        if checksum is not None:
+            view[HEADER_BYTES - len(checksum):HEADER_BYTES] = checksum
+        assert length <= grant.capacity_bytes
+    finally:
+        maps.close()
+
+
+async def test_commit_seals_what_it_copies(root, ns, spec):
+    """A host reservation says its commit seals the pages: the writer hashes nothing and
+    leaves both checksums zero (or garbage), and the commit computes them on its own copy. The
+    published page verifies in full (not only as trusted), survives a restart through the
+    SSD, and gets return exactly what was written."""
+    config = small_config(root, tenant_tokens=TOKENS)
+    tokens, kv = random_tokens(32), random_kv(spec, 32)
+    daemon = await serve(config)
+    channel = fd_socket_path(daemon.socket_path)
+    try:
+        async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
+            reservation = await acme.reserve(ns, tokens)
+            assert reservation.sealed and len(reservation.blocks) == 2
+            for grant, checksum in zip(reservation.blocks, (None, b"\xab" * 8)):
+                block = kv[:, :, grant.block_index * 16:(grant.block_index + 1) * 16]
+                await asyncio.to_thread(_write_framed, channel, ns, grant, block, checksum)
+            assert await acme.commit(reservation.reservation_id) == 32
+            dram = daemon.store.tiers["dram"]
+            for grant in reservation.blocks:
+                page = await dram.read(grant.key)
+                assert page.is_trusted
+                verify_page(parse_page(bytes(page.data), expected_key=grant.key))
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv)
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=False), kv)
+    finally:
+        await daemon.stop(1.0)
+    daemon = await serve(config)  # persisted to the SSD tier, read back and verified there
+    try:
+        async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=False), kv)
+            assert (await acme.stats()).tiers["ssd"].corrupt == 0
+    finally:
+        await daemon.stop(1.0)
+
+
+@pytest.mark.parametrize("piece_bytes", [4096, 1000])
+async def test_commit_finds_a_nan_in_any_piece_of_the_copy(root, ns, spec, monkeypatch,
+                                                          piece_bytes):
+    """The commit checks a raw page for NaN and Inf piece by piece as its copy lands: one bad
+    value in the first, a middle or the last piece (pieces that cut values in two, too) fails
+    the commit naming the block; the same page without it commits."""
+    monkeypatch.setattr("kvstore.tiers.dram.CHECK_PIECE_BYTES", piece_bytes)
+    config = small_config(root, tenant_tokens=TOKENS)
+    tokens, kv = random_tokens(16), random_kv(spec, 16)
+    daemon = await serve(config)
+    channel = fd_socket_path(daemon.socket_path)
+    try:
+        async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme:
+            flat = kv.reshape(-1)
+            for where, bad in ((0, float("nan")), (flat.numel() // 2 + 1, float("inf")),
+                               (flat.numel() - 1, float("-inf"))):
+                poisoned = kv.clone()
+                poisoned.view(-1)[where] = bad
+                reservation = await acme.reserve(ns, tokens)
+                (grant,) = reservation.blocks
+                await asyncio.to_thread(_write_framed, channel, ns, grant, poisoned, None)
+                with pytest.raises(CorruptPage, match=f"{grant.key.hex()} decodes to NaN"):
+                    await acme.commit(reservation.reservation_id)
+                assert (await acme.lookup(ns, tokens)).matched_tokens == 0
+            reservation = await acme.reserve(ns, tokens)
+            await asyncio.to_thread(_write_framed, channel, ns, reservation.blocks[0], kv, None)
+            assert await acme.commit(reservation.reservation_id) == 16
+            assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv)
     finally:
         await daemon.stop(1.0)

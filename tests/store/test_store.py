@@ -631,3 +631,44 @@ async def test_a_put_too_large_for_dram_is_framed_for_the_ssd_instead(tmp_path):
         stats = store.stats()
         assert stats.tiers["dram"].num_blocks == 0 and stats.tiers["ssd"].num_blocks == 2
         assert torch.equal(await store.get(ns, tokens), kv)
+
+
+async def test_a_block_being_evicted_is_never_leased_or_promoted(tmp_path, ns, spec,
+                                                                  monkeypatch):
+    """Evict takes an unpinned block whole: once it has started deleting the block's copies
+    (here held at the SSD, its only copy, by a gate: the one interleaving a test cannot cause
+    otherwise), Lookup, Acquire and get stop before it and nothing promotes it, so no lease can
+    hold a copy the eviction is dropping. Blocks a lease pinned meanwhile stay; the rest go
+    from every tier."""
+    cfg = make_config(tmp_path)
+    tokens, kv = random_tokens(64), random_kv(spec, 64)
+    async with Store(cfg) as store:
+        await store.put(ns, tokens, kv)  # closing persists the DRAM pages to the SSD
+    async with Store(cfg) as store:
+        assert {r.tiers for r in store.list_blocks()} == {("ssd",)}
+        ssd = store.tiers["ssd"]
+        entered, gate = asyncio.Event(), asyncio.Event()
+        real_delete = ssd.delete
+
+        async def held_delete(key):
+            entered.set()
+            await gate.wait()
+            return await real_delete(key)
+
+        monkeypatch.setattr(ssd, "delete", held_delete)
+        evicting = asyncio.ensure_future(store.evict(everything=True))
+        await entered.wait()  # deleting the last block (children first), the others untouched
+        assert (await store.lookup(ns, tokens)).matched_tokens == 48
+        leases = [await store.acquire(ns, tokens) for _ in range(2)]
+        assert [lease.matched_tokens for lease in leases] == [48, 48]
+        got = await store.get(ns, tokens)
+        assert torch.equal(got, kv[:, :, :48])
+        gate.set()
+        assert await evicting == 1  # the three leased blocks were pinned when evict got there
+        monkeypatch.undo()
+        assert (await store.lookup(ns, tokens)).matched_tokens == 48
+        assert {r.block_index for r in store.list_blocks()} == {0, 1, 2}
+        for lease in leases:
+            await store.release(lease.lease_id)
+        assert await store.evict(everything=True) == 3
+        assert store.stats().num_blocks == 0 and ssd.stats().used_bytes == 0

@@ -319,18 +319,32 @@ async def test_no_route_a_descriptor_holder_can_take_changes_a_published_page(
     assert staging["pwrite"] == "CHANGED" and staging["a shared writable mapping"] == "CHANGED"
 
 
-def _checking(seen: list[bytes], then=None):
-    """A commit check that records the bytes it checked (and then runs ``then``)."""
-    def check(view: memoryview) -> PageMeta:
-        page = decode_page(view)
-        seen.append(bytes(view))
-        if then is not None:
-            then()
+class _Checking:
+    """A commit check (``PageCheck``) that records how far the copy had landed at each piece,
+    runs ``then`` once all of it has, and verifies the whole copy."""
+
+    def __init__(self, seen: list[bytes], then=None) -> None:
+        self.seen, self.then, self.fed = seen, then, []
+
+    def feed(self, view: memoryview, copied: int) -> None:
+        self.fed.append(copied)
+
+    def finish(self, out: memoryview) -> PageMeta:
+        assert self.fed == sorted(self.fed) and self.fed[-1] == len(out)
+        if self.then is not None:
+            self.then()
+        page = decode_page(out)
+        self.seen.append(bytes(out))
         return page.meta
-    return check
 
 
-async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier) -> None:
+class _Refusing(_Checking):
+    def finish(self, out: memoryview) -> PageMeta:
+        raise CorruptPage("refused")
+
+
+async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier,
+                                                                monkeypatch) -> None:
     """claim copies the staging slot's page into published memory and checks that copy there
     (one copy, no private one): a writer that rewrites its slot while the check runs (a
     forged page, checksum recomputed) changes nothing that is checked or served; the
@@ -341,13 +355,15 @@ async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier) -
     staging[:len(page)] = page
     forged = encode_page(meta, bytes(len(decode_page(page).payload)))
     seen: list[bytes] = []
+    monkeypatch.setattr("kvstore.tiers.dram.CHECK_PIECE_BYTES", 64 << 10)  # several pieces
 
     def forge() -> None:
         staging[:len(forged)] = forged
 
     staged = tier.used_bytes
-    claim = await tier.claim(slot, key, len(page), _checking(seen, forge))
-    assert await tier.checked(claim) == meta
+    check = _Checking(seen, forge)
+    claim = await tier.claim(slot, key, len(page), check)
+    assert await tier.checked(claim) == meta and len(check.fed) == 7  # fed piece by piece
     assert not tier.contains(key) and tier.locate(key) is None  # nobody is told before publish
     assert tier.publish(claim) == len(page)
     assert tier.used_bytes == staged  # the staging slot went, the published one came
@@ -366,22 +382,19 @@ async def test_a_claim_that_fails_its_check_publishes_nothing(tier: DramTier) ->
     tier.slot_view(slot)[:len(page)] = page
     used = tier.used_bytes
 
-    def refuse(view: memoryview) -> PageMeta:
-        raise CorruptPage("refused")
-
-    claim = await tier.claim(slot, key, len(page), refuse)
+    claim = await tier.claim(slot, key, len(page), _Refusing([]))
     with pytest.raises(CorruptPage, match="refused"):
         await tier.checked(claim)
     tier.drop(claim)
     assert tier.used_bytes == used and not tier.contains(key)
     with pytest.raises(CorruptPage, match="its slot holds"):
-        await tier.claim(slot, key, slot.slot_bytes + 1, refuse)
-    claim = await tier.claim(slot, key, len(page), _checking([]))
+        await tier.claim(slot, key, slot.slot_bytes + 1, _Refusing([]))
+    claim = await tier.claim(slot, key, len(page), _Checking([]))
     assert await tier.checked(claim) == meta and tier.publish(claim) == len(page)
     other_key, other_page, _ = make_page(19, 400_000, tenant="globex")
     slot = await tier.allocate_slot(len(other_page), "acme")
     tier.slot_view(slot)[:len(other_page)] = other_page
-    claim = await tier.claim(slot, other_key, len(other_page), _checking([]))
+    claim = await tier.claim(slot, other_key, len(other_page), _Checking([]))
     with pytest.raises(InvalidArgument, match="does not fit"):
         await tier.checked(claim)
     tier.drop(claim)
