@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -14,7 +13,6 @@ import grpc
 import torch
 
 from kvstore.api import (
-    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -40,6 +38,7 @@ from kvstore.client.requests import (
     RELEASE_LINGER_S,
     REPLY_TYPES,
     CallChannels,
+    CarriedReleases,
     ChannelBroken,
     ChannelStatus,
     DataSocket,
@@ -101,9 +100,8 @@ class AsyncClient:
         self._cleanups: set[asyncio.Future[None]] = set()
         # Leases whose reads ended, waiting for the next Acquire to release them (see
         # kvstore.client.sync.LateReleases); flushing: flush_releases wants them sent now.
-        self._late: set[str] = set()
+        self._carry = CarriedReleases()  # its waiting ids' Releases are timed by tasks
         self._flushing = asyncio.Event()
-        self._can_carry = True
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -213,7 +211,7 @@ class AsyncClient:
                 return await self._put_shared(ns, tokens, kv)
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
-        if self._late:  # a lease of this client's read must not keep it from room
+        if self._carry.waiting:  # a lease of this client's read must not keep it from room
             await self.flush_releases()
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         if self._data.usable:
@@ -336,9 +334,9 @@ class AsyncClient:
             # Released in a task of its own once the copy stopped (a cancelled caller does not
             # stop the thread reading the pages): the caller does not wait for the round trip
             # (see Client._get_shared), and aclose does.
-            queued = self._can_carry and read.done()
+            queued = self._carry.can_carry and read.done()
             if queued:  # at once: the caller's next Acquire may come before the task runs
-                self._late.add(lease.lease_id)
+                self._carry.waiting[lease.lease_id] = 0.0
             self._later(self._release_after(lease.lease_id, read, queued))
         check_in_time(lease)  # expired mid-read: the caller falls back (Client._get_shared)
         return kv
@@ -355,16 +353,15 @@ class AsyncClient:
         Release (``queued``: waiting for one already), then the Release alone."""
         with contextlib.suppress(Exception):  # the read's error already reached the caller
             await read
-        if not queued and self._can_carry:
-            self._late.add(lease_id)
+        if not queued and self._carry.can_carry:
+            self._carry.waiting[lease_id] = 0.0
             queued = True
         if queued:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RELEASE_LINGER_S):
                     await self._flushing.wait()
-            if lease_id not in self._late:
+            if self._carry.waiting.pop(lease_id, None) is None:
                 return  # an Acquire took it
-            self._late.discard(lease_id)
         await self._release_quietly(lease_id)
 
     async def _release_quietly(self, lease_id: str) -> None:
@@ -373,11 +370,8 @@ class AsyncClient:
 
     def _carried(self, lease_ids: list[str], num_released: int | None) -> None:
         """See ``LateReleases.carried``: what the Acquire did not release goes alone."""
-        if lease_ids and num_released != len(lease_ids):
-            if num_released == 0:
-                self._can_carry = False
-            for lease_id in lease_ids:
-                self._later(self._release_quietly(lease_id))
+        for lease_id in self._carry.left_over(lease_ids, num_released):
+            self._later(self._release_quietly(lease_id))
 
     # --------------------------------------------------------------------------- control path
 
@@ -428,8 +422,7 @@ class AsyncClient:
 
     async def _carrying(self, call: Callable[[list[str]], Unary[tuple[T, int]]]) -> T:
         """See ``Client._carrying``."""
-        carried = list(itertools.islice(self._late, MAX_CARRIED_RELEASES))
-        self._late.difference_update(carried)
+        carried = self._carry.take()
         num_released = None
         try:
             result, num_released = await self._unary(call(carried))

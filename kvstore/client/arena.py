@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import math
 import mmap
 import os
 import socket
@@ -39,7 +40,14 @@ import torch
 
 from kvstore import codecs
 from kvstore.api import Lease, Medium, Reservation
-from kvstore.codecs.base import BLOB_MAGIC, Payload, as_array, section_tensor, unpack_blob
+from kvstore.codecs.base import (
+    BLOB_MAGIC,
+    Payload,
+    as_array,
+    blob_header_bytes,
+    section_tensor,
+    unpack_blob,
+)
 from kvstore.codecs.raw import RawCodec
 from kvstore.copies import MIN_SPLIT_BYTES, copy_all, run_shared
 from kvstore.errors import (
@@ -388,10 +396,22 @@ def fill_out(kv: torch.Tensor | None, out: torch.Tensor | None, copy_threads: in
     return front
 
 
+@functools.lru_cache(maxsize=64)
+def _raw_head(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
+    """The blob header of every raw page of ``shape`` ``dtype`` K/V, and its K/V bytes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return blob_header_bytes(RawCodec.codec_id, dtype, shape, b"", (nbytes,)), nbytes
+
+
 def _raw_section(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
                  ) -> memoryview | None:
     """The K/V bytes of a verified raw page's payload in place (C order); None for other
     codecs. CodecError if it holds another shape or dtype than expected."""
+    head, nbytes = _raw_head(shape, dtype)
+    start = len(head)
+    # The namespace's own raw pages, the usual case: one compare of the header's bytes.
+    if len(payload) == start + nbytes + 8 and bytes(payload[:start]) == head:
+        return payload[start : start + nbytes]
     if bytes(payload[:4]) != BLOB_MAGIC or len(payload) < 6 or payload[5] != RawCodec.codec_id:
         return None
     parts = unpack_blob(payload, verify=False)  # the page checksum covered the blob

@@ -5,6 +5,7 @@ transport (a blocking or an asyncio channel) and the zero-copy paths around it."
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ import torch
 from google.protobuf.message import Message
 
 from kvstore.api import (
+    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -129,6 +131,38 @@ def health() -> Unary[HealthInfo]:
 # gets back to back (a prompt's chunks, a batch's prompts) come well within it, and an engine's
 # scheduler steps, tens of milliseconds apart, mostly do.
 RELEASE_LINGER_S = 0.05
+
+
+class CarriedReleases:
+    """The Releases a client holds back for its next Acquire or Reserve to carry (their
+    ``release`` field), and the rules both clients keep: a call carries at most
+    ``MAX_CARRIED_RELEASES``; what the daemon did not release goes in Releases of their own;
+    a daemon that released none of those it was given does not read the field, and carrying
+    stops. Not locked: the blocking client keeps it under its lock, the async client on its
+    loop."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, float] = {}  # lease id -> when its Release goes alone
+        self.can_carry = True
+
+    def take(self) -> list[str]:
+        """Lease ids for a call to carry, no longer waiting (hand them to ``left_over``)."""
+        if not self.can_carry or not self.waiting:
+            return []
+        taken = list(itertools.islice(self.waiting, MAX_CARRIED_RELEASES))
+        for lease_id in taken:
+            del self.waiting[lease_id]
+        return taken
+
+    def left_over(self, lease_ids: list[str], num_released: int | None) -> list[str]:
+        """Of ``lease_ids``, carried by a call that ended releasing ``num_released`` of them
+        (None: the call failed, so whether it did is unknown), those to release alone now
+        (one already gone is answered LeaseNotFound, which the clients ignore)."""
+        if not lease_ids or num_released == len(lease_ids):
+            return []
+        if num_released == 0:
+            self.can_carry = False
+        return list(lease_ids)
 
 
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -14,7 +13,6 @@ import grpc
 import torch
 
 from kvstore.api import (
-    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -42,6 +40,7 @@ from kvstore.client.requests import (
     RELEASE_LINGER_S,
     REPLY_TYPES,
     CallChannels,
+    CarriedReleases,
     ChannelBroken,
     ChannelStatus,
     DataSocket,
@@ -643,12 +642,12 @@ class LateReleases:
     def __init__(self, release: Callable[[str], None]) -> None:
         self._release = release
         self._cond = threading.Condition()
-        self._waiting: dict[str, float] = {}  # lease id -> when its Release goes alone
+        self._carry = CarriedReleases()
+        self._waiting = self._carry.waiting  # lease id -> when its Release goes alone
         self._in_flight = 0  # taken (by the worker or an Acquire), not answered yet
         self._urgent = 0  # callers of flush: send what waits now
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.can_carry = True  # False once the daemon showed it does not read carried ids
 
     def send(self, lease_id: str) -> None:
         """Queue ``lease_id``'s Release (the worker starts at the first)."""
@@ -663,27 +662,21 @@ class LateReleases:
         """The waiting lease ids, for an Acquire to release first; hand them back with
         ``carried``."""
         with self._cond:
-            if not self.can_carry or not self._waiting:
-                return []
-            taken = list(itertools.islice(self._waiting, MAX_CARRIED_RELEASES))
-            for lease_id in taken:
-                del self._waiting[lease_id]
+            taken = self._carry.take()
             self._in_flight += len(taken)
             return taken
 
     def carried(self, lease_ids: list[str], num_released: int | None) -> None:
         """The Acquire that took ``lease_ids`` ended: the daemon released ``num_released``
         of them (None: the call failed, so whether it did is unknown). What it did not
-        release goes in Releases of their own now (one already gone is answered
-        LeaseNotFound, which is ignored)."""
+        release goes in Releases of their own now (``CarriedReleases.left_over``)."""
         if not lease_ids:
             return
         with self._cond:
             self._in_flight -= len(lease_ids)
-            if num_released != len(lease_ids):
-                if num_released == 0:
-                    self.can_carry = False  # a daemon that ignores the field
-                self._waiting.update(dict.fromkeys(lease_ids, 0.0))
+            left = self._carry.left_over(lease_ids, num_released)
+            if left:
+                self._waiting.update(dict.fromkeys(left, 0.0))
                 self._ensure_worker()  # even after close: these must still be sent
             self._cond.notify_all()
 
@@ -695,6 +688,11 @@ class LateReleases:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="kvstore-release")
             self._thread.start()
+
+    @property
+    def can_carry(self) -> bool:
+        """False once the daemon showed it does not read carried ids."""
+        return self._carry.can_carry
 
     @property
     def is_pending(self) -> bool:

@@ -189,16 +189,7 @@ class BlobPlan(Payload):
             raise CodecError(f"blob too complex: ndim {len(shape)}, sections {len(sections)}")
         self.sections = [as_array(s) for s in sections]
         sizes = [a.nbytes for a in self.sections]
-        self.header = b"".join(
-            (
-                _FIXED.pack(BLOB_MAGIC, BLOB_VERSION, codec_id, dtype_code(dtype), len(shape)),
-                struct.pack(f"<{len(shape)}I", *shape),
-                struct.pack("<H", len(params)),
-                params,
-                struct.pack("<B", len(sizes)),
-                struct.pack(f"<{len(sizes)}Q", *sizes),
-            )
-        )
+        self.header = blob_header_bytes(codec_id, dtype, shape, params, sizes)
         self.nbytes = len(self.header) + sum(sizes) + _CHECKSUM.size
 
     def write_into(self, out: memoryview, hashers: Sequence[Hasher] = (),
@@ -218,6 +209,19 @@ class BlobPlan(Payload):
         for h in hashers:
             h.update(view[pos : pos + _CHECKSUM.size])
         return self.nbytes
+
+
+def blob_header_bytes(codec_id: int, dtype: torch.dtype, shape: Sequence[int], params: bytes,
+                      section_sizes: Sequence[int]) -> bytes:
+    """The header a blob of these sections starts with (what ``blob_header`` parses)."""
+    return b"".join((
+        _FIXED.pack(BLOB_MAGIC, BLOB_VERSION, codec_id, dtype_code(dtype), len(shape)),
+        struct.pack(f"<{len(shape)}I", *shape),
+        struct.pack("<H", len(params)),
+        params,
+        struct.pack("<B", len(section_sizes)),
+        struct.pack(f"<{len(section_sizes)}Q", *section_sizes),
+    ))
 
 
 def pack_blob(
