@@ -165,11 +165,16 @@ def _copy_and_check(dst: memoryview, src: memoryview, check: PageCheck) -> PageM
     the check reads each piece while it is still in the caches; then ``check.finish``."""
     copy = dst.toreadonly()
     num_bytes = src.nbytes
-    for start in range(0, num_bytes, CHECK_PIECE_BYTES):
-        end = min(num_bytes, start + CHECK_PIECE_BYTES)
+    # Pieces of about equal size: a 2 MiB block's page (2 MiB and its header) is one piece,
+    # not a whole one and a 4 KiB tail.
+    num_pieces = max(1, round(num_bytes / CHECK_PIECE_BYTES))
+    start = 0
+    for i in range(1, num_pieces + 1):
+        end = num_bytes * i // num_pieces
         np.copyto(np.frombuffer(dst[start:end], dtype=np.uint8),
                   np.frombuffer(src[start:end], dtype=np.uint8))
         check.feed(copy, end)
+        start = end
     return check.finish(dst)
 
 

@@ -100,7 +100,7 @@ async def test_declared_gigabytes_with_no_bytes_cost_nothing(root):
 
 async def test_failed_put_gives_its_buffer_back_at_once(root):
     """320 MiB of a declared 512 MiB arrive (resident memory rises by them), then a malformed
-    message fails the put: within a few seconds the daemon has given the buffer back (it is
+    message fails the put: within seconds the daemon has given the buffer back (it is
     under RETAINED_HEAP_BYTES above where it started, far below the 320 MiB)."""
     with daemon_process(root, dram_bytes=1 << 30) as proc:
         pid = proc.proc.pid
@@ -117,7 +117,8 @@ async def test_failed_put_gives_its_buffer_back_at_once(root):
             stream.send(heavy_header(16))
             code, details = await call
             assert code == SC.INVALID_ARGUMENT and "only chunks" in details
-            assert await eventually_rss(pid, lambda rss: rss < base + RETAINED_HEAP_BYTES, 5.0), \
+            # a bound on liveness, not a timing: generous, for a box busy with other tests
+            assert await eventually_rss(pid, lambda rss: rss < base + RETAINED_HEAP_BYTES, 20.0), \
                 f"still {(status_line(pid, 'VmRSS') - base) >> 20} MiB above the start"
 
 
