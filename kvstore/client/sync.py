@@ -559,6 +559,7 @@ class BlockingChannel:
         self._max_reply_bytes = max_reply_bytes
         self._buffer = bytearray()
         self._last_id = OPENED_ID
+        self._timeout_s: float | None = -1.0  # none set yet
         self.lock = threading.Lock()
         self.closed = False
 
@@ -585,7 +586,9 @@ class BlockingChannel:
         frame = datapath.encode_frame(datapath.method_byte(method), self._last_id,
                                       request.SerializeToString())
         try:
-            self._sock.settimeout(timeout_s)
+            if timeout_s != self._timeout_s:  # each settimeout is a syscall or two
+                self._sock.settimeout(timeout_s)
+                self._timeout_s = timeout_s
             self._sock.sendall(frame)
             return self._reply(self._last_id, REPLY_TYPES[method])
         except TimeoutError:

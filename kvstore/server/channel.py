@@ -263,6 +263,8 @@ async def _answer(writer: asyncio.StreamWriter, calls: ChannelCalls, scope: Call
         if writer.is_closing():
             return
         writer.write(encode_frame(code, request_id, reply))
+        if not writer.transport.get_write_buffer_size():
+            return  # the socket took it all (a small reply, a reading client): nothing to wait
         try:
             async with asyncio.timeout(idle_s):  # a client that stops reading is dropped
                 await writer.drain()
