@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
 import secrets
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +98,13 @@ CHECK_PIECE_BYTES = 2 << 20
 # torch copy_ 52 (it spreads the copy over cores). One copy thread, so copies never stack up
 # several OpenMP teams on the same cores.
 PARALLEL_COPY = MANY_CORES and torch.get_num_threads() >= 4
+
+# Growth ahead of demand (the next step, made while nothing waits for it) runs on a thread of its
+# own, this much nicer (Linux keeps a nice value per thread): faulting in a step takes a core for
+# milliseconds, and the calls the loop answers meanwhile must not wait for it on a small host. On
+# the 2-core box (2026-12-02) a Lookup right after a 64 MiB put took 0.93 ms on average, 3.46 at
+# worst, while the tier grew, against 0.57 and 0.62 once it had grown.
+AHEAD_NICE = 10
 
 # Every arena maps the tier's whole capacity of address space up front (so views never move);
 # 1024 arenas of 64 GiB take half of the 128 TiB a process can map.
@@ -178,6 +187,14 @@ def _copy_and_check(dst: memoryview, src: memoryview, check: PageCheck) -> PageM
     return check.finish(dst)
 
 
+def _lower_priority() -> None:
+    """Make the calling thread ``AHEAD_NICE`` nicer (only it: Linux keeps nice per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + AHEAD_NICE))
+
+
 def _settle(loop: asyncio.AbstractEventLoop, claim: PublishClaim,
             job: concurrent.futures.Future[PageMeta]) -> None:
     # Resolved on the loop, and only once the thread is done with both slots.
@@ -244,6 +261,8 @@ class DramTier(SlotTier):
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-copy")
         # Commits copy and check their pages side by side (a decode may take milliseconds).
         self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-dram-check")
+        self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-grow",
+                                          initializer=_lower_priority)
         self._pin_cuda = False
         self._is_open = False
         self._stats = TierStats(name=self.name)
@@ -316,6 +335,7 @@ class DramTier(SlotTier):
             self._regions.clear()
         self._copier.shutdown(wait=False)
         self._checker.shutdown(wait=False)
+        self._grower.shutdown(wait=False)
 
     async def reserve(self, nbytes: int, tenant: str) -> int:
         """Grow ``tenant``'s published memory to ``nbytes`` (within the budget) ahead of demand,
@@ -814,17 +834,22 @@ class DramTier(SlotTier):
         async with self._grow_lock:
             step_bytes = self._spare_step_bytes(arena, nbytes)
             if self._is_open and step_bytes:
-                await self._grow_step(arena, step_bytes)
+                await self._grow_step(arena, step_bytes, ahead=True)
 
-    async def _grow_step(self, arena: _Arena, nbytes: int) -> bool:
-        """Make a published step of ``nbytes`` for ``arena`` in a thread (under the grow lock);
-        False if shared memory ran out."""
+    async def _grow_step(self, arena: _Arena, nbytes: int, ahead: bool = False) -> bool:
+        """Make a published step of ``nbytes`` for ``arena`` in a thread (under the grow lock;
+        ``ahead`` of demand: on the low-priority one, ``AHEAD_NICE``); False if shared memory
+        ran out."""
         region = f"{self.name}.{secrets.token_hex(8)}"
         step = Step(region, SealedStep(f"kvstore-{region}", nbytes))
         try:
             # Charged once made, like staging growth: until then room checks still see the
             # budget's room, and a write that counts on it waits on the lock for this step.
-            await asyncio.to_thread(self._make_step, step)
+            if ahead:
+                await asyncio.get_running_loop().run_in_executor(self._grower, self._make_step,
+                                                                 step)
+            else:
+                await asyncio.to_thread(self._make_step, step)
         except CapacityError as exc:
             log.warning("dram: cannot grow tenant %s's published memory: %s",
                         shown(arena.tenant), exc)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import deque
 
@@ -32,7 +33,7 @@ from kvstore.page import (
 )
 from kvstore.policy.base import RoomNeed
 from kvstore.tiers.arena import GrowthBudget, SlabAllocator, StepPool
-from kvstore.tiers.dram import THREAD_COPY_BYTES, DramTier
+from kvstore.tiers.dram import AHEAD_NICE, THREAD_COPY_BYTES, DramTier
 
 from .published_attacks import all_refused, attack
 
@@ -801,5 +802,37 @@ async def test_write_pending_refuses_another_keys_page_and_counts_no_room(tmp_pa
             await tier.write_pending(other, page)
         assert not await tier.write_pending(key, page)
         assert tier.stats().rejected == 1 and not tier.contains(key)
+    finally:
+        await tier.close()
+
+
+async def test_growth_ahead_of_demand_runs_nicer(tmp_path, monkeypatch) -> None:
+    """A step made because a write needs it now is made at the daemon's own CPU priority; the
+    next one, made ahead while nothing waits for it, on a thread ``AHEAD_NICE`` nicer, so the
+    calls the loop answers meanwhile do not wait for its page faults. Pages land either way."""
+    made: list[int] = []
+    real_make = DramTier._make_step
+
+    def recording(self, step) -> None:
+        made.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        real_make(self, step)
+
+    monkeypatch.setattr(DramTier, "_make_step", recording)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    tier = DramTier(DramConfig(capacity_bytes=8 * MiB, chunk_bytes=MiB))
+    await tier.open()
+    try:
+        pages = [make_page(8100 + i, 200_000) for i in range(12)]
+        for key, page, meta in pages:
+            assert await tier.write(key, page, meta)
+            await asyncio.sleep(0.01)  # growth ahead runs in the background
+        for _ in range(100):
+            if min(19, base + AHEAD_NICE) in made:
+                break
+            await asyncio.sleep(0.01)
+        assert made[0] == base  # the first step: a write waited for it
+        assert min(19, base + AHEAD_NICE) in made
+        for key, page, _ in pages:
+            assert bytes((await tier.read(key)).data) == page
     finally:
         await tier.close()
