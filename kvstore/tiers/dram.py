@@ -88,10 +88,11 @@ MANY_CORES = (os.cpu_count() or 1) >= 4
 # Threads that copy a commit's pages into published memory and check them there: one per core
 # (up to 4: the copies share the memory bus).
 CHECK_THREADS = min(4, os.cpu_count() or 1)
-# A commit's copy is checked (hashed, NaN/Inf) a piece at a time right after the piece lands.
-# Per 2 MiB raw page, copy then hash then check: 0.35 ms whole, 0.32 ms in 256 KiB pieces on the
-# 2-core box (one thread, 2026-12-02), where the caches still hold the page; in situ, four
-# threads on the 16-core H200 host spent 1.25 ms a page whole, the hash and check 0.8 of it.
+# A commit's copy goes to its check (hash, NaN/Inf) in pieces of about this size, each right
+# after it landed: a 2 MiB block's page whole. Smaller pieces cost more than the caches save once
+# check threads and the loop share the GIL (each piece takes it back again): 256 KiB pieces made
+# a 2 MiB page's job 1.23 against 0.59 ms on the 2-core box, and 32 MiB puts 16-18 against 11 ms
+# on the 16-core H200 host (2026-12-02). Pieces matter for pages larger than a core's caches.
 CHECK_PIECE_BYTES = 2 << 20
 # Which copy the thread runs (2 MiB pages into the arena, measured 2026-11-29): on the 2-core box
 # numpy.copyto 9.2 GB/s, torch copy_ 8.2 (median); on a 16-core H200 host numpy.copyto 5.3 GB/s,
