@@ -181,8 +181,7 @@ def _copy_and_check(dst: memoryview, src: memoryview, check: PageCheck) -> PageM
     start = 0
     for i in range(1, num_pieces + 1):
         end = num_bytes * i // num_pieces
-        np.copyto(np.frombuffer(dst[start:end], dtype=np.uint8),
-                  np.frombuffer(src[start:end], dtype=np.uint8))
+        _copy_large(dst[start:end], src[start:end])
         check.feed(copy, end)
         start = end
     return check.finish(dst)
