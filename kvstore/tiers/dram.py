@@ -181,7 +181,13 @@ def _copy_and_check(dst: memoryview, src: memoryview, check: PageCheck) -> PageM
     start = 0
     for i in range(1, num_pieces + 1):
         end = num_bytes * i // num_pieces
-        _copy_large(dst[start:end], src[start:end])
+        # numpy's copy, one core's, whatever PARALLEL_COPY says: several check threads copy at
+        # once, and torch's copy from each would start an OpenMP team of every core. On the
+        # 16-core H200 host (2026-12-04, 4 check threads, five pairs, bench/put_paths.py's
+        # notes in BENCHMARKS.md) a 32 MiB commit took 6.2-7.0 ms with numpy's copy against
+        # 6.8-7.5 ms with torch's, numpy's the quicker in four pairs.
+        np.copyto(np.frombuffer(dst[start:end], dtype=np.uint8),
+                  np.frombuffer(src[start:end], dtype=np.uint8))
         check.feed(copy, end)
         start = end
     return check.finish(dst)
