@@ -5,6 +5,7 @@ Run from the repository root on a CUDA machine: PYTHONPATH=. python3 bench/gpu_s
 (CHUNK_MIB=16,32 adds rings of those sizes).
 """
 
+import functools
 import os
 import statistics
 import sys
@@ -30,11 +31,11 @@ for codec in CODECS:
     got = {label: [] for label in rings}
     for rnd in range(4):
         for label in (list(rings) if rnd % 2 == 0 else list(rings)[::-1]):
-            ms = _bench(lambda ring=rings[label]: _staged_load(rig, codec, ring), reps=10)
+            ms = _bench(functools.partial(_staged_load, rig, codec, rings[label]), reps=10)
             got[label].append(rig.engine_bytes / (ms * 1e6) / h2d)
     addrs = rig.addrs(rig.hosts[codec], codec)
-    direct = rig.engine_bytes / (_bench(lambda: to_engine(rig.layout, dev, addrs, rig.ids,
-                                                          host=True)) * 1e6) / h2d
+    direct = rig.engine_bytes / (_bench(functools.partial(to_engine, rig.layout, dev, addrs, rig.ids,
+                                                                    host=True)) * 1e6) / h2d
     print(f"{codec:9} " + "  ".join(
         f"{label} ({rings[label].chunk_pages} pages): median {statistics.median(v):.2f}x "
         f"[{min(v):.2f}-{max(v):.2f}]" for label, v in got.items())

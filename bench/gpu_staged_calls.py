@@ -6,6 +6,7 @@ from variance between calls. From the repository root on a CUDA machine:
 PYTHONPATH=. python3 bench/gpu_staged_calls.py
 """
 
+import functools
 import statistics
 import time
 
@@ -43,10 +44,10 @@ for codec in ("nvfp4", "mxfp4", "int4"):
     host = rig.hosts[codec]
     ring = StagingRing(dev, rig.device)
     dst = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
-    dma = timed(lambda: dst.copy_(host, non_blocking=True))
-    staged = timed(lambda: _staged_load(rig, codec, ring))
+    dma = timed(functools.partial(dst.copy_, host, non_blocking=True))
+    staged = timed(functools.partial(_staged_load, rig, codec, ring))
     addrs = rig.addrs(host, codec)
-    in_place = timed(lambda: to_engine(rig.layout, dev, addrs, rig.ids, host=True))
+    in_place = timed(functools.partial(to_engine, rig.layout, dev, addrs, rig.ids, host=True))
     gb = host.numel() / 1e6
     line.append(f"{codec}: dma {gb / statistics.median(dma):.1f} GB/s "
                 f"[{gb / max(dma):.1f}-{gb / min(dma):.1f}], staged {times_link(staged):.2f}x "

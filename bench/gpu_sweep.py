@@ -3,6 +3,7 @@ blocks: prints ratios to the device copy and the PCIe link, writes $OUT/sweep.js
 Run from the repository root: PYTHONPATH=. python3 bench/gpu_sweep.py [blocks]
 (TILES=16x4,32x8 and CODECS=raw,nvfp4 narrow it)."""
 
+import functools
 import json
 import os
 import sys
@@ -34,20 +35,21 @@ for codec in os.environ.get("CODECS", "raw,fp8_e4m3,nvfp4,mxfp4,int4,int2").spli
     tgt = rig.addrs(target, codec)
     for tile in tiles:
         r = {"codec": codec, "tile": tile}
-        ms = _bench(lambda: to_engine(rig.layout, dev, pool, rig.ids, tile=tile))
+        ms = _bench(functools.partial(to_engine, rig.layout, dev, pool, rig.ids, tile=tile))
         r["hbm_load"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
-        ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile, host=True))
+        ms = _bench(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile,
+                                      host=True))
         r["host_load_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
-        ms = _bench(lambda: to_engine(rig.layout, dev, host, rig.ids, tile=tile))
+        ms = _bench(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile))
         r["host_load_narrow_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
         if codec in ENCODABLE and len(tile) == 2:
-            ms = _bench(lambda: from_engine(rig.layout, dev, tgt, rig.ids, tile=tile))
+            ms = _bench(functools.partial(from_engine, rig.layout, dev, tgt, rig.ids, tile=tile))
             r["hbm_save"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
         if codec in ("nvfp4", "mxfp4") and len(tile) == 2:
-            ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
+            ms = _bench(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         if codec == "raw" and len(tile) == 2:
-            ms = _bench(lambda: from_engine(rig.layout, dev, host, rig.ids, tile=tile))
+            ms = _bench(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         rows.append(r)
         print(codec, tile, {k: round(v, 3) for k, v in r.items() if isinstance(v, float)},

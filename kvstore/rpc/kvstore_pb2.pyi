@@ -562,7 +562,9 @@ class HoldRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class HoldEvent(_message.Message):
-    __slots__ = ("server_time",)
+    __slots__ = ("server_time", "regions_retired")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_RETIRED_FIELD_NUMBER: _ClassVar[int]
     server_time: float
-    def __init__(self, server_time: _Optional[float] = ...) -> None: ...
+    regions_retired: bool
+    def __init__(self, server_time: _Optional[float] = ..., regions_retired: _Optional[bool] = ...) -> None: ...

@@ -62,7 +62,7 @@ from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.channel import CallScope, Core
 from kvstore.server.datapath import DataPathServer, Transfer
 from kvstore.server.limits import StreamClock
-from kvstore.server.sessions import HEARTBEAT_S, Sessions
+from kvstore.server.sessions import HEARTBEAT_S, Session, Sessions
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
@@ -127,6 +127,10 @@ class GrantBook:
         self._owners.pop(grant_id, None)
 
 
+# A Hold stream looks at the daemon's draining and its session's events this often.
+HOLD_POLL_S = 0.25
+
+
 class KVStoreService(pbg.KVStoreServicer):
     """Serves one Store. Every handler raises kvstore exceptions; the interceptors map them."""
 
@@ -141,6 +145,9 @@ class KVStoreService(pbg.KVStoreServicer):
         self._max_put_bytes = max_put_bytes(config)
         self._grants = GrantBook()
         self._sessions = Sessions(store, config.server.max_concurrent_rpcs)
+        regions = store.host_regions
+        if regions is not None:
+            regions.on_retired(self._sessions.regions_retired)
         self._started = time.monotonic()
         self._max_tokens = config.server.max_request_tokens
         self._idle_s = config.server.stream_idle_timeout_s
@@ -463,14 +470,26 @@ class KVStoreService(pbg.KVStoreServicer):
         or the daemon drains, a heartbeat every few seconds."""
         session = self._sessions.open(request.session, current_caller())
         try:
+            retired = False
             while not self._is_draining():
-                yield pb.HoldEvent(server_time=time.time())
-                for _ in range(int(HEARTBEAT_S / 0.25)):
-                    if self._is_draining():
-                        return
-                    await asyncio.sleep(0.25)
+                yield pb.HoldEvent(server_time=time.time(), regions_retired=retired)
+                retired = await self._next_hold_event(session)
         finally:
             await asyncio.shield(self._sessions.close(session))
+
+    async def _next_hold_event(self, session: Session) -> bool:
+        """Wait for a Hold stream's next event: True at once when regions its tenant may map
+        were given back, False at the next heartbeat (or when the daemon drains)."""
+        for _ in range(int(HEARTBEAT_S / HOLD_POLL_S)):
+            if self._is_draining():
+                return False
+            try:
+                await asyncio.wait_for(session.retired.wait(), HOLD_POLL_S)
+            except TimeoutError:
+                continue
+            session.retired.clear()
+            return True
+        return False
 
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
         ns = self._namespace(request.namespace, "prefetch")

@@ -12,6 +12,7 @@ call naming it is refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Sequence
@@ -40,6 +41,9 @@ class Session:
     tenant: str | None  # None: the admin or a local-trust caller
     leases: set[str] = field(default_factory=set)
     reservations: set[str] = field(default_factory=set)
+    # Set when the daemon gave back memory the tenant's clients may map: the Hold stream tells
+    # its client at once (``HoldEvent.regions_retired``).
+    retired: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Sessions:
@@ -93,6 +97,13 @@ class Sessions:
             return
         (session.leases if is_lease else session.reservations).add(grant_id)
         self._by_grant[grant_id] = session
+
+    def regions_retired(self, tenant: str) -> None:
+        """Tell the sessions of ``tenant``, and those that may map any tenant's memory (the
+        admin's, local trust's), that regions it may have mapped were given back."""
+        for session in self._open.values():
+            if session.tenant in (tenant, None):
+                session.retired.set()
 
     def forget(self, grant_id: str) -> None:
         """``grant_id`` was released, committed or aborted by its holder."""

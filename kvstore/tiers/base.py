@@ -390,3 +390,7 @@ class FdRegions(Protocol):
         """``(tenant, fd)`` of ``region``, or None if there is no such region (or it was given
         back). The tier keeps owning the descriptor: callers send or duplicate it, never close
         it."""
+
+    def on_retired(self, listener: Callable[[str], None]) -> None:
+        """Have ``listener(tenant)`` called, on the event loop, each time the tier gives back
+        regions of ``tenant`` that clients may map, so they can be told to drop them."""

@@ -271,6 +271,7 @@ class DramTier(SlotTier):
                                           initializer=_lower_priority)
         self._pin_cuda = False
         self._is_open = False
+        self._retired_listeners: list[Callable[[str], None]] = []
         self._stats = TierStats(name=self.name)
 
     @property
@@ -300,6 +301,10 @@ class DramTier(SlotTier):
         duplicate it, never close it."""
         found = self._regions.get(region) if self._is_open else None
         return None if found is None else (found[0].tenant, found[1].fd)
+
+    def on_retired(self, listener: Callable[[str], None]) -> None:
+        """``FdRegions.on_retired``: called with the tenant whose published steps went back."""
+        self._retired_listeners.append(listener)
 
     def arena_path(self, tenant: str) -> str | None:
         """A path through which this process, and only it, can open ``tenant``'s staging arena
@@ -793,6 +798,7 @@ class DramTier(SlotTier):
         donors = sorted(self._arenas.values(),
                         key=lambda a: (a is arena, -a.releasable_bytes))
         for donor in donors:
+            retired = False
             staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
             for offset, size in staging:
                 await asyncio.to_thread(donor.memory.release, offset, size)
@@ -807,6 +813,10 @@ class DramTier(SlotTier):
                 log.info("dram: gave back published step %s (%d bytes) of tenant %s",
                          step.region, step.nbytes, shown(donor.tenant))
                 short -= step.nbytes
+                retired = True
+            if retired:  # its clients' mappings keep the memory until they drop them
+                for listener in self._retired_listeners:
+                    listener(donor.tenant)
         return True
 
     async def _fill(self, dst: memoryview, fill: Callable[[memoryview], None]) -> None:

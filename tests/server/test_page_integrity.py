@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore import codecs
-from kvstore.client import NO_RETRY, AsyncClient
+from kvstore.client import NO_RETRY, AsyncClient, Client
 from kvstore.client.arena import ArenaMaps, fetch_region_fd
 from kvstore.errors import CorruptPage
 from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
@@ -21,7 +21,7 @@ from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens
 from ..tiers.published_attacks import all_refused, attack
-from .helpers import MiB, small_config
+from .helpers import DaemonThread, MiB, small_config, wait_for
 
 TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 
@@ -83,12 +83,23 @@ def _mapped_memfds() -> set[str]:
         return {line.split("/memfd:")[1].split()[0] for line in maps if "/memfd:" in line}
 
 
+async def _until(predicate, timeout_s: float = 10.0) -> bool:
+    """Whether ``predicate()`` came true within ``timeout_s``, the loop running meanwhile."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec):
     """acme's client maps the published steps its blocks are in; acme's blocks go and zeta
-    needs the memory, so the daemon gives those steps back. At its next read the client sees
-    their headers say so and closes its mappings and descriptors: nothing in this process
-    maps them any more, so their memory is free (a client that kept them would hold memory
-    the budget has lent to zeta)."""
+    needs the memory, so the daemon gives those steps back. The daemon tells acme's session at
+    once (a Hold event), and the client, idle, closes its mappings and descriptors of them:
+    nothing in this process maps them any more, so their memory is free (a client that kept
+    them would hold memory the budget has lent to zeta). Regression: an idle client held them
+    until its next read."""
     config = small_config(root, dram_bytes=4 * MiB, tenant_tokens=TOKENS)
     zeta_ns = dataclasses.replace(ns, tenant="zeta")
     tokens, kv = random_tokens(16 * 200), random_kv(spec, 16 * 200)
@@ -104,23 +115,49 @@ async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec)
             assert len(steps) >= 2
             assert {f"kvstore-{name}" for name in steps} <= _mapped_memfds()
             await acme.flush_releases()  # the get's lease, released after it returned
+            recorder = _UnmapRecorder()
+            maps.on_unmap(recorder.note)  # what a GPU client unregisters its pinning with
             assert await daemon.store.evict(tenant="acme") == 200
             other = random_tokens(16 * 400, seed=5)
             assert await zeta.put(zeta_ns, other, random_kv(spec, 16 * 400, seed=5),
                                   zero_copy=False) == 16 * 400
             given_back = steps - set(dram.published_regions("acme"))
             assert given_back and all(dram.region_fd(name) is None for name in given_back)
-            assert set(maps.regions) >= given_back  # not read since: still held
-            recorder = _UnmapRecorder()
-            maps.on_unmap(recorder.note)  # what a GPU client unregisters its pinning with
+            assert await _until(lambda: not set(maps.regions) & given_back)  # acme made no call
+            assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
+            assert len(recorder.unmapped) == len(given_back)
             small, small_kv = random_tokens(32, seed=9), random_kv(spec, 32, seed=9)
             assert await acme.put(ns, small, small_kv, zero_copy=False) == 32
             assert torch.equal(await acme.get(ns, small, zero_copy=True), small_kv)
-            assert not set(maps.regions) & given_back
-            assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
-            assert len(recorder.unmapped) == len(given_back)
     finally:
         await daemon.stop(1.0)
+
+
+def test_an_idle_blocking_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec):
+    """The same through the blocking client, whose Hold stream a thread of its own reads: the
+    client drops the regions the daemon gave back while its caller makes no call at all."""
+    config = small_config(root, dram_bytes=4 * MiB, tenant_tokens=TOKENS)
+    zeta_ns = dataclasses.replace(ns, tenant="zeta")
+    tokens, kv = random_tokens(16 * 200, seed=11), random_kv(spec, 16 * 200, seed=11)
+    thread = DaemonThread(config)
+    with thread as daemon, \
+            Client(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as acme, \
+            Client(daemon.unix_address, token="tok-zeta", retry=NO_RETRY) as zeta:
+        dram = daemon.store.tiers["dram"]
+        assert acme.put(ns, tokens, kv, zero_copy=False) == 16 * 200
+        assert torch.equal(acme.get(ns, tokens, zero_copy=True), kv)
+        maps = acme._zero_copy.maps
+        steps = set(maps.regions) & set(dram.published_regions("acme"))
+        assert steps
+        acme.flush_releases()
+        assert thread.call(daemon.store.evict(tenant="acme")) == 200
+        other = random_tokens(16 * 400, seed=12)
+        assert zeta.put(zeta_ns, other, random_kv(spec, 16 * 400, seed=12),
+                        zero_copy=False) == 16 * 400
+        given_back = steps - set(dram.published_regions("acme"))
+        assert given_back
+        assert wait_for(lambda: not set(maps.regions) & given_back)
+        assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
 
 
 def _poisoned_payloads(codec_name: str, spec, block: torch.Tensor) -> dict[str, bytes]:

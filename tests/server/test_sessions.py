@@ -4,6 +4,7 @@ promptly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from kvstore.client import Client
+from kvstore.client import AsyncClient, Client
 from kvstore.errors import InvalidArgument, LeaseNotFound, PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -177,3 +178,23 @@ def test_sessions_cannot_crowd_out_calls(tmp_path):
         for stream in acme + globex:
             stream.cancel()
         channel.close()
+
+
+async def test_the_async_clients_session_keeps_reading_its_stream(tmp_path):
+    """Regression: the async client read its Hold stream's first event with ``read`` and the
+    rest with the iterator, which gRPC refuses on one call: the reading task ended at once, so
+    no later event reached the client, and reopening a call channel took the session for gone
+    and opened another. The task now reads every event, and the session stays one."""
+    config = small_config(tmp_path, tenant_tokens=TOKENS)
+    thread = DaemonThread(config)
+    with thread as daemon:
+        async with AsyncClient(daemon.unix_address, token="tok-acme") as client:
+            tokens = list(range(32))
+            await client.put(ns(), tokens, random_kv(SPEC, 32), zero_copy=True)
+            lease = await client.acquire(ns(), tokens)
+            session = client._session
+            await asyncio.sleep(0.3)
+            assert session and not client._hold_task.done()
+            await client.release(lease.lease_id)
+            assert (await client.lookup(ns(), tokens)).matched_tokens == 32
+            assert client._session == session
