@@ -129,6 +129,7 @@ class FdPassServer:
                            "was never handed out)")
         tenant, fd = found
         _check_tenant(caller, tenant)
+        self._regions.sent_to(region, pid)
         _log.debug("sent arena %s of tenant %s to pid %d (uid %d)", region, shown(tenant), pid,
                    uid)
         return encode_grant(tenant, region), [fd]

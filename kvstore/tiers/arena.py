@@ -621,6 +621,7 @@ class Step:
     region: str
     memory: SealedStep
     chunk: Chunk | None = None
+    fetchers: set[int] = field(default_factory=set)  # client pids its descriptor went to
 
     @property
     def nbytes(self) -> int:

@@ -391,6 +391,11 @@ class FdRegions(Protocol):
         back). The tier keeps owning the descriptor: callers send or duplicate it, never close
         it."""
 
+    def sent_to(self, region: str, pid: int) -> None:
+        """``region``'s descriptor went to client process ``pid`` (0: one this daemon cannot
+        see): given back, the region stays charged while that process still maps it or holds
+        the descriptor (``kvstore.tiers.lingering``)."""
+
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """Have ``listener(tenant)`` called, on the event loop, each time the tier gives back
         regions of ``tenant`` that clients may map, so they can be told to drop them."""

@@ -43,6 +43,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,7 @@ from kvstore.tiers.arena import (
     round_up,
 )
 from kvstore.tiers.base import PageCheck, SlotTier, TierStats
+from kvstore.tiers.lingering import MAX_FETCHERS, LingeringSteps, holders
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,15 @@ PARALLEL_COPY = MANY_CORES and torch.get_num_threads() >= 4
 # the 2-core box (2026-12-02) a Lookup right after a 64 MiB put took 0.93 ms on average, 3.46 at
 # worst, while the tier grew, against 0.57 and 0.62 once it had grown.
 AHEAD_NICE = 10
+
+# A published step given back while client processes map it stays charged until they let go
+# (``kvstore.tiers.lingering``). Told at once (a Hold event), a client reading its session's
+# stream drops it as the event arrives: the write that needed the memory waits up to this long
+# for that. Later writes look again at most every LINGER_CHECK_S (a look reads
+# /proc/<pid>/maps and /proc/<pid>/fd of the step's clients).
+LINGER_WAIT_S = 0.25
+LINGER_POLL_S = 0.01
+LINGER_CHECK_S = 1.0
 
 # Every arena maps the tier's whole capacity of address space up front (so views never move);
 # 1024 arenas of 64 GiB take half of the 128 TiB a process can map.
@@ -272,6 +283,8 @@ class DramTier(SlotTier):
         self._pin_cuda = False
         self._is_open = False
         self._retired_listeners: list[Callable[[str], None]] = []
+        self._lingering = LingeringSteps()
+        self._lingering_checked = 0.0  # time.monotonic() of the last look
         self._stats = TierStats(name=self.name)
 
     @property
@@ -301,6 +314,14 @@ class DramTier(SlotTier):
         duplicate it, never close it."""
         found = self._regions.get(region) if self._is_open else None
         return None if found is None else (found[0].tenant, found[1].fd)
+
+    def sent_to(self, region: str, pid: int) -> None:
+        """``FdRegions.sent_to``: a published step remembers the processes its descriptor
+        went to, so that, given back, it stays charged while one of them holds it."""
+        found = self._regions.get(region)
+        step = None if found is None else found[0].steps.steps.get(region)
+        if pid > 0 and step is not None and len(step.fetchers) < MAX_FETCHERS:
+            step.fetchers.add(pid)
 
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """``FdRegions.on_retired``: called with the tenant whose published steps went back."""
@@ -344,6 +365,7 @@ class DramTier(SlotTier):
                     self._retire(step)
             self._arenas.clear()
             self._regions.clear()
+            self._lingering.clear()
         self._copier.shutdown(wait=False)
         self._checker.shutdown(wait=False)
         self._grower.shutdown(wait=False)
@@ -632,6 +654,8 @@ class DramTier(SlotTier):
                 "staging_bytes": sum(a.alloc.backed_bytes for a in arenas),
                 "slot_classes": sum(a.steps.num_classes for a in arenas),
                 "free_slots": sum(a.steps.num_free_slots for a in arenas),
+                # given back, still mapped by client processes: charged until they let go
+                "lingering_bytes": self._lingering.nbytes,
             },
         )
 
@@ -792,11 +816,14 @@ class DramTier(SlotTier):
         empty published steps of other tenants, then its own empty steps: ``_spare_bytes``)
         until it holds ``need_bytes``; False (nothing given back) when all of it would not be
         enough."""
+        if self._lingering:  # steps given back earlier whose clients let go since
+            await self._settle_lingering(wait=False)
         short = need_bytes - self._budget.room_bytes
         if short <= 0 or self._spare_bytes(arena) < need_bytes:
             return False
         donors = sorted(self._arenas.values(),
                         key=lambda a: (a is arena, -a.releasable_bytes))
+        lingering = False
         for donor in donors:
             retired = False
             staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
@@ -809,7 +836,11 @@ class DramTier(SlotTier):
                 await asyncio.to_thread(self._retire, step)
                 self._regions.pop(step.region, None)
                 donor.keys_by_step.pop(step.region, None)
-                self._budget.grown_bytes -= step.nbytes
+                if step.fetchers:  # its memory lives while they map it: charged until then
+                    self._lingering.add(step.region, step.nbytes, donor.tenant, step.fetchers)
+                    lingering = True
+                else:
+                    self._budget.grown_bytes -= step.nbytes
                 log.info("dram: gave back published step %s (%d bytes) of tenant %s",
                          step.region, step.nbytes, shown(donor.tenant))
                 short -= step.nbytes
@@ -817,7 +848,27 @@ class DramTier(SlotTier):
             if retired:  # its clients' mappings keep the memory until they drop them
                 for listener in self._retired_listeners:
                     listener(donor.tenant)
+        if lingering:  # clients just told to drop them: those that read their session do
+            await self._settle_lingering(wait=True)
         return True
+
+    async def _settle_lingering(self, wait: bool) -> None:
+        """Give the budget back the given-back steps no client process holds any more:
+        ``wait``ing up to ``LINGER_WAIT_S`` for clients just told to drop them, else one look
+        at most every ``LINGER_CHECK_S``."""
+        now = time.monotonic()
+        if not wait and now - self._lingering_checked < LINGER_CHECK_S:
+            return
+        deadline = now + (LINGER_WAIT_S if wait else 0.0)
+        while True:
+            still = await asyncio.to_thread(holders, self._lingering.snapshot())
+            self._budget.grown_bytes -= self._lingering.release(still)
+            if not self._lingering or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(LINGER_POLL_S)
+        self._lingering_checked = time.monotonic()
+        if wait and self._lingering:
+            self._lingering.warn()
 
     async def _fill(self, dst: memoryview, fill: Callable[[memoryview], None]) -> None:
         """Have ``fill`` write a page into its published slot ``dst`` (in the copy thread when
