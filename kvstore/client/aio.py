@@ -143,7 +143,7 @@ class AsyncClient:
                 return self._session
             self._hold = call
             self._hold_task = asyncio.get_running_loop().create_task(
-                _drain_hold(call, self._zero_copy.maps.drop_retired))
+                _drain_hold(call, self._zero_copy.maps.regions_retired))
             self._session = ((SESSION_HEADER, session_id),)
         return self._session
 
@@ -551,15 +551,11 @@ class AsyncChannel:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def _drain_hold(call, drop_retired: Callable[[], object]) -> None:
+async def _drain_hold(call, regions_retired: Callable[[], None]) -> None:
     """Read a Hold stream's events until it ends, dropping the mappings of regions the daemon
     gave back as soon as it says so. With ``read`` (the first event was read so), not the
     iterator: gRPC refuses to mix them on one call, which ended the task at once."""
     with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
         while (event := await call.read()) is not grpc.aio.EOF:
             if event.regions_retired:
-                try:
-                    drop_retired()
-                except Exception:  # the stream must still be read; a later read drops them
-                    log.warning("could not drop the regions the daemon gave back",
-                                exc_info=True)
+                regions_retired()

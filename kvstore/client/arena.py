@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import logging
 import math
 import mmap
 import os
@@ -76,6 +77,8 @@ from kvstore.rpc.fdpass import (
     encode_request,
     parse_reply,
 )
+
+log = logging.getLogger("kvstore.client")
 
 # An auto-mode client that found no arena asks again (Health plus a descriptor-socket probe,
 # about a millisecond) at most this often: under 0.1% of a busy client's time, and a daemon
@@ -282,6 +285,15 @@ class ArenaMaps:
         return how many went. Cheap (one byte read per published region mapped)."""
         with self._lock:
             return self._drop_retired()
+
+    def regions_retired(self) -> None:
+        """What a client does when its session says the daemon gave back regions: drop them
+        now. Called by what reads the session's stream, which must go on: a failure (an unmap
+        listener's) is logged, and the next call that maps a new region tries again."""
+        try:
+            self.drop_retired()
+        except Exception:  # logged: the stream must still be read
+            log.warning("could not drop the regions the daemon gave back", exc_info=True)
 
     def _drop_retired(self) -> int:
         gone = [region for region, mapped in self._published.items() if is_retired(mapped)]

@@ -164,7 +164,8 @@ class Client:
                                    metadata=self._settings.metadata)
             opened = threading.Event()
             threading.Thread(target=_drain_hold,
-                             args=(call, opened, self._zero_copy.maps.drop_retired), daemon=True,
+                             args=(call, opened, self._zero_copy.maps.regions_retired),
+                             daemon=True,
                              name="kvstore-session").start()
             if opened.wait(OPEN_TIMEOUT_S) and call.running():
                 self._hold = call
@@ -753,18 +754,14 @@ class LateReleases:
                     self._cond.notify_all()
 
 
-def _drain_hold(call, opened: threading.Event, drop_retired: Callable[[], object]) -> None:
+def _drain_hold(call, opened: threading.Event, regions_retired: Callable[[], None]) -> None:
     """Read a Hold stream's events until it ends (``opened`` once the first arrived), dropping
     the mappings of regions the daemon gave back as soon as it says so."""
     with contextlib.suppress(grpc.RpcError):
         for event in call:
             opened.set()
             if event.regions_retired:
-                try:
-                    drop_retired()
-                except Exception:  # the stream must still be read; a later read drops them
-                    log.warning("could not drop the regions the daemon gave back",
-                                exc_info=True)
+                regions_retired()
     opened.set()
 
 
