@@ -113,8 +113,6 @@ def _holds(pid: int, region: str) -> bool:
             with contextlib.suppress(OSError):  # closed meanwhile
                 if f"{os.readlink(f'/proc/{pid}/fd/{fd}')} ".startswith(name):
                     return True
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return False  # gone (or never this process)
-    except PermissionError:
-        return False  # cannot be seen: on trust
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+        pass  # gone, or not ours to see (taken on trust)
     return False

@@ -26,6 +26,7 @@ from kvstore.tiers import dram as dram_module
 from ..conftest import REPO_ROOT, random_kv, random_tokens
 from ..tiers.published_attacks import all_refused, attack
 from .helpers import DaemonThread, MiB, small_config, wait_for
+from .hostile import eventually
 
 TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 
@@ -87,16 +88,6 @@ def _mapped_memfds() -> set[str]:
         return {line.split("/memfd:")[1].split()[0] for line in maps if "/memfd:" in line}
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> bool:
-    """Whether ``predicate()`` came true within ``timeout_s``, the loop running meanwhile."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec):
     """acme's client maps the published steps its blocks are in; acme's blocks go and zeta
     needs the memory, so the daemon gives those steps back. The daemon tells acme's session at
@@ -127,7 +118,8 @@ async def test_a_client_lets_go_of_a_region_the_daemon_gave_back(root, ns, spec)
                                   zero_copy=False) == 16 * 400
             given_back = steps - set(dram.published_regions("acme"))
             assert given_back and all(dram.region_fd(name) is None for name in given_back)
-            assert await _until(lambda: not set(maps.regions) & given_back)  # acme made no call
+            # acme makes no call meanwhile
+            assert await eventually(lambda: not set(maps.regions) & given_back, 10.0)
             assert not {f"kvstore-{name}" for name in given_back} & _mapped_memfds()
             assert len(recorder.unmapped) == len(given_back)
             small, small_kv = random_tokens(32, seed=9), random_kv(spec, 32, seed=9)
