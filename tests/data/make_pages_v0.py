@@ -1,7 +1,11 @@
 """Wrote tests/data/pages_v0 (run once, at the page format of 2026-12-05): an SSD tier and what a
 get of it returned, read back by tests/store/test_stored_format.py after later changes."""
-import asyncio, os, shutil, sys
+import asyncio
+import os
+import sys
+
 import torch
+
 from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
