@@ -54,11 +54,11 @@ from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.copies import resolve_copy_threads
 from kvstore.errors import CapacityError, FailedPrecondition, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
-from kvstore.rpc import datapath
+from kvstore.rpc import framing as datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
-from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID, DataAddress
-from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
+from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID, DataAddress
+from kvstore.rpc.metadata import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:

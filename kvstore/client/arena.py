@@ -71,7 +71,7 @@ from kvstore.page import (
     trusted_payload,
     write_page,
 )
-from kvstore.rpc.fdpass import (
+from kvstore.rpc.descriptors import (
     EXCHANGE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     encode_request,

@@ -45,7 +45,7 @@ from kvstore.rpc.convert import (
     stats_from_proto,
     tokens_to_bytes,
 )
-from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, DataAddress, connect
+from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, DataAddress, connect
 from kvstore.rpc.status import ERROR_METADATA_KEY, RETRY_AFTER_METADATA_KEY, translate
 from kvstore.rpc.tensors import (
     ChunkAssembler,

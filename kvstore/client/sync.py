@@ -63,11 +63,11 @@ from kvstore.errors import (
     NotFound,
 )
 from kvstore.keys import BlockKey, Namespace
-from kvstore.rpc import datapath
+from kvstore.rpc import framing as datapath
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
-from kvstore.rpc.datapath import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID
-from kvstore.rpc.session import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
+from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID
+from kvstore.rpc.metadata import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:

@@ -12,4 +12,9 @@ imports neither of them, nor the store or its tiers, only the shared value types
   listings, stats, leases, reservations, health).
 - ``tensors.py``: tensors on the wire: the declared header, its checks, zero-copy views and the
   chunking of streamed Put and Get.
+- ``metadata.py``: call metadata beside the messages: the session a call is granted under.
+- ``framing.py``: the data socket's wire: hello and ticket, raw Put/Get bytes, call channel
+  frames (served by ``kvstore.server.data_socket``).
+- ``descriptors.py``: the descriptor channel's request and reply lines (served by
+  ``kvstore.server.descriptor_socket``).
 """

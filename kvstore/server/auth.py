@@ -1,4 +1,4 @@
-"""Bearer-token authentication (an interceptor) and the tenant rules every RPC applies.
+"""Who a caller is: the daemon's one token table and tenant rules, for every socket it serves.
 
 Who a caller is:
 - a valid ``authorization: Bearer <token>`` names a tenant (``server.tenant_tokens``) or the
@@ -10,7 +10,9 @@ Who a caller is:
 
 The file mode of the Unix socket (0600 in a 0700 directory) is what makes local trust safe.
 
-All of this is decided from the call's metadata and peer before any request body is read
+The daemon builds one :class:`Authenticator` and hands it to the gRPC interceptor, the
+descriptor socket and the data socket: a token means the same caller on each. On gRPC all of
+this is decided from the call's metadata and peer before any request body is read
 (:class:`AuthInterceptor`), so an unauthenticated caller cannot make the daemon receive,
 parse or buffer what it sends.
 """
@@ -40,12 +42,15 @@ class Caller:
     is_admin: bool
     local_trust: bool = False  # Unix socket without a token
 
+    def check_tenant(self, tenant: str, what: str) -> None:
+        """PermissionDenied ("tenant A may not ``what`` B") unless this caller may act on
+        ``tenant``'s things: its own tenant's only; any for the admin and under local trust."""
+        if self.tenant is not None and tenant != self.tenant:
+            raise PermissionDenied(f"tenant {shown(self.tenant)} may not {what} {shown(tenant)}")
+
     def check_namespace_tenant(self, tenant: str, action: str) -> None:
         """PermissionDenied unless this caller may ``action`` blocks of ``tenant``."""
-        if self.tenant is not None and tenant != self.tenant:
-            raise PermissionDenied(
-                f"tenant {shown(self.tenant)} may not {action} namespaces of tenant {shown(tenant)}"
-            )
+        self.check_tenant(tenant, f"{action} namespaces of tenant")
 
     def scope(self, requested: str, action: str) -> str | None:
         """The tenant filter for a listing call: the caller's own tenant for tenant callers
@@ -126,6 +131,26 @@ def authenticate(
     raise Unauthenticated(f"a bearer token is required {where}")
 
 
+class Authenticator:
+    """The daemon's one token table and its Unix-socket rule (``server.require_auth_on_unix``):
+    built once, asked by every socket the daemon serves."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.tokens = TokenTable(config.tenant_tokens, config.admin_token)
+        self._require_on_unix = config.require_auth_on_unix
+
+    def caller(self, metadata: tuple[tuple[str, str | bytes], ...] | None, peer: str) -> Caller:
+        """Who makes a gRPC call, from its metadata and peer (see :func:`authenticate`)."""
+        return authenticate(self.tokens, metadata, peer, self._require_on_unix)
+
+    def caller_of_token(self, token: str | None, peer: str) -> Caller:
+        """Who opened a side socket's connection (the descriptor or data socket), from the
+        bearer token it sent itself (None or "": none, as under local trust) and its peer,
+        by the rules of a gRPC call."""
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        return self.caller(metadata, peer)
+
+
 class AuthInterceptor(HandlerInterceptor):
     """Authenticates every call, and charges its caller's rate limit, before its handler runs
     and before any of its request body is read; publishes the caller for the handler.
@@ -135,18 +160,17 @@ class AuthInterceptor(HandlerInterceptor):
     caller is admitted, and within ``server.stream_idle_timeout_s``.
     """
 
-    def __init__(self, config: ServerConfig, limiter: RateLimiter | None = None) -> None:
+    def __init__(self, config: ServerConfig, auth: Authenticator,
+                 limiter: RateLimiter | None = None) -> None:
         super().__init__()
-        self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
-        self._require_on_unix = config.require_auth_on_unix
+        self._auth = auth
         self._limiter = limiter
         self._idle_s = config.stream_idle_timeout_s
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
         try:
-            caller = authenticate(self._tokens, context.invocation_metadata(), peer,
-                                  self._require_on_unix)
+            caller = self._auth.caller(context.invocation_metadata(), peer)
             if self._limiter is not None:
                 self._limiter.check(f"tenant {caller.tenant}" if caller.tenant is not None
                                     else f"peer {peer_host(peer)}")

@@ -1,8 +1,8 @@
 """Call channels: small unary calls in frames on a long-lived data connection, beside gRPC
-(the wire format is in ``kvstore.rpc.datapath``).
+(the wire format is in ``kvstore.rpc.framing``).
 
 A client asks ``OpenChannel`` for a ticket (authenticated and bound to its caller and
-transport like a data ticket, ``server/datapath.py``) and presents it in a data connection's
+transport like a data ticket, ``server/transfers.py``) and presents it in a data connection's
 hello; that connection then carries the calls of ``CHANNEL_METHODS`` for as long as the client
 keeps it. Each frame runs the same handler core as its gRPC method (``service.py``) behind the
 same edge the interceptors give a gRPC call (:class:`ChannelCalls`): the caller's rate limit,
@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.datapath import (
+from kvstore.rpc.framing import (
     FRAME,
     MAX_FRAMES_IN_FLIGHT,
     OPENED_ID,

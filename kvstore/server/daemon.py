@@ -13,41 +13,37 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import errno
-import fcntl
 import gc
 import json
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import grpc
 
 from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
-from kvstore.errors import AlreadyRunning, ConfigError, KVStoreError
-from kvstore.rpc.datapath import data_socket_path, max_frame_bytes
-from kvstore.rpc.fdpass import fd_socket_path
-from kvstore.server.auth import AuthInterceptor, TokenTable
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.rpc.descriptors import fd_socket_path
+from kvstore.rpc.framing import data_socket_path, max_frame_bytes
+from kvstore.server.auth import Authenticator, AuthInterceptor
 from kvstore.server.channel import ChannelCalls
-from kvstore.server.datapath import DataPathServer
-from kvstore.server.fdpass import FdPassServer
+from kvstore.server.data_socket import DataSocketServer
+from kvstore.server.descriptor_socket import DescriptorServer
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
-from kvstore.server.service import KVStoreService, add_to_server, max_put_bytes
+from kvstore.server.registration import add_to_server
+from kvstore.server.service import KVStoreService, max_put_bytes
+from kvstore.server.sockets import claim_socket_path
 from kvstore.store import Store
 
 _log = logging.getLogger("kvstore.server.daemon")
 T = TypeVar("T")
-_PROBE_TIMEOUT_S = 1.0  # how long a connect to an existing socket may take to count as live
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
@@ -77,106 +73,6 @@ def configure_logging(log_level: str, log_json: bool, stream: IO[str] | None = N
     logger.propagate = False
 
 
-def _socket_is_live(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(_PROBE_TIMEOUT_S)
-    try:
-        probe.connect(path)
-        return True
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except OSError as exc:
-        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-    finally:
-        probe.close()
-
-
-def claim_socket_path(path: str) -> IO[str]:
-    """Check the socket's directory, lock ``path`` for this process and clear a stale socket
-    file; return the held lock (``<path>.lock``, mode 0600).
-
-    Raises:
-        ConfigError: the directory is not ours alone (see ``check_socket_directory``), or
-            the lock file is a symlink.
-        AlreadyRunning: another daemon holds the lock or a process answers on the socket.
-    """
-    check_socket_directory(Path(path).parent)
-    lock = _open_lock(f"{path}.lock")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise AlreadyRunning(f"another kvstore daemon already serves {path} (it holds "
-                             f"{path}.lock); stop it or choose another server.socket_path")
-    try:
-        _clear_stale_socket(path)
-    except BaseException:
-        lock.close()
-        raise
-    return lock
-
-
-def check_socket_directory(directory: Path) -> None:
-    """Create ``directory`` with mode 0700 if it is missing; else make sure only we can change
-    what is in it. Anyone else who can write there could replace the socket with their own
-    (clients would hand it their tokens) or plant a symlink at the lock file.
-
-    Raises:
-        ConfigError: naming the directory and the fault: a symlink, not a directory, owned by
-            another user, or writable by group or others.
-    """
-    what = f"socket directory {directory} (server.socket_path)"
-    if not os.path.lexists(directory):
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # someone else's: the checks below decide
-            os.mkdir(directory, 0o700)
-            os.chmod(directory, 0o700)  # whatever the umask took away or left
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{what} is a symlink; refusing to follow it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{what} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ConfigError(f"{what} is owned by uid {st.st_uid}, not by this daemon's uid "
-                          f"{os.geteuid()}; refusing it")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(f"{what} is writable by group or others (mode "
-                          f"{stat.S_IMODE(st.st_mode):04o}); make it 0700")
-
-
-def _open_lock(path: str) -> IO[str]:
-    """Open (or create) the lock file with mode 0600, never through a symlink."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(f"lock file {path} is a symlink; refusing to follow it") from None
-        raise ConfigError(f"cannot open lock file {path}: {exc.strerror}") from None
-    try:
-        os.fchmod(fd, 0o600)  # the umask may have taken bits; an old file may have more
-    except OSError as exc:
-        os.close(fd)
-        raise ConfigError(f"cannot make lock file {path} private: {exc.strerror}") from None
-    return os.fdopen(fd, "a+")  # held for the daemon's lifetime
-
-
-def _clear_stale_socket(path: str) -> None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"server.socket_path {path} exists and is not a socket; "
-                          "refusing to replace it")
-    if _socket_is_live(path):
-        raise AlreadyRunning(f"a process already answers on {path}; stop it or choose "
-                             "another server.socket_path")
-    os.unlink(path)
-    _log.warning("removed stale socket %s left by a previous daemon", path,
-                 extra={"socket": path})
-
-
 def server_options(server: ServerConfig) -> list[tuple[str, int]]:
     """The gRPC core options that bound what connections can make the daemon hold."""
     return [
@@ -192,9 +88,14 @@ def server_options(server: ServerConfig) -> list[tuple[str, int]]:
 
 
 class Daemon:
-    """A running daemon: its store, gRPC server, bound addresses and metrics endpoint."""
+    """A running daemon: its store, gRPC server, bound addresses and metrics endpoint.
 
-    def __init__(self, config: KVStoreConfig, store: Store, lock: IO[str]) -> None:
+    ``auth`` is the daemon's one token table: its gRPC calls, its data socket and its
+    descriptor socket all authenticate callers by it.
+    """
+
+    def __init__(self, config: KVStoreConfig, store: Store, lock: IO[str],
+                 auth: Authenticator) -> None:
         self.config = config
         self.store = store
         self.metrics = Metrics()
@@ -208,15 +109,15 @@ class Daemon:
         limiter = (RateLimiter(server.rate_limit_rps, server.rate_limit_burst)
                    if server.rate_limit_rps else None)
         self.server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(server, limiter),
+            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(server, auth, limiter),
                           ErrorInterceptor()],
             options=server_options(server),
             maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
         # Put/Get tensor bytes beside gRPC under one-time tickets (the socket data path). The
         # daemon has no TLS: were gRPC ever served over TLS, this plain socket must not be.
-        self.datapath = DataPathServer(server, data_socket_path(self.socket_path),
-                                       max_put_bytes(config)) if server.data_socket else None
+        self.datapath = DataSocketServer(server, auth, data_socket_path(self.socket_path),
+                                         max_put_bytes(config)) if server.data_socket else None
         service = KVStoreService(store, config, lambda: self.draining, self.datapath)
         add_to_server(service, self.server)
         if self.datapath is not None and server.call_channel:
@@ -227,8 +128,8 @@ class Daemon:
                 max_frame_bytes(server.max_request_tokens, server.max_message_bytes))
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions
-        self.fd_server = None if regions is None else FdPassServer(
-            fd_socket_path(self.socket_path), config.server, regions)
+        self.fd_server = None if regions is None else DescriptorServer(
+            fd_socket_path(self.socket_path), config.server, auth, regions)
 
     @property
     def unix_address(self) -> str:
@@ -305,7 +206,8 @@ class Daemon:
 async def serve(config: KVStoreConfig) -> Daemon:
     """Open the store and start serving; the caller owns ``await daemon.stop()``."""
     server = config.server
-    if server.tcp_address and TokenTable(server.tenant_tokens, server.admin_token).empty:
+    auth = Authenticator(server)
+    if server.tcp_address and auth.tokens.empty:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
                           "server.admin_token: TCP is never served without tokens")
     lock = claim_socket_path(server.socket_path)
@@ -315,7 +217,7 @@ async def serve(config: KVStoreConfig) -> Daemon:
     except BaseException:
         lock.close()
         raise
-    daemon = Daemon(config, store, lock)
+    daemon = Daemon(config, store, lock, auth)
     try:
         await daemon.start()
     except BaseException:

@@ -15,11 +15,8 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
-import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from kvstore import __version__
 from kvstore.api import MAX_CARRIED_RELEASES, MAX_LEASE_S
@@ -47,8 +44,8 @@ from kvstore.rpc.convert import (
     stats_to_proto,
     tokens_from_bytes,
 )
-from kvstore.rpc.datapath import CHANNEL_METHODS
-from kvstore.rpc.fdpass import fd_socket_path
+from kvstore.rpc.descriptors import fd_socket_path
+from kvstore.rpc.framing import CHANNEL_METHODS
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     chunk_limit,
@@ -60,9 +57,10 @@ from kvstore.rpc.tensors import (
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.channel import CallScope, Core
-from kvstore.server.datapath import DataPathServer, Transfer
+from kvstore.server.data_socket import DataSocketServer
 from kvstore.server.limits import StreamClock
 from kvstore.server.sessions import HEARTBEAT_S, Session, Sessions
+from kvstore.server.transfers import Transfer
 from kvstore.store import Store
 
 MAX_HINT_DEADLINE_S = 3600.0
@@ -136,7 +134,7 @@ class KVStoreService(pbg.KVStoreServicer):
 
     def __init__(self, store: Store, config: KVStoreConfig,
                  is_draining: Callable[[], bool] = lambda: False,
-                 datapath: DataPathServer | None = None) -> None:
+                 datapath: DataSocketServer | None = None) -> None:
         self._store = store
         self._datapath = datapath  # the socket data path; None: tensors stream in chunks
         self._config = config
@@ -199,7 +197,7 @@ class KVStoreService(pbg.KVStoreServicer):
         tokens = self._tokens(header.tokens)
         return ns, tokens, expected_tensor(ns.spec, len(tokens), header.tensor)
 
-    def _datapath_for(self, context) -> DataPathServer | None:
+    def _datapath_for(self, context) -> DataSocketServer | None:
         """The data path, if this daemon offers one the caller's transport can reach."""
         path = self._datapath
         return path if path is not None and path.serves(context.peer()) else None
@@ -217,7 +215,7 @@ class KVStoreService(pbg.KVStoreServicer):
         if nbytes > self._max_put_bytes:
             raise CapacityError(f"tensor of {nbytes} bytes exceeds the {self._max_put_bytes}"
                                 "-byte limit for one request")
-        transfer = datapath.open_put(current_caller(), context.peer(), nbytes,
+        transfer = datapath.transfers.open_put(current_caller(), context.peer(), nbytes,
                                      (ns, tokens, request.tensor))
         return datapath.ticket_proto(transfer)
 
@@ -230,12 +228,12 @@ class KVStoreService(pbg.KVStoreServicer):
         if header.HasField("namespace") or header.tokens or header.HasField("tensor"):
             raise InvalidArgument("a Put header with a ticket carries nothing else (OpenPut "
                                   "took the namespace, tokens and tensor)")
-        transfer = self._datapath.claim_put(header.ticket, current_caller())
+        transfer = self._datapath.transfers.claim_put(header.ticket, current_caller())
         reuse = False  # whether the store has let go of the buffer
         try:
             if await clock.next(stream, "Put") is not None:
                 raise InvalidArgument("no chunks may follow a Put header with a ticket")
-            buffer = await self._datapath.wait(transfer)
+            buffer = await self._datapath.transfers.wait(transfer)
             ns, tokens, tensor = transfer.context
             try:
                 written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, tensor))
@@ -246,7 +244,7 @@ class KVStoreService(pbg.KVStoreServicer):
                 raise
             reuse = True
         finally:
-            self._datapath.discard(transfer, reuse=reuse)
+            self._datapath.transfers.discard(transfer, reuse=reuse)
         return pb.PutResponse(tokens_written=written)
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
@@ -290,8 +288,8 @@ class KVStoreService(pbg.KVStoreServicer):
             pinned = await self._store.get_in_place(ns, tokens)
             if pinned is not None:
                 try:
-                    transfer = datapath.open_get(current_caller(), context.peer(),
-                                                 pinned.pieces)
+                    transfer = datapath.transfers.open_get(current_caller(), context.peer(),
+                                                           pinned.pieces)
                     if transfer is not None:
                         header = pb.GetHeader(found=True, matched_tokens=pinned.shape[2],
                                               tensor=pb.TensorHeader(
@@ -308,7 +306,7 @@ class KVStoreService(pbg.KVStoreServicer):
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
         header = pb.GetHeader(found=True, matched_tokens=kv.shape[2], tensor=tensor_header(kv))
-        transfer = None if datapath is None else datapath.open_get(
+        transfer = None if datapath is None else datapath.transfers.open_get(
             current_caller(), context.peer(), [tensor_view(kv)])
         if transfer is not None:  # None: out of tickets; stream this one
             async for message in self._send_ticket(datapath, transfer, header):
@@ -321,16 +319,16 @@ class KVStoreService(pbg.KVStoreServicer):
             yield pb.GetResponse(chunk=chunk)
 
     @staticmethod
-    async def _send_ticket(datapath: DataPathServer, transfer: Transfer, header: pb.GetHeader
+    async def _send_ticket(datapath: DataSocketServer, transfer: Transfer, header: pb.GetHeader
                            ) -> AsyncIterator[pb.GetResponse]:
         """A Get's header with its data ticket; then the stream waits on the transfer, whose
         outcome is its status."""
         try:
             header.data.CopyFrom(datapath.ticket_proto(transfer))
             yield pb.GetResponse(header=header)
-            await datapath.wait(transfer)
+            await datapath.transfers.wait(transfer)
         finally:
-            datapath.discard(transfer)
+            datapath.transfers.discard(transfer)
 
     async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         caller = current_caller()
@@ -514,83 +512,3 @@ class KVStoreService(pbg.KVStoreServicer):
             self._store.report_prefill(ns, request.new_tokens, request.cached_tokens, seconds)
         return pb.ReportPrefillResponse()
 
-
-# ------------------------------------------------------------------ undecodable requests
-
-
-class _Undecodable:
-    """A request message that did not parse; the handler answers it with INVALID_ARGUMENT.
-
-    gRPC parses a request before any handler runs and, when the parser raises, ends the call
-    with UNKNOWN (unary requests) or hands the exception to the handler mid-stream, which the
-    error edge then logs with a traceback as an internal error. Parsing into this marker
-    instead keeps the answer a client error, logged like one.
-    """
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def deserialize(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except DecodeError as exc:  # the text names the message type, never the bytes
-            return _Undecodable(str(exc))
-
-    return deserialize
-
-
-def _parsed(request: Any) -> Any:
-    if isinstance(request, _Undecodable):
-        raise InvalidArgument(f"request does not parse: {request.error}")
-    return request
-
-
-async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    async for request in requests:
-        yield _parsed(request)
-
-
-def _checked(behavior: Callable, client_streaming: bool, server_streaming: bool) -> Callable:
-    """``behavior`` raising InvalidArgument where a request message did not parse."""
-    take = _parsed_stream if client_streaming else _parsed
-    if server_streaming:
-        async def streamed(request, context):
-            async for response in behavior(take(request), context):
-                yield response
-
-        return streamed
-
-    async def unary(request, context):
-        return await behavior(take(request), context)
-
-    return unary
-
-
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
-    """Register every method of the KVStore service (what the generated
-    ``add_KVStoreServicer_to_server`` does), with request parsing that cannot fail the call."""
-    descriptor = pb.DESCRIPTOR.services_by_name["KVStore"]
-    handlers = {}
-    for method in descriptor.methods:
-        streams = (method.client_streaming, method.server_streaming)
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        handlers[method.name] = _HANDLER_FACTORIES[streams](
-            _checked(getattr(service, method.name), *streams),
-            request_deserializer=_lenient(request_cls.FromString),
-            response_serializer=response_cls.SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
-    server.add_registered_method_handlers(descriptor.full_name, handlers)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import CapacityError, InvalidArgument, LeaseNotFound, PermissionDenied, shown
-from kvstore.rpc.session import SESSION_HEADER
+from kvstore.rpc.metadata import SESSION_HEADER
 from kvstore.server.auth import Caller
 from kvstore.store import Store
 

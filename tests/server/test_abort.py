@@ -13,7 +13,7 @@ from kvstore.client.arena import ArenaMaps, write_reservation
 from kvstore.errors import LeaseNotFound
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
-from kvstore.rpc.fdpass import fd_socket_path
+from kvstore.rpc.descriptors import fd_socket_path
 
 from ..conftest import random_kv, random_tokens
 from .helpers import DaemonThread

@@ -16,7 +16,7 @@ from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
-from kvstore.rpc.datapath import (
+from kvstore.rpc.framing import (
     FRAME,
     MAX_FRAMES_IN_FLIGHT,
     OPENED_ID,
@@ -25,7 +25,7 @@ from kvstore.rpc.datapath import (
     method_byte,
 )
 from kvstore.server.daemon import serve
-from kvstore.server.datapath import MAX_CHANNELS_PER_TENANT
+from kvstore.server.data_socket import MAX_CHANNELS_PER_TENANT
 from kvstore.spec import KVSpec
 
 from .helpers import DaemonThread, MiB, rpc_calls, small_config
@@ -379,7 +379,7 @@ async def test_a_tenants_frames_in_flight_share_one_byte_budget():
 
 
 async def test_each_tenant_has_its_channels_budget(daemon):
-    from kvstore.server.datapath import CHANNEL_FRAMES_PER_TENANT
+    from kvstore.server.data_socket import CHANNEL_FRAMES_PER_TENANT
 
     a1, a2, b = (await raw_channel(daemon), await raw_channel(daemon),
                  await raw_channel(daemon, "umbrella"))

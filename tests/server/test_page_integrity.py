@@ -19,7 +19,7 @@ from kvstore.client import NO_RETRY, AsyncClient, Client
 from kvstore.client.arena import ArenaMaps, fetch_region_fd
 from kvstore.errors import CorruptPage
 from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
-from kvstore.rpc.fdpass import fd_socket_path
+from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.server.daemon import serve
 from kvstore.tiers import dram as dram_module
 

@@ -25,7 +25,7 @@ from kvstore.keys import block_keys
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
-from kvstore.rpc.fdpass import fd_socket_path
+from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.rpc.tensors import tensor_view
 
 from ..conftest import random_kv, random_tokens

@@ -20,7 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
-from kvstore.rpc.session import SESSION_HEADER, new_session_id
+from kvstore.rpc.metadata import SESSION_HEADER, new_session_id
 from kvstore.rpc.status import translate
 from kvstore.spec import KVSpec
 

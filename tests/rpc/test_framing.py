@@ -10,9 +10,9 @@ import pytest
 from kvstore.client.address import parse_address
 from kvstore.client.requests import DataSocket
 from kvstore.errors import InvalidArgument
-from kvstore.rpc import datapath
+from kvstore.rpc import framing as datapath
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.datapath import (
+from kvstore.rpc.framing import (
     HELLO,
     MAX_TOKEN_BYTES,
     TICKET_BYTES,
@@ -21,7 +21,7 @@ from kvstore.rpc.datapath import (
     new_ticket,
     parse_hello,
 )
-from kvstore.server.datapath import transport_of
+from kvstore.server.transfers import transport_of
 
 
 def test_hello_carries_ticket_and_token():

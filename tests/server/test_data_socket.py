@@ -16,7 +16,7 @@ from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
-from kvstore.rpc.datapath import encode_hello
+from kvstore.rpc.framing import encode_hello
 from kvstore.rpc.tensors import tensor_header
 from kvstore.server.daemon import serve
 from kvstore.spec import KVSpec

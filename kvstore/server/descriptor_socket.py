@@ -1,11 +1,10 @@
-"""The daemon's descriptor channel: a Unix socket beside the gRPC one that hands each
-same-host client the memfd of its own tenant's DRAM arena (the exchange is in
-``kvstore.rpc.fdpass``).
+"""The descriptor socket: hands a same-host client the memfd of its own tenant's DRAM arena.
 
-A client is told a region by a lease or reservation; here it proves who it is with its bearer
-token (the same rules as a gRPC call: ``kvstore.server.auth.authenticate``) and gets that region's
-descriptor only if the region belongs to its tenant. Every read of a request is bounded in size
-and time, connections are bounded in number, and nothing blocks the event loop.
+A Unix socket beside the gRPC one (the exchange is in ``kvstore.rpc.descriptors``). A client
+is told a region by a lease or reservation; here it proves who it is with its bearer token
+(the daemon's one ``kvstore.server.auth.Authenticator``, as for a gRPC call) and gets that
+region's descriptor only if the region belongs to its tenant. Every read of a request is
+bounded in size and time, connections are bounded in number, and nothing blocks the event loop.
 """
 
 from __future__ import annotations
@@ -18,47 +17,41 @@ import socket
 import struct
 
 from kvstore.config import ServerConfig
-from kvstore.errors import (
-    InvalidArgument,
-    KVStoreError,
-    NotFound,
-    PermissionDenied,
-    shown,
-)
-from kvstore.rpc.fdpass import (
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, shown
+from kvstore.rpc.descriptors import (
     MAX_MESSAGE_BYTES,
     encode_grant,
     encode_refusal,
     parse_request,
 )
-from kvstore.server.auth import Caller, TokenTable, authenticate
+from kvstore.server.auth import UNIX_PEER_PREFIX, Authenticator
 from kvstore.server.sockets import bind_unix
 from kvstore.tiers.base import FdRegions
 
-_log = logging.getLogger("kvstore.server.fdpass")
+_log = logging.getLogger("kvstore.server.descriptor_socket")
 
 REQUEST_TIMEOUT_S = 2.0  # a client that has not sent its whole request by then is dropped
 MAX_CONNECTIONS = 64  # exchanges in flight; more are closed at once, unanswered
-_UNIX_PEER = "unix:"  # the peer string authenticate() treats as the Unix socket
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-class FdPassServer:
+class DescriptorServer:
     """Serves arena descriptors on ``path`` for the regions of ``regions``.
 
     Args:
-        path: the socket to listen on (``kvstore.rpc.fdpass.fd_socket_path``), in the gRPC
+        path: the socket to listen on (``kvstore.rpc.descriptors.fd_socket_path``), in the gRPC
             socket's directory, with the gRPC socket's mode (``server.socket_mode``, 0600 by
             default): whoever may call Reserve and Acquire may ask for their tenant's arena,
             and the token check here is what keeps tenants apart.
-        config: the daemon's server config (tokens, ``require_auth_on_unix``).
+        config: the daemon's server config (``socket_mode``).
+        auth: the daemon's one token table, shared with its gRPC calls.
         regions: the slot tier whose regions it hands out.
     """
 
-    def __init__(self, path: str, config: ServerConfig, regions: FdRegions) -> None:
+    def __init__(self, path: str, config: ServerConfig, auth: Authenticator,
+                 regions: FdRegions) -> None:
         self.path = path
-        self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
-        self._require_auth = config.require_auth_on_unix
+        self._auth = auth
         self._mode = config.socket_mode
         self._regions = regions
         self._listener: socket.socket | None = None
@@ -119,8 +112,7 @@ class FdPassServer:
     def _answer(self, line: bytes, pid: int, uid: int) -> tuple[bytes, list[int]]:
         """The reply to one request line and the descriptors to send with it."""
         region, token = parse_request(line)
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        caller = authenticate(self._tokens, metadata, _UNIX_PEER, self._require_auth)
+        caller = self._auth.caller_of_token(token, UNIX_PEER_PREFIX)
         if not region:
             return encode_grant(caller.tenant or "", ""), []
         found = self._regions.region_fd(region)
@@ -128,19 +120,11 @@ class FdPassServer:
             raise NotFound(f"no arena region {shown(region)} (the daemon restarted, or it "
                            "was never handed out)")
         tenant, fd = found
-        _check_tenant(caller, tenant)
+        caller.check_tenant(tenant, "map the arena of tenant")
         self._regions.sent_to(region, pid)
         _log.debug("sent arena %s of tenant %s to pid %d (uid %d)", region, shown(tenant), pid,
                    uid)
         return encode_grant(tenant, region), [fd]
-
-
-def _check_tenant(caller: Caller, tenant: str) -> None:
-    """PermissionDenied unless ``caller`` may map ``tenant``'s arena: its own tenant's only,
-    any for the admin and under local trust."""
-    if caller.tenant is not None and caller.tenant != tenant:
-        raise PermissionDenied(f"tenant {shown(caller.tenant)} may not map the arena of tenant "
-                               f"{shown(tenant)}")
 
 
 async def _read_line(conn: socket.socket) -> bytes:

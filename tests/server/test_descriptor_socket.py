@@ -19,8 +19,8 @@ import torch
 from kvstore.client import NO_RETRY, AsyncClient
 from kvstore.client.arena import fetch_region_fd
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from kvstore.rpc.fdpass import MAX_MESSAGE_BYTES, fd_socket_path, parse_reply
-from kvstore.server import fdpass
+from kvstore.rpc.descriptors import MAX_MESSAGE_BYTES, fd_socket_path, parse_reply
+from kvstore.server import descriptor_socket as fdpass
 from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens

@@ -1,4 +1,5 @@
-"""The descriptor channel: how a same-host client gets the memfd of its tenant's DRAM arena.
+"""The descriptor channel's wire format: how a same-host client asks for the memfd of its
+tenant's DRAM arena, and how the daemon answers.
 
 gRPC cannot carry file descriptors, so the daemon listens on a second Unix socket beside its
 gRPC one (``fd_socket_path``: ``<socket_path>.fd``, with the gRPC socket's mode, 0600 unless

@@ -1,5 +1,5 @@
-"""The client session's wire contract (``Hold``; see ``kvstore.server.sessions``): the
-metadata key that names a session, the calls that carry it, and how ids are made."""
+"""Call metadata both ends agree on: the key that names a client's session (``Hold``; see
+``kvstore.server.sessions``), the calls that carry it, and how session ids are made."""
 
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
-"""The daemon's data socket: the tensor bytes of Puts and Gets under one-time tickets, outside
-gRPC's framing (the wire format is in ``kvstore.rpc.datapath``).
+"""The data socket: its listeners, and each connection moving a ticket's bytes or calls.
 
-The gRPC handlers (``service.py``) do everything a streamed call does first (authentication,
-validation, sizes, quotas) and then ask here for a :class:`Transfer`: a ticket bound to the
-caller and the transport it called on, a buffer of known size set aside (Put: ``torch.empty``,
-never zero-filled; Get: the tensor the store returned) and a deadline. A data connection that
-presents the ticket moves the bytes; the handler waits for that and answers the call.
+The wire format is in ``kvstore.rpc.framing``, the tickets in ``transfers.py``. A connection
+presents a ticket in its hello and then moves exactly that ticket's bytes (a Put's into the
+buffer set aside, a Get's from the pieces the store returned); the gRPC call that owns the
+ticket waits for that and answers.
 
-What a hostile client can make the daemon hold is bounded: live tickets by
-``server.max_data_transfers`` and their bytes by a budget (the largest Put, as for a streamed
-Put); a ticket nobody presents is dropped at its deadline; a connection must send its hello
-within ``server.stream_idle_timeout_s`` and keep moving at least ``MIN_PROGRESS_BYTES`` per
-that interval; a connection that ends early or sends more than declared fails its transfer.
-A presented ticket is spent, whatever happens next. Nothing blocks the event loop.
+What a hostile client can make the daemon hold here is bounded: a connection must send its
+hello within ``server.stream_idle_timeout_s`` and keep moving at least ``MIN_PROGRESS_BYTES``
+per that interval; a connection that ends early or sends more than declared fails its
+transfer; connections beyond what tickets can exist are closed at once. Nothing blocks the
+event loop.
 
 A ticket from OpenChannel turns its data connection into a call channel instead
 (``server/channel.py``): long-lived, bound to the caller and session the ticket went to, at
@@ -28,9 +25,6 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from urllib.parse import unquote
-
-import torch
 
 from kvstore.config import ServerConfig
 from kvstore.errors import (
@@ -40,23 +34,14 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVStoreError,
-    LeaseNotFound,
     PermissionDenied,
     Unavailable,
     shown,
 )
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.datapath import (
-    HELLO,
-    OPENED_ID,
-    TICKET_BYTES,
-    encode_frame,
-    new_ticket,
-    parse_hello,
-    widen_buffers,
-)
+from kvstore.rpc.framing import HELLO, OPENED_ID, encode_frame, parse_hello, widen_buffers
 from kvstore.rpc.status import status_for
-from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, TokenTable, authenticate
+from kvstore.server.auth import UNIX_PEER_PREFIX, Authenticator, Caller
 from kvstore.server.channel import (
     CallScope,
     ChannelCalls,
@@ -67,11 +52,12 @@ from kvstore.server.channel import (
 from kvstore.server.limits import MIN_PROGRESS_BYTES
 from kvstore.server.sessions import Session
 from kvstore.server.sockets import bind_unix
+from kvstore.server.transfers import ChannelTicket, Transfer, Transfers, peer_of
 
-_log = logging.getLogger("kvstore.server.datapath")
+_log = logging.getLogger("kvstore.server.data_socket")
 SEND_SLICE_BYTES = 4 << 20  # a Get is sent in slices, each within the idle bound
 MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
-POOL_MAX_BYTES = 256 << 20  # idle Put buffers kept for reuse
+
 # A blocking client opens up to two call channels (its caller's and its late Releases'
 # worker's), an async one one; an engine's scheduler and each of its workers hold a client, so
 # a tenant of a TP-8 engine needs about 20 per host. Each is a task and a connection the daemon
@@ -83,107 +69,25 @@ CHANNEL_FRAMES_PER_TENANT = 4
 _CLOSE_WAIT_S = 1.0  # how long a closing channel may take to flush its last replies
 
 
-class BufferPool:
-    """Put buffers kept for the next Put of the same size. Receiving into a fresh 32 MiB
-    buffer page-faults on every page: 0.9 GB/s against 2.5 GB/s into a reused one over a Unix
-    socket (2-core CPU box, 2026-12-01). Only a buffer nothing can still read or write comes
-    back (see ``DataPathServer.discard``)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max_bytes = max_bytes
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self.num_bytes = 0
-
-    def take(self, num_bytes: int) -> torch.Tensor:
-        free = self._free.get(num_bytes)
-        if free:
-            self.num_bytes -= num_bytes
-            return free.pop()
-        return torch.empty(num_bytes, dtype=torch.uint8)  # never zero-filled: all overwritten
-
-    def give(self, buffer: torch.Tensor) -> None:
-        num_bytes = buffer.numel()
-        if self.num_bytes + num_bytes > self._max_bytes:
-            self._free.clear()  # sizes changed: keep the newest
-            self.num_bytes = 0
-        if num_bytes <= self._max_bytes:
-            self._free.setdefault(num_bytes, []).append(buffer)
-            self.num_bytes += num_bytes
-
-
-def transport_of(peer: str) -> str:
-    """``unix`` for a Unix-socket peer, else the peer's host (``ipv4:1.2.3.4:5`` -> ``1.2.3.4``):
-    a ticket asked for over one transport must be presented over the same one."""
-    if peer.startswith(UNIX_PEER_PREFIX):
-        return "unix"
-    host = unquote(peer.split(":", 1)[-1]).rsplit(":", 1)[0].strip("[]")
-    return host.removeprefix("::ffff:")  # an IPv4 client of a dual-stack listener
-
-
-class Transfer:
-    """One ticket: who may present it, over what, the bytes it moves and how that ended."""
-
-    __slots__ = ("_timer", "buffer", "caller", "claimed", "context", "deadline", "error",
-                 "finished", "is_put", "pieces", "presented", "storage", "task", "ticket",
-                 "total_bytes", "transport")
-
-    def __init__(self, caller: Caller, transport: str, buffer: memoryview | None, is_put: bool,
-                 deadline: float, context: object, storage: torch.Tensor | None = None,
-                 pieces: Sequence[memoryview] = ()) -> None:
-        self.ticket = new_ticket()
-        self.caller, self.transport, self.is_put = caller, transport, is_put
-        self.buffer: memoryview | None = buffer  # a Put's bytes
-        self.pieces: Sequence[memoryview] | None = pieces  # a Get's bytes, in order
-        self.storage = storage  # a Put's pooled buffer, which ``buffer`` views
-        self.total_bytes = len(buffer) if buffer is not None else sum(map(len, pieces))
-        self.context = context  # what the handler needs afterwards (a Put's namespace, tokens)
-        self.deadline = deadline  # loop time by which the ticket must be presented
-        self.presented = False  # a data connection took it (single use)
-        self.claimed = False  # a gRPC handler waits on it and discards it when done
-        self.error: KVStoreError | None = None
-        self.finished = asyncio.Event()
-        self.task: asyncio.Task | None = None  # the data connection moving its bytes
-        self._timer: asyncio.TimerHandle | None = None
-
-    def finish(self, error: KVStoreError | None) -> None:
-        if not self.finished.is_set():
-            self.error = error
-            self.finished.set()
-            if error is not None:  # a failed transfer gives its bytes back at once
-                self.buffer = self.storage = self.pieces = None
-
-
-class ChannelTicket:
-    """The context of a ticket from OpenChannel: the session its calls are granted under."""
-
-    __slots__ = ("session",)
-
-    def __init__(self, session: Session | None) -> None:
-        self.session = session
-
-
-class DataPathServer:
-    """Tickets and the listeners that serve them.
+class DataSocketServer:
+    """The data socket's listeners, the connections they take, and the tickets those present.
 
     Args:
-        config: the daemon's server config (tokens, timeouts, ``max_data_transfers``).
-        unix_path: the data socket beside the gRPC one (``rpc.datapath.data_socket_path``).
+        config: the daemon's server config (timeouts, ``max_data_transfers``).
+        auth: the daemon's one token table, shared with its gRPC calls.
+        unix_path: the data socket beside the gRPC one (``rpc.framing.data_socket_path``).
         max_pending_bytes: the most bytes all live tickets may hold together.
     """
 
-    def __init__(self, config: ServerConfig, unix_path: str, max_pending_bytes: int) -> None:
+    def __init__(self, config: ServerConfig, auth: Authenticator, unix_path: str,
+                 max_pending_bytes: int) -> None:
         self.unix_path = unix_path
         self.tcp_port: int | None = None
-        self._config = config
-        self._tokens = TokenTable(config.tenant_tokens, config.admin_token)
+        self._auth = auth
         self._idle_s = config.stream_idle_timeout_s
         self._max_transfers = config.max_data_transfers
-        self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
+        self.transfers = Transfers(self._idle_s, self._max_transfers, max_pending_bytes)
         self.bytes_moved = 0  # by transfers that completed, either way
-        self._transfers: dict[bytes, Transfer] = {}
-        self._held: dict[str | None, list[int]] = {}  # tenant -> [tickets, bytes] it holds
-        self._pool = BufferPool(min(POOL_MAX_BYTES, max_pending_bytes))
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task] = set()
         self._calls: ChannelCalls | None = None  # None: no call channels
@@ -191,20 +95,18 @@ class DataPathServer:
         self._channels: dict[str | None, int] = {}  # tenant -> call channels open
         self._budgets: dict[str | None, FrameBudget] = {}  # tenant -> its frames' bytes
 
-    # ------------------------------------------------------------------------------ tickets
-
     @property
     def num_transfers(self) -> int:
-        return len(self._transfers)
+        return self.transfers.num_transfers
 
     @property
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        return self.transfers.pending_bytes
 
     @property
     def pooled_bytes(self) -> int:
         """Idle Put buffers kept for reuse."""
-        return self._pool.num_bytes
+        return self.transfers.pooled_bytes
 
     def offer_calls(self, calls: ChannelCalls, max_frame_bytes: int) -> None:
         """Serve call channels whose frames make ``calls``, request bodies of at most
@@ -232,9 +134,7 @@ class DataPathServer:
             raise FailedPrecondition("this daemon serves no call channels (server.call_channel)"
                                      "; make the calls over gRPC")
         self._check_channels(caller)
-        self._check_room(caller, 0)
-        return self._add(Transfer(caller, transport_of(peer), None, False, self._deadline(),
-                                  ChannelTicket(session)))
+        return self.transfers.open_channel(caller, peer, session)
 
     def _check_channels(self, caller: Caller) -> None:
         count = self._channels.get(caller.tenant, 0)
@@ -246,128 +146,12 @@ class DataPathServer:
         """Whether a caller at ``peer`` can reach a data socket of this daemon."""
         return peer.startswith(UNIX_PEER_PREFIX) or self.tcp_port is not None
 
-    def open_put(self, caller: Caller, peer: str, total_bytes: int, context: object) -> Transfer:
-        """A ticket for a Put of ``total_bytes``, its buffer set aside (not zero-filled)."""
-        self._check_room(caller, total_bytes)
-        buffer = self._pool.take(total_bytes)
-        return self._add(Transfer(caller, transport_of(peer), memoryview(buffer.numpy()), True,
-                                  self._deadline(), context, buffer))
-
-    def open_get(self, caller: Caller, peer: str, pieces: Sequence[memoryview]
-                 ) -> Transfer | None:
-        """A ticket for sending ``pieces`` one after another (a tensor's bytes, or pages in
-        place, in the tensor's order), claimed by the calling handler; None when the tickets
-        or their budget are spent (the handler then streams chunks instead). The pieces must
-        stay valid until the handler discards the transfer."""
-        try:
-            self._check_room(caller, sum(map(len, pieces)))
-        except CapacityError:
-            return None
-        transfer = self._add(Transfer(caller, transport_of(peer), None, False,
-                                      self._deadline(), None, pieces=pieces))
-        transfer.claimed = True
-        return transfer
-
     def ticket_proto(self, transfer: Transfer) -> pb.DataTicket:
         wall_deadline = time.time() + transfer.deadline - asyncio.get_running_loop().time()
         return pb.DataTicket(ticket=transfer.ticket, total_bytes=transfer.total_bytes,
                              unix_path=self.unix_path if transfer.transport == "unix" else "",
                              tcp_port=0 if transfer.transport == "unix" else self.tcp_port or 0,
                              deadline=wall_deadline)
-
-    def claim_put(self, ticket: bytes, caller: Caller) -> Transfer:
-        """The Put transfer ``ticket`` names, now owned by the calling handler."""
-        transfer = self._transfers.get(ticket)
-        if transfer is None or not transfer.is_put or transfer.claimed:
-            raise LeaseNotFound("no open Put under this data ticket (never issued, already "
-                                "completed, or expired)")
-        if transfer.caller != caller:
-            raise PermissionDenied("this data ticket was issued to another caller")
-        transfer.claimed = True
-        return transfer
-
-    async def wait(self, transfer: Transfer) -> memoryview | None:
-        """Once the transfer's bytes have moved: a Put's buffer (None for a Get); its error if
-        they did not."""
-        await transfer.finished.wait()
-        if transfer.error is not None:
-            raise transfer.error
-        return transfer.buffer
-
-    def discard(self, transfer: Transfer, reuse: bool = False) -> None:
-        """Forget a transfer and give back its budget (a handler's last word on it).
-
-        Args:
-            reuse: nothing reads the Put's buffer any more (the store's put returned; a
-                cancelled one may still be encoding from it in a thread): pool it. Only a
-                transfer its connection finished can be reused; nothing writes into it then.
-        """
-        if reuse and transfer.storage is not None and transfer.finished.is_set() \
-                and transfer.error is None:
-            self._pool.give(transfer.storage)
-        transfer.storage = None
-        if self._transfers.pop(transfer.ticket, None) is transfer:
-            self._pending_bytes -= transfer.total_bytes
-            held = self._held[transfer.caller.tenant]
-            held[0] -= 1
-            held[1] -= transfer.total_bytes
-            if not held[0]:
-                del self._held[transfer.caller.tenant]
-            if transfer._timer is not None:
-                transfer._timer.cancel()
-        transfer.presented = True  # a connection arriving now finds nothing to take
-        transfer.finish(Unavailable("the transfer was abandoned"))
-        transfer.buffer = transfer.pieces = None
-        if transfer.task is not None and transfer.task is not asyncio.current_task():
-            transfer.task.cancel()  # its caller has gone: stop moving bytes for nobody
-
-    def _check_room(self, caller: Caller, total_bytes: int) -> None:
-        """CapacityError unless a transfer of ``total_bytes`` for ``caller`` fits: within the
-        tickets and bytes of all transfers, and within its tenant's fair share of them.
-
-        A tenant may take another while it holds fewer tickets, and fewer bytes, than are
-        left free: one tenant alone can hold at most about half of them, each tenant after it
-        half of what is left, so a tenant that holds none always finds some free while
-        another hogs them (like ``sessions.py`` bounds each tenant's sessions).
-        """
-        free = self._max_transfers - len(self._transfers)
-        if free <= 0:
-            raise CapacityError(f"{len(self._transfers)} data transfers are open, the most "
-                                f"this daemon allows (server.max_data_transfers)")
-        free_bytes = self._max_pending_bytes - self._pending_bytes
-        if total_bytes > free_bytes:
-            raise CapacityError(f"data transfers hold {self._pending_bytes} bytes; "
-                                f"{total_bytes} more would pass the "
-                                f"{self._max_pending_bytes}-byte budget")
-        count, nbytes = self._held.get(caller.tenant, (0, 0))
-        if count >= free or (count and nbytes >= free_bytes):
-            raise CapacityError(f"tenant {shown(caller.tenant)} holds {count} data transfers "
-                                f"({nbytes} bytes), its share while {free} "
-                                f"({free_bytes} bytes) are left for others; stream this one")
-
-    def _deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self._idle_s
-
-    def _add(self, transfer: Transfer) -> Transfer:
-        self._transfers[transfer.ticket] = transfer
-        self._pending_bytes += transfer.total_bytes
-        held = self._held.setdefault(transfer.caller.tenant, [0, 0])
-        held[0] += 1
-        held[1] += transfer.total_bytes
-        transfer._timer = asyncio.get_running_loop().call_at(transfer.deadline, self._expire,
-                                                             transfer)
-        return transfer
-
-    def _expire(self, transfer: Transfer) -> None:
-        if transfer.presented and not transfer.finished.is_set():
-            # moving: the connection's own idle bound ends it; look again after that
-            transfer._timer = asyncio.get_running_loop().call_later(self._idle_s, self._expire,
-                                                                    transfer)
-            return
-        transfer.finish(DeadlineExceeded(f"the data ticket was not presented within "
-                                         f"{self._idle_s:g} s (server.stream_idle_timeout_s)"))
-        if not transfer.claimed:  # no handler will discard it: do it now
-            self.discard(transfer)
 
     # ---------------------------------------------------------------------------- listeners
 
@@ -411,8 +195,7 @@ class DataPathServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
         self._listeners = []
-        for transfer in list(self._transfers.values()):
-            self.discard(transfer)
+        self.transfers.discard_all()
 
     async def _accept(self, listener: socket.socket, kind: str) -> None:
         loop = asyncio.get_running_loop()
@@ -439,7 +222,7 @@ class DataPathServer:
                 return
             transfer.task = asyncio.current_task()
             if isinstance(transfer.context, ChannelTicket):
-                self.discard(transfer)  # spent: its place among the tickets goes back
+                self.transfers.discard(transfer)  # spent: its place among the tickets goes back
                 await self._serve_channel(conn, transfer, transport)
                 return
             widen_buffers(conn)
@@ -470,19 +253,16 @@ class DataPathServer:
         the ticket names none; the presenting caller's error if it may not take it."""
         ticket, token_bytes = parse_hello(await _recv_exactly(conn, HELLO.size))
         token = (await _recv_exactly(conn, token_bytes)).decode("utf-8", "replace")
-        transfer = self._transfers.get(ticket) if len(ticket) == TICKET_BYTES else None
-        if transfer is None or transfer.presented:
+        transfer = self.transfers.present(ticket)  # single use, whoever presented it
+        if transfer is None:
             _log.warning("a data connection over %s presented an unknown or spent ticket",
                          transport)
             return None
-        transfer.presented = True  # single use, whoever presented it
         try:
             if transfer.transport != transport:
                 raise PermissionDenied(f"the data ticket was issued over {transfer.transport} "
                                        f"and presented over {transport}")
-            metadata = (("authorization", f"Bearer {token}"),) if token else ()
-            peer = UNIX_PEER_PREFIX if transport == "unix" else f"ipv4:{transport}:0"
-            caller = authenticate(self._tokens, metadata, peer, self._config.require_auth_on_unix)
+            caller = self._auth.caller_of_token(token, peer_of(transport))
             if caller != transfer.caller:
                 raise PermissionDenied("the data ticket was issued to another caller")
         except KVStoreError as exc:
@@ -511,8 +291,8 @@ class DataPathServer:
                 CHANNEL_FRAMES_PER_TENANT * self._max_frame_bytes)
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
-            peer = UNIX_PEER_PREFIX if transport == "unix" else f"ipv4:{transport}:0"
-            scope = CallScope(transfer.caller, peer, session=transfer.context.session)
+            scope = CallScope(transfer.caller, peer_of(transport),
+                              session=transfer.context.session)
             try:
                 await serve_channel(reader, writer, calls, scope, self._max_frame_bytes,
                                     self._idle_s, budget)

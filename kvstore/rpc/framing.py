@@ -1,4 +1,7 @@
-"""The data socket: the tensor bytes of a Put or Get moved beside gRPC, outside its message
+"""The data socket's wire format: a connection's hello and ticket, a Put's or Get's raw bytes,
+and the call channel's frames; with the client's blocking ends of a transfer.
+
+The data socket moves the tensor bytes of a Put or Get beside gRPC, outside its message
 framing, under a one-time ticket that a gRPC call handed out.
 
 The daemon listens on a Unix socket beside its gRPC one (``data_socket_path``:
