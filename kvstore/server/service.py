@@ -26,8 +26,6 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     LeaseNotFound,
-    PermissionDenied,
-    shown,
 )
 from kvstore.keys import Namespace
 from kvstore.rpc import kvstore_pb2 as pb
@@ -100,31 +98,6 @@ def _require_unix(scope: CallScope, method: str, instead: str) -> None:
                                  f"TCP cannot map; use {instead}, which streams the bytes")
 
 
-class GrantBook:
-    """Which tenant holds each lease and reservation id, so nobody else can release, commit
-    or abort it. Ids the book does not know are left to the store (LeaseNotFound)."""
-
-    _PRUNE_EVERY = 1024
-    _GRACE_S = 60.0  # keep expired ids this long so late calls still get the owner check
-
-    def __init__(self) -> None:
-        self._owners: dict[str, tuple[str | None, float]] = {}
-
-    def add(self, grant_id: str, caller: Caller, deadline: float) -> None:
-        if len(self._owners) >= self._PRUNE_EVERY:
-            cutoff = time.time() - self._GRACE_S
-            self._owners = {k: v for k, v in self._owners.items() if v[1] >= cutoff}
-        self._owners[grant_id] = (caller.tenant, deadline)
-
-    def check(self, grant_id: str, caller: Caller, what: str) -> None:
-        owner = self._owners.get(grant_id)
-        if owner is not None and caller.tenant is not None and owner[0] != caller.tenant:
-            raise PermissionDenied(f"{what} {shown(grant_id)} belongs to another tenant")
-
-    def discard(self, grant_id: str) -> None:
-        self._owners.pop(grant_id, None)
-
-
 # A Hold stream looks at the daemon's draining and its session's events this often.
 HOLD_POLL_S = 0.25
 
@@ -141,7 +114,6 @@ class KVStoreService(pbg.KVStoreServicer):
         self._is_draining = is_draining
         self._chunk_bytes = chunk_limit(config.server.max_message_bytes)
         self._max_put_bytes = max_put_bytes(config)
-        self._grants = GrantBook()
         self._sessions = Sessions(store, config.server.max_concurrent_rpcs)
         regions = store.host_regions
         if regions is not None:
@@ -391,7 +363,6 @@ class KVStoreService(pbg.KVStoreServicer):
         released = await self._release_carried(request.release, scope)  # frees room to make
         reservation = await self._store.reserve(ns, tokens, lease_s, medium,
                                                 _device(request.device))
-        self._grants.add(reservation.reservation_id, scope.caller, reservation.deadline)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
         reply = reservation_to_proto(reservation, packed=request.packed)
         reply.released = released
@@ -401,23 +372,21 @@ class KVStoreService(pbg.KVStoreServicer):
         return await self.commit(request, self._scope(context))
 
     async def commit(self, request: pb.CommitRequest, scope: CallScope) -> pb.CommitResponse:
-        self._grants.check(request.reservation_id, scope.caller, "reservation")
+        self._store.check_holder(request.reservation_id, "reservation", scope.caller.tenant)
         if len(request.ready_event) > MAX_EVENT_HANDLE_BYTES:
             raise InvalidArgument(f"ready_event holds {len(request.ready_event)} bytes; a CUDA "
                                   f"IPC event handle has {MAX_EVENT_HANDLE_BYTES}")
         self._sessions.forget(request.reservation_id)
         published = await self._store.commit(request.reservation_id, request.ready_event)
-        self._grants.discard(request.reservation_id)
         return pb.CommitResponse(tokens_published=published)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return await self.abort(request, self._scope(context))
 
     async def abort(self, request: pb.AbortRequest, scope: CallScope) -> pb.AbortResponse:
-        self._grants.check(request.reservation_id, scope.caller, "reservation")
+        self._store.check_holder(request.reservation_id, "reservation", scope.caller.tenant)
         self._sessions.forget(request.reservation_id)
         await self._store.abort(request.reservation_id)
-        self._grants.discard(request.reservation_id)
         return pb.AbortResponse()
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
@@ -432,7 +401,6 @@ class KVStoreService(pbg.KVStoreServicer):
         released = await self._release_carried(request.release, scope)  # frees lease quota
         lease = await self._store.acquire(ns, tokens, lease_s, medium, request.first_block,
                                           _device(request.device))
-        self._grants.add(lease.lease_id, scope.caller, lease.deadline)
         self._sessions.note(session, lease.lease_id, is_lease=True)
         reply = lease_to_proto(lease, packed=request.packed)
         reply.released = released
@@ -458,10 +426,9 @@ class KVStoreService(pbg.KVStoreServicer):
         return pb.ReleaseResponse()
 
     async def _release(self, lease_id: str, scope: CallScope) -> None:
-        self._grants.check(lease_id, scope.caller, "lease")
+        self._store.check_holder(lease_id, "lease", scope.caller.tenant)
         await self._store.release(lease_id)  # LeaseNotFound for a reservation's id, too
         self._sessions.forget(lease_id)  # only now: a reservation named here stays noted
-        self._grants.discard(lease_id)
 
     async def Hold(self, request: pb.HoldRequest, context) -> AsyncIterator[pb.HoldEvent]:
         """A client's session (``kvstore.server.sessions``): open until the client goes away

@@ -10,7 +10,7 @@ import torch
 
 from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
 from kvstore.store import Store
-from kvstore.store.facade import canonical_pieces
+from kvstore.store.reads import canonical_pieces
 
 from ..conftest import random_kv, random_tokens
 

@@ -18,7 +18,7 @@ from kvstore.keys import Namespace
 from kvstore.page import PageMeta, decode_page, encode_page
 from kvstore.spec import KVSpec
 from kvstore.store import Store
-from kvstore.store.facade import WriteBuffers
+from kvstore.store.writes import WriteBuffers
 
 from ..conftest import random_kv, random_tokens
 
@@ -308,7 +308,7 @@ from kvstore.config import DramConfig, KVStoreConfig, SsdConfig, TierConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 from kvstore.store import Store
-from kvstore.store.facade import WriteBuffers
+from kvstore.store.writes import WriteBuffers
 from tests.conftest import random_kv, random_tokens
 
 async def main(path):
