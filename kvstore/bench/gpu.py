@@ -142,8 +142,9 @@ class Rig:
 
     def check_loaded(self, codec: str, count: int | None = None) -> None:
         """Blocks landed in the engine's pages as the codec's reference decodes them."""
-        from kvstore.codecs.fp4 import Fp4Parts, dequantize_reference
-        from kvstore.codecs.fp8 import Fp8Parts, decode_fp8_reference
+        from kvstore.codecs.fp4 import dequantize_reference
+        from kvstore.codecs.fp8 import decode_fp8_reference
+        from kvstore.codecs.parts import Fp4Parts, Fp8Parts
         from kvstore.codecs.triton.engine import page_tensors
 
         dev = self.layouts[codec]
@@ -160,7 +161,8 @@ class Rig:
             elif codec in ("nvfp4", "mxfp4"):
                 want = dequantize_reference(Fp4Parts(*parts), torch.bfloat16)
             else:
-                from kvstore.codecs.kivi import KiviParts, decode_kivi_reference
+                from kvstore.codecs.kivi import decode_kivi_reference
+                from kvstore.codecs.parts import KiviParts
 
                 bits = 4 if codec == "int4" else 2
                 want = decode_kivi_reference(KiviParts(bits, dev.group_size, *parts),
