@@ -18,7 +18,7 @@ import torch
 
 from kvstore.client import Client
 from kvstore.config import KVStoreConfig, RemoteConfig
-from kvstore.doctor import check_remote
+from kvstore.cli.doctor import check_remote
 from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
 from kvstore.tiers.remote import tenant_tag
