@@ -84,7 +84,7 @@ def bench_rpc(
     json_path: JsonPathOpt = None,
 ) -> None:
     """Put/get GB/s and call latency through a fresh daemon, against a bare gRPC echo."""
-    run = load_runner("kvstore.bench.rpc", "run_rpc_bench", "kvstore bench rpc")
+    run = load_runner("kvstore.bench.rpc.run", "run_rpc_bench", "kvstore bench rpc")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"),
                  lookup_repeats=lookup_repeats, small_call_s=small_call_s,
                  concurrency=concurrency), json_path)
