@@ -2,7 +2,7 @@
 a prefix through a daemon, the kernels' own time taken out, optionally beside another checkout.
 
 This file also runs against another checkout's kvstore package (``--baseline``, in a child
-process): it imports only the public API, and no other module of the GPU bench.
+process): it imports only modules every checkout has, and no other module of the GPU bench.
 """
 
 from __future__ import annotations
