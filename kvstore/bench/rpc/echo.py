@@ -110,6 +110,9 @@ class Echo:
 
 
 
+# ---------------------------------------------------------------------------------- rows
+
+
 def _row(measurement: str, value: float, unit: str, baseline: float, **extra) -> dict:
     return {"section": ECHO_SECTION, "measurement": measurement, "value": value, "unit": unit,
             "echo": baseline, "vs_echo": value / baseline if baseline else None, **extra}
