@@ -12,15 +12,15 @@ import sys
 
 import torch
 
-from kvstore.bench.gpu import CODECS, Rig, _aligned, _bench, _staged_load
+from kvstore.bench.gpu.rig import CODECS, Rig, aligned, bench_ms, staged_load
 from kvstore.client.gpu import StagingRing
 from kvstore.codecs.triton.engine import to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 rig = Rig(n, torch.device("cuda"))
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device="cuda")
-pinned = _aligned(rig.engine_bytes, "cpu", pin=True)
-h2d = rig.engine_bytes / (_bench(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
+pinned = aligned(rig.engine_bytes, "cpu", pin=True)
+h2d = rig.engine_bytes / (bench_ms(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
 print(f"h2d {h2d:.1f} GB/s")
 for codec in CODECS:
     dev = rig.layouts[codec]
@@ -31,11 +31,11 @@ for codec in CODECS:
     got = {label: [] for label in rings}
     for rnd in range(4):
         for label in (list(rings) if rnd % 2 == 0 else list(rings)[::-1]):
-            ms = _bench(functools.partial(_staged_load, rig, codec, rings[label]), reps=10)
+            ms = bench_ms(functools.partial(staged_load, rig, codec, rings[label]), reps=10)
             got[label].append(rig.engine_bytes / (ms * 1e6) / h2d)
     addrs = rig.addrs(rig.hosts[codec], codec)
-    direct = rig.engine_bytes / (_bench(functools.partial(to_engine, rig.layout, dev, addrs, rig.ids,
-                                                                    host=True)) * 1e6) / h2d
+    load = functools.partial(to_engine, rig.layout, dev, addrs, rig.ids, host=True)
+    direct = rig.engine_bytes / (bench_ms(load) * 1e6) / h2d
     print(f"{codec:9} " + "  ".join(
         f"{label} ({rings[label].chunk_pages} pages): median {statistics.median(v):.2f}x "
         f"[{min(v):.2f}-{max(v):.2f}]" for label, v in got.items())

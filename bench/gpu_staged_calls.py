@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from kvstore.bench.gpu import Rig, _aligned, _bench, _staged_load
+from kvstore.bench.gpu.rig import Rig, aligned, bench_ms, staged_load
 from kvstore.client.gpu import StagingRing
 from kvstore.codecs.triton.engine import to_engine
 
 rig = Rig(1024, torch.device("cuda"))
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device="cuda")
-pinned = _aligned(rig.engine_bytes, "cpu", pin=True)
-h2d = rig.engine_bytes / (_bench(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
+pinned = aligned(rig.engine_bytes, "cpu", pin=True)
+h2d = rig.engine_bytes / (bench_ms(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
 
 
 def timed(fn, reps: int = 12) -> list[float]:
@@ -45,7 +45,7 @@ for codec in ("nvfp4", "mxfp4", "int4"):
     ring = StagingRing(dev, rig.device)
     dst = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
     dma = timed(functools.partial(dst.copy_, host, non_blocking=True))
-    staged = timed(functools.partial(_staged_load, rig, codec, ring))
+    staged = timed(functools.partial(staged_load, rig, codec, ring))
     addrs = rig.addrs(host, codec)
     in_place = timed(functools.partial(to_engine, rig.layout, dev, addrs, rig.ids, host=True))
     gb = host.numel() / 1e6

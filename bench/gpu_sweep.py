@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from kvstore.bench.gpu import Rig, _aligned, _bench, _copy_ms
+from kvstore.bench.gpu.rig import Rig, aligned, bench_ms, copy_ms
 from kvstore.codecs.device import ENCODABLE
 from kvstore.codecs.triton.engine import from_engine, to_engine
 
@@ -21,35 +21,35 @@ tiles = [tuple(int(v) for v in t.split("x")) for t in os.environ.get(
 device = torch.device("cuda")
 rig = Rig(n, device)
 src = torch.empty(rig.engine_bytes, dtype=torch.uint8, device=device)
-copy = 2 * rig.engine_bytes / (_copy_ms(src) * 1e6)
-pinned = _aligned(rig.engine_bytes, "cpu", pin=True)
-h2d = rig.engine_bytes / (_bench(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
-d2h = rig.engine_bytes / (_bench(lambda: pinned.copy_(src, non_blocking=True)) * 1e6)
+copy = 2 * rig.engine_bytes / (copy_ms(src) * 1e6)
+pinned = aligned(rig.engine_bytes, "cpu", pin=True)
+h2d = rig.engine_bytes / (bench_ms(lambda: src.copy_(pinned, non_blocking=True)) * 1e6)
+d2h = rig.engine_bytes / (bench_ms(lambda: pinned.copy_(src, non_blocking=True)) * 1e6)
 print(f"copy {copy:.0f} GB/s  h2d {h2d:.1f}  d2h {d2h:.1f}")
 rows = []
 for codec in os.environ.get("CODECS", "raw,fp8_e4m3,nvfp4,mxfp4,int4,int2").split(","):
     dev = rig.layouts[codec]
     pool = rig.addrs(rig.pools[codec], codec)
     host = rig.addrs(rig.hosts[codec], codec)
-    target = _aligned(n * dev.nbytes, device)
+    target = aligned(n * dev.nbytes, device)
     tgt = rig.addrs(target, codec)
     for tile in tiles:
         r = {"codec": codec, "tile": tile}
-        ms = _bench(functools.partial(to_engine, rig.layout, dev, pool, rig.ids, tile=tile))
+        ms = bench_ms(functools.partial(to_engine, rig.layout, dev, pool, rig.ids, tile=tile))
         r["hbm_load"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
-        ms = _bench(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile,
+        ms = bench_ms(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile,
                                       host=True))
         r["host_load_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
-        ms = _bench(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile))
+        ms = bench_ms(functools.partial(to_engine, rig.layout, dev, host, rig.ids, tile=tile))
         r["host_load_narrow_x_link"] = rig.engine_bytes / (ms * 1e6) / h2d
         if codec in ENCODABLE and len(tile) == 2:
-            ms = _bench(functools.partial(from_engine, rig.layout, dev, tgt, rig.ids, tile=tile))
+            ms = bench_ms(functools.partial(from_engine, rig.layout, dev, tgt, rig.ids, tile=tile))
             r["hbm_save"] = (rig.page_bytes(codec) + rig.engine_bytes) / (ms * 1e6) / copy
         if codec in ("nvfp4", "mxfp4") and len(tile) == 2:
-            ms = _bench(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
+            ms = bench_ms(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         if codec == "raw" and len(tile) == 2:
-            ms = _bench(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
+            ms = bench_ms(functools.partial(from_engine, rig.layout, dev, host, rig.ids, tile=tile))
             r["host_save_x_d2h"] = rig.engine_bytes / (ms * 1e6) / d2h
         rows.append(r)
         print(codec, tile, {k: round(v, 3) for k, v in r.items() if isinstance(v, float)},

@@ -8,14 +8,13 @@ Sections (one table each, all rows in one JSON):
   causal, attention per layer and head, float32). Synthetic K carries KIVI-style outlier
   channels; the MiniLM data is real (``kvstore.bench.realkv``).
 - ``cpu-speed``: encode and decode MB/s (bf16 bytes per second) of the torch references.
-- ``gpu-speed``: the Triton modules' own ``benchmark()`` rows against a device copy.
+- ``gpu-speed``: the Triton kernels' GB/s against a device copy (``kvstore.bench.kernels``).
 - ``gpu-check``: whether the Triton encoder writes the same blob as the CPU reference, and how
   far the Triton decode of one blob lands from the CPU decode.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +32,6 @@ from kvstore.spec import KVSpec
 CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2",
           "fp8_e4m3+zstd", "int4+zstd", "raw+zstd")
 GPU_CHECK_CODECS = ("fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2")
-GPU_MODULES = ("fp8", "kivi", "fp4")  # kvstore.codecs.triton.<name>.benchmark()
 BF16_BYTES = 2
 
 
@@ -167,20 +165,23 @@ def cpu_speed_row(name: str, kv: torch.Tensor, repeats: int) -> dict[str, Any]:
 
 
 def gpu_speed_rows(nbytes: int, notes: list[str]) -> list[dict[str, Any]]:
-    """Rows of each Triton module's ``benchmark(nbytes)``; a module that fails adds a note."""
+    """Rows of each kernel family's benchmark (``kvstore.bench.kernels``); a family that fails
+    adds a note."""
+    from kvstore.bench.kernels import FAMILIES
+
     rows: list[dict[str, Any]] = []
-    for module in GPU_MODULES:
-        target = f"kvstore.codecs.triton.{module}"
+    for family, bench in FAMILIES.items():
         try:
-            got = importlib.import_module(target).benchmark(nbytes)
+            got = bench(nbytes)
         # Broad on purpose: an unattended run keeps the other kernel families' rows when one
         # fails to compile or run, and the note carries the failure into the table and JSON.
         except Exception as exc:  # noqa: BLE001
-            notes.append(f"gpu-speed: {target}.benchmark failed: {type(exc).__name__}: {exc}")
+            notes.append(f"gpu-speed: kvstore.bench.kernels.{bench.__name__} failed: "
+                         f"{type(exc).__name__}: {exc}")
             continue
         finally:
             torch.cuda.empty_cache()
-        rows += [{"section": "gpu-speed", "kernels": module, "nbytes": nbytes, **row}
+        rows += [{"section": "gpu-speed", "kernels": family, "nbytes": nbytes, **row}
                  for row in got]
     return rows
 

@@ -13,7 +13,8 @@ socket.
 LMCache needs a CUDA torch by its pins but runs these paths on the CPU torch; it lives in its own
 venv (``.venv-lmcache``, built by ``bash scripts/services/lmcache.sh build``) and is driven in a
 subprocess of that venv's python (``python -m kvstore.bench.lmcache --worker``), which imports
-this module's top level (the standard library and torch) and lmcache, never the rest of kvstore.
+this module's top level (the standard library, torch and ``kvstore.bench.procs``) and
+lmcache, never the rest of kvstore.
 The worker answers one JSON command per line; its answers are the lines starting ``REPLY``.
 """
 
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvstore.bench.procs import child, daemon_args, free_port, lmcache_env, wait_until
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -196,18 +199,10 @@ class LMCacheSide:
         self.backend.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_lm_server() -> tuple[subprocess.Popen, int]:
     import socket
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1",
                                str(port), "cpu"], stdout=sys.stderr, stderr=sys.stderr)
     deadline = time.monotonic() + _START_S
@@ -251,13 +246,6 @@ def worker() -> int:
 
 
 # --------------------------------------------------------------------------- kvstore side
-
-
-def lmcache_env(log_level: str) -> dict[str, str]:
-    """The environment LMCache's processes run in: no usage reports, no banner, its log at
-    ``log_level``."""
-    return {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-            "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": log_level}
 
 
 class LMCacheWorker:
@@ -408,12 +396,6 @@ def _measure(case: Case, calls: int, ours: KVStoreSide, lmcache: LMCacheWorker, 
     return times
 
 
-def _daemon_args(socket_path: Path, dram_bytes: int) -> list[str]:
-    return ["-m", "kvstore.server.daemon", "--set", f"server.socket_path={socket_path}",
-            "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "ssd.enabled=false",
-            "--set", "server.log_level=WARNING", "--set", "server.metrics_port=0"]
-
-
 def lmcache_python(path: str | os.PathLike[str] | None = None) -> Path:
     """The LMCache venv's python: ``path``, else $KVSTORE_LMCACHE_PYTHON, else .venv-lmcache."""
     from kvstore.errors import KVStoreError
@@ -431,7 +413,6 @@ def _backend_section(total_bytes: int, repeat: int, quick: bool, venv_python: Pa
     """Every case on every path of both stores: the rows and LMCache's version."""
     import tempfile
 
-    from kvstore.bench.rpc import _process, _wait_until
     from kvstore.client import NO_RETRY, Client
     from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
     from kvstore.store import Store
@@ -446,14 +427,14 @@ def _backend_section(total_bytes: int, repeat: int, quick: bool, venv_python: Pa
     with tempfile.TemporaryDirectory(prefix="kvsl", dir="/tmp") as tmp:
         root = Path(tmp)
         socket_path = root / "kv.sock"
-        with _process(_daemon_args(socket_path, dram_bytes), root / "daemon.log") as daemon, \
+        with child(daemon_args(socket_path, dram_bytes), root / "daemon.log") as daemon, \
                 Client(f"unix://{socket_path}", retry=NO_RETRY) as client, \
                 Client(f"unix://{socket_path}", retry=NO_RETRY,
                        call_channel=False) as grpc_client:
             worker_proc = LMCacheWorker(venv_python, root / "lmcache.log")
             try:
                 loop.run_until_complete(store.open())
-                _wait_until(client.health, daemon, root / "daemon.log")
+                wait_until(client.health, daemon, root / "daemon.log")
                 for index, case in enumerate(cases):
                     calls = calls_per_pass(case, total_bytes)
                     ours = KVStoreSide(case, index, calls, store, loop, client, grpc_client)

@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 
-from kvstore.bench.lmcache import MiB, _free_port, lmcache_env
+from kvstore.bench.procs import child, daemon_args, free_port, lmcache_env, wait_until
 from kvstore.errors import KVStoreError
+
+MiB = 1 << 20
 
 _START_S = 120.0  # LMCache's server imports in about 10 s on the 2-core box
 _BENCH_TIMEOUT_S = 600.0
@@ -105,7 +107,7 @@ class LMCacheServer:
 
     def __init__(self, python: Path, case: ServerCase, capacity_bytes: int, root: Path) -> None:
         self.python, self.case, self.root = python, case, root
-        self.rpc_port, self.http_port = _free_port(), _free_port()
+        self.rpc_port, self.http_port = free_port(), free_port()
         self.shm_name = f"kvstore-bench-{os.getpid()}"
         self.log_path = root / "lmcache-server.log"
         command = [str(python), "-m", "lmcache.cli.main", "server", "--host", _HOST,
@@ -282,8 +284,6 @@ def run_server_section(python: Path, total_bytes: int, repeat: int, quick: bool
     """
     import tempfile
 
-    from kvstore.bench.lmcache import _daemon_args
-    from kvstore.bench.rpc import _process, _wait_until
     from kvstore.client import NO_RETRY, Client
 
     case = QUICK_SERVER_CASE if quick else SERVER_CASE
@@ -295,9 +295,9 @@ def run_server_section(python: Path, total_bytes: int, repeat: int, quick: bool
     with tempfile.TemporaryDirectory(prefix="kvsls", dir="/tmp") as tmp:
         root = Path(tmp)
         socket_path = root / "kv.sock"
-        with _process(_daemon_args(socket_path, capacity_bytes), root / "daemon.log") as daemon, \
+        with child(daemon_args(socket_path, capacity_bytes), root / "daemon.log") as daemon, \
                 Client(f"unix://{socket_path}", retry=NO_RETRY, zero_copy=True) as client:
-            _wait_until(client.health, daemon, root / "daemon.log")
+            wait_until(client.health, daemon, root / "daemon.log")
             server = LMCacheServer(python, case, capacity_bytes, root)
             try:
                 kvstore_side = KVStoreServerSide(case, client)

@@ -472,27 +472,27 @@ def run_policy_bench(trace_files: Sequence[str] = (), quick: bool = False,
 def write_policy_report(report: Any, results: Mapping[str, Any], path: Any = None, *,
                         console: Any = None, command: str | None = None) -> Any:
     """Print the tables, write the JSON (the report plus ``{"traces": ...}``) and a PNG plot of
-    hit rate and TTFT saved beside it."""
+    hit rate and TTFT saved beside it (where matplotlib is installed; else a line says how)."""
     from rich.console import Console
 
-    from kvstore.bench.report import write_report
+    from kvstore.bench.report import print_plot, write_report
 
     console = console or Console()
     target = write_report(report, path, console=console, command=command,
                           extra={"traces": results})
-    png = plot(results, target.with_suffix(".png"))
-    console.print(f"plot written to {png}")
+    print_plot(console, plot(results, target.with_suffix(".png")))
     return target
 
 
 def plot(results: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Any) -> Any:
     """Two panels, a group of bars per trace and tier size, a bar per policy: token hit rate,
-    and mean TTFT saved against recomputing every prompt (ms). Returns the path."""
-    import matplotlib
+    and mean TTFT saved against recomputing every prompt (ms). Returns the path, or None where
+    matplotlib is not installed."""
+    from kvstore.bench.report import pyplot
 
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return None
     names = list(results)
     policies = list(next(iter(results.values()))) if results else []
     xs = np.arange(len(names))

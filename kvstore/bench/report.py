@@ -10,12 +10,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 RESULTS_DIR = Path("bench") / "results"  # relative to where the command runs
+# What a bench prints in place of its PNG where matplotlib (the ``bench`` extra) is missing.
+PLOT_HINT = 'no plot: matplotlib is not installed (pip install "kvstore[bench]" for the PNG)'
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,5 +143,26 @@ def write_report(report: BenchReport, path: str | os.PathLike[str] | None = None
     return target
 
 
-__all__ = ["BenchReport", "Column", "default_path", "environment", "format_cell", "render_table",
-           "render_tables", "write_report"]
+def pyplot() -> ModuleType | None:
+    """matplotlib's pyplot on its file-only Agg backend, or None where matplotlib is not
+    installed (it comes with the ``bench`` extra; the tables and JSON need none of it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def print_plot(console: Console, png: Path | None) -> None:
+    """Say where the plot went, or in one line how to get it."""
+    if png is None:
+        console.print(PLOT_HINT, markup=False)
+    else:
+        console.print(f"plot written to {png}")
+
+
+__all__ = ["PLOT_HINT", "BenchReport", "Column", "default_path", "environment", "format_cell",
+           "print_plot", "pyplot", "render_table", "render_tables", "write_report"]

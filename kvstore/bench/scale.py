@@ -362,15 +362,15 @@ def _report(config: ScaleConfig, rows: list[dict[str, Any]]) -> BenchReport:
 def write_scale_report(report: BenchReport, raw: Mapping[str, Any], path: Any = None, *,
                        console: Any = None, command: str | None = None) -> Path:
     """Print the tables, write the JSON (the report plus the raw samples) and a PNG plot beside
-    it; returns the JSON's path."""
+    it (where matplotlib is installed; else a line says how); returns the JSON's path."""
     from rich.console import Console
 
-    from kvstore.bench.report import write_report
+    from kvstore.bench.report import print_plot, write_report
 
     console = console or Console()
     target = write_report(report, path, console=console, command=command, extra={"raw": raw})
-    png = plot(report.rows, raw.get("fill_stretches", ()), target.with_suffix(".png"))
-    console.print(f"plot written to {png}")
+    print_plot(console, plot(report.rows, raw.get("fill_stretches", ()),
+                             target.with_suffix(".png")))
     return target
 
 
@@ -378,12 +378,12 @@ def plot(rows: Sequence[Mapping[str, Any]], stretches: Sequence[Mapping[str, Any
          path: Any) -> Any:
     """Two panels over blocks stored: p50 and p99 latency per operation (log scales), and the
     fill time per 10k blocks of each stretch of the fill (linear: a linear fill is flat).
-    Returns the path."""
-    import matplotlib
+    Returns the path, or None where matplotlib is not installed."""
+    from kvstore.bench.report import pyplot
 
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return None
     fig, (lat, fill) = plt.subplots(2, 1, figsize=(7.0, 7.0))
     for op in OPS:
         mine = [r for r in rows if r.get("operation") == op and r.get("p50_ms") is not None]

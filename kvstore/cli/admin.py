@@ -206,7 +206,7 @@ def doctor(
 
     Exits 1 if a required check fails; optional ones (CUDA, cupy, ...) only warn.
     """
-    from kvstore.doctor import failed, run_checks
+    from kvstore.cli.doctor import failed, run_checks
 
     cfg = load_config(config)
     checks = run_checks(cfg, address or f"unix://{cfg.server.socket_path}", token)

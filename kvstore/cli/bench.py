@@ -84,7 +84,7 @@ def bench_rpc(
     json_path: JsonPathOpt = None,
 ) -> None:
     """Put/get GB/s and call latency through a fresh daemon, against a bare gRPC echo."""
-    run = load_runner("kvstore.bench.rpc", "run_rpc_bench", "kvstore bench rpc")
+    run = load_runner("kvstore.bench.rpc.run", "run_rpc_bench", "kvstore bench rpc")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"),
                  lookup_repeats=lookup_repeats, small_call_s=small_call_s,
                  concurrency=concurrency), json_path)
@@ -141,11 +141,12 @@ def bench_gpu(
 ) -> None:
     """The GPU path's kernels against device copy and the PCIe link (kvstore.bench.gpu)."""
     if host_overhead:
-        run = load_runner("kvstore.bench.gpu", "run_host_overhead_bench", "kvstore bench gpu")
+        run = load_runner("kvstore.bench.gpu.host", "run_host_overhead_bench",
+                          "kvstore bench gpu")
         _publish(run(repeat=repeat, rounds=rounds,
                      baseline=None if baseline is None else str(baseline)), json_path)
         return
-    run = load_runner("kvstore.bench.gpu", "run_gpu_bench", "kvstore bench gpu")
+    run = load_runner("kvstore.bench.gpu.paths", "run_gpu_bench", "kvstore bench gpu")
     _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), quick=quick,
                  ssd_dir=None if ssd_path is None else str(ssd_path)), json_path)
 

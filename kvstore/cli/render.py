@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from kvstore.doctor import format_bytes
+from kvstore.cli.doctor import format_bytes
 
 if TYPE_CHECKING:
     from kvstore.api import BlockInfo, StoreStats
-    from kvstore.doctor import Check
+    from kvstore.cli.doctor import Check
 
 _TIER_ROWS = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "bytes_written",
               "bytes_read", "evictions", "corrupt", "rejected")

@@ -434,7 +434,7 @@ class Codec(ABC):
 class QuantizedCodec(Codec):
     """A lossy codec whose blob parses into parts (quantised values and scales) that both a
     torch reference and Triton kernels decode: Triton when the target is on CUDA, the
-    reference otherwise. Subclasses supply ``parse`` and the four decoders."""
+    reference otherwise. Subclasses supply ``parse`` and the two decoders."""
 
     @abstractmethod
     def parse(self, blob: bytes | bytearray | memoryview, verify: bool = True
@@ -445,16 +445,8 @@ class QuantizedCodec(Codec):
     def _reference_decode(self, parts: object, dtype: torch.dtype) -> torch.Tensor: ...
 
     @abstractmethod
-    def _reference_decode_paged(self, parts: object, kv_cache: torch.Tensor,
-                                block_table: torch.Tensor) -> None: ...
-
-    @abstractmethod
     def _kernel_decode(self, parts: object, out: torch.Tensor) -> None:
         """Triton decode of device-resident parts into a contiguous ``out``."""
-
-    @abstractmethod
-    def _kernel_decode_paged(self, parts: object, kv_cache: torch.Tensor,
-                             block_table: torch.Tensor) -> None: ...
 
     def decode(self, blob, out=None, verify=True):
         from kvstore.codecs.triton.common import use_triton
@@ -470,18 +462,6 @@ class QuantizedCodec(Codec):
         if target is not out:
             out.copy_(target)
         return out
-
-    def decode_paged(self, blob: bytes | bytearray | memoryview, kv_cache: torch.Tensor,
-                     block_table: torch.Tensor) -> None:
-        """Decode a blob straight into an engine's paged KV cache through its block table."""
-        from kvstore.codecs.triton.common import use_triton
-
-        parts, _, _ = self.parse(blob)
-        if use_triton(kv_cache):
-            self._kernel_decode_paged(parts.to(kv_cache.device), kv_cache, block_table)
-        else:
-            self._reference_decode_paged(parts, kv_cache, block_table)
-
 
 class KVSpecLike:  # structural hint only; codecs read these attributes of a KVSpec
     num_layers: int

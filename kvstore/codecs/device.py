@@ -17,6 +17,7 @@ import torch
 
 from kvstore.codecs import fp8
 from kvstore.codecs.base import pack_blob, unpack_blob
+from kvstore.codecs.parts import section_shapes
 from kvstore.errors import CodecError
 from kvstore.spec import KVSpec
 
@@ -127,7 +128,7 @@ def device_layout(codec: str, spec: KVSpec) -> DeviceLayout:
             raise CodecError(f"{codec} device pages need head_dim a multiple of 8, got "
                              f"{spec.head_dim}")
         group = cls().group_for(spec.block_tokens)
-        shapes = kivi.section_shapes(shape, cls.bits, group)
+        shapes = section_shapes(shape, cls.bits, group)
         dtypes = (torch.uint8, torch.float16, spec.torch_dtype, torch.uint8, torch.float16)
         parts = list(zip(dtypes, shapes))
         codec_id = cls.codec_id

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import struct
 from abc import abstractmethod
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -33,16 +32,19 @@ from kvstore.codecs.base import (
     section_tensor,
     unpack_blob,
 )
-from kvstore.codecs.fp8 import E4M3_MAX
-from kvstore.codecs.triton.common import check_paged_target, scatter_pages_reference, use_triton
+from kvstore.codecs.parts import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SCALE,
+    E8M0_NAN,
+    MX_BLOCK,
+    NV_BLOCK,
+    TENSOR_SCALE_MIN,
+    Fp4Parts,
+)
+from kvstore.codecs.triton.common import use_triton
 from kvstore.errors import CodecError
 
-E2M1_MAX = 6.0
-E4M3_MIN_SCALE = 2.0**-9  # the smallest e4m3 subnormal: no block scale is zero
-TENSOR_SCALE_MIN = 2.0**-126  # smallest normal float32: an all-zero slice keeps a usable scale
-NV_BLOCK = 16
-MX_BLOCK = 32
-E8M0_NAN = 255  # the OCP MX encoding of a NaN scale; marks a block that held NaN/Inf
 E4M3_FIRST_INVALID = 0x7F  # e4m3fn bytes from 0x7F up are NaN or negative: never a block scale
 # Magnitude code c (bits e e m) -> value; c | 8 is the negative value.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -52,33 +54,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
 E2M1_TIES_UP = (0.75, 1.75, 3.5)
 _E2M1_SIGNED = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-
-
-@dataclass(frozen=True, slots=True)
-class Fp4Parts:
-    """The quantised sections of one canonical K/V tensor, on any one device.
-
-    Attributes:
-        packed: uint8 ``[num_layers, 2, num_tokens, num_kv_heads, head_dim // 2]``, element 2i
-            in bits 0-3 and 2i+1 in bits 4-7 of byte i; bit 3 of a nibble is the sign.
-        scales: uint8 ``[..., head_dim // block]``: e4m3fn bits (nvfp4) or the e8m0 biased
-            exponent (mxfp4) of each block's scale.
-        tensor_scales: float32 ``[num_layers, 2]`` for nvfp4, None for mxfp4.
-    """
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    tensor_scales: torch.Tensor | None = None
-
-    def sections(self) -> list[torch.Tensor]:
-        """The blob sections, in blob order."""
-        tail = [] if self.tensor_scales is None else [self.tensor_scales]
-        return [self.packed, self.scales, *tail]
-
-    def to(self, device: torch.device) -> Fp4Parts:
-        """The same parts on ``device`` (a copy unless already there)."""
-        ts = None if self.tensor_scales is None else self.tensor_scales.to(device)
-        return Fp4Parts(self.packed.to(device), self.scales.to(device), ts)
 
 
 def e2m1_codes(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
@@ -185,23 +160,6 @@ def dequantize_reference(parts: Fp4Parts, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(num_layers, two, num_tokens, num_kv_heads, 2 * half_dim).to(dtype)
 
 
-def decode_paged_reference(parts: Fp4Parts, kv_cache: torch.Tensor, block_table: torch.Tensor
-                           ) -> None:
-    """Torch reference of the paged decode of nvfp4 or mxfp4 parts into an engine's cache.
-
-    Token t of the run lands in ``kv_cache[:, :, block_table[t // page_tokens], t %
-    page_tokens]``; pages the table does not name are untouched.
-    """
-    check_paged_target(kv_cache, block_table, _run_shape(parts))
-    run = dequantize_reference(parts.to(kv_cache.device), kv_cache.dtype)
-    scatter_pages_reference(run, kv_cache, block_table)
-
-
-def _run_shape(parts: Fp4Parts) -> tuple[int, int, int, int, int]:
-    *lead, half_dim = parts.packed.shape
-    return (*lead, 2 * half_dim)
-
-
 def _triton_fp4() -> ModuleType | None:
     """The Triton kernels module, or None where triton cannot be imported."""
     try:
@@ -283,14 +241,8 @@ class _Fp4Codec(QuantizedCodec):
     def _reference_decode(self, parts: Fp4Parts, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_reference(parts, dtype)
 
-    def _reference_decode_paged(self, parts: Fp4Parts, kv_cache, block_table) -> None:
-        decode_paged_reference(parts, kv_cache, block_table)
-
     def _kernel_decode(self, parts: Fp4Parts, out: torch.Tensor) -> None:
         getattr(_triton_fp4(), f"{self.name}_decode")(parts, out)
-
-    def _kernel_decode_paged(self, parts: Fp4Parts, kv_cache, block_table) -> None:
-        getattr(_triton_fp4(), f"decode_paged_{self.name}")(parts, kv_cache, block_table)
 
     def bytes_per_element(self, spec) -> float:
         numel = spec.num_layers * 2 * spec.block_tokens * spec.num_kv_heads * spec.head_dim

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import torch
 
@@ -15,17 +14,10 @@ from kvstore.codecs.base import (
     section_tensor,
     unpack_blob,
 )
-from kvstore.codecs.triton.common import (
-    check_finite,
-    check_paged_target,
-    scatter_pages_reference,
-    use_triton,
-)
+from kvstore.codecs.parts import E4M3_MAX, MIN_SCALE, Fp8Parts
+from kvstore.codecs.triton.common import check_finite, use_triton
 from kvstore.errors import CodecError
 
-E4M3_MAX = 448.0  # largest finite float8 e4m3fn value; codes saturate here, never NaN
-# Scales are clamped up to the smallest normal float32 so 1/scale stays finite on all-zero rows.
-MIN_SCALE = 2.0**-126
 FORMAT_VERSION = 1
 # Scale layout 1 = per (token, kv head) for both K and V. Chosen by measurement on K with
 # outlier channels (x20): relative L2 error 0.0171 against 0.0240 for per (channel, 32-token
@@ -34,21 +26,6 @@ SCALE_PER_TOKEN_HEAD = 1
 _PARAMS = struct.Struct("<BB")  # format version, scale layout
 PARAMS = _PARAMS.pack(FORMAT_VERSION, SCALE_PER_TOKEN_HEAD)
 NUM_SECTIONS = 2
-
-
-@dataclass(frozen=True, slots=True)
-class Fp8Parts:
-    """The quantised sections of one run.
-
-    ``codes``: uint8 ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``, e4m3fn bit patterns.
-    ``scales``: bf16 ``[num_layers, 2, num_tokens, num_kv_heads]``; value = code * scale.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-    def to(self, device: torch.device) -> Fp8Parts:
-        return Fp8Parts(self.codes.to(device), self.scales.to(device))
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -79,17 +56,6 @@ def decode_fp8_reference(parts: Fp8Parts, dtype: torch.dtype) -> torch.Tensor:
     return (values * parts.scales.float().unsqueeze(-1)).to(dtype)
 
 
-def decode_paged_fp8_reference(
-    parts: Fp8Parts, kv_cache: torch.Tensor, block_table: torch.Tensor
-) -> None:
-    """Torch reference of ``decode_paged_fp8``: decode the run into the pages of ``kv_cache``.
-
-    Token t lands in ``kv_cache[:, :, block_table[t // page_tokens], t % page_tokens]``.
-    """
-    check_paged_target(kv_cache, block_table, tuple(parts.codes.shape))
-    scatter_pages_reference(decode_fp8_reference(parts, kv_cache.dtype), kv_cache, block_table)
-
-
 class Fp8E4M3Codec(QuantizedCodec):
     """float8 e4m3 with a bf16 scale per (token, kv head): about 1 + 2/head_dim bytes/element.
 
@@ -117,18 +83,10 @@ class Fp8E4M3Codec(QuantizedCodec):
     def _reference_decode(self, parts: Fp8Parts, dtype: torch.dtype) -> torch.Tensor:
         return decode_fp8_reference(parts, dtype)
 
-    def _reference_decode_paged(self, parts: Fp8Parts, kv_cache, block_table) -> None:
-        decode_paged_fp8_reference(parts, kv_cache, block_table)
-
     def _kernel_decode(self, parts: Fp8Parts, out: torch.Tensor) -> None:
         from kvstore.codecs.triton.fp8 import decode_fp8
 
         decode_fp8(parts, out)
-
-    def _kernel_decode_paged(self, parts: Fp8Parts, kv_cache, block_table) -> None:
-        from kvstore.codecs.triton.fp8 import decode_paged_fp8
-
-        decode_paged_fp8(parts, kv_cache, block_table)
 
     def parse(self, blob, verify: bool = True) -> tuple[Fp8Parts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""

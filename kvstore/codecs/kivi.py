@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import torch
 
@@ -15,12 +14,8 @@ from kvstore.codecs.base import (
     section_tensor,
     unpack_blob,
 )
-from kvstore.codecs.triton.common import (
-    check_finite,
-    check_paged_target,
-    scatter_pages_reference,
-    use_triton,
-)
+from kvstore.codecs.parts import GROUP_SIZES, KiviParts, section_shapes
+from kvstore.codecs.triton.common import check_finite, use_triton
 from kvstore.errors import CodecError
 
 FORMAT_VERSION = 1
@@ -28,56 +23,6 @@ _PARAMS = struct.Struct("<BBH")  # format version, bits, group size
 NUM_SECTIONS = 5  # K codes, K scale/zero, K residual, V codes, V scale/zero
 META_BYTES = 4  # fp16 scale + fp16 zero point per group
 FP16_MAX = 65504.0  # scales and zero points are fp16, so inputs must fit its range
-GROUP_SIZES = (4, 8, 16, 32, 64, 128, 256)  # powers of two: kernel tiles need them
-
-
-@dataclass(frozen=True, slots=True)
-class KiviParts:
-    """The sections of one run of ``T`` tokens, ``Tq = (T // g) * g`` of them quantised in K.
-
-    K (groups of g tokens per channel): ``k_codes`` uint8 ``[L, Tq, H, D * bits / 8]``,
-    ``k_meta`` fp16 ``[L, Tq / g, 2, H * D]`` (scales, then zero points) and ``k_residual``
-    ``[L, T - Tq, H, D]`` in the input dtype. V (groups of g channels per token): ``v_codes``
-    uint8 ``[L, T, H, D * bits / 8]``, ``v_meta`` fp16 ``[L, T, 2, H * D / g]``.
-    Value = code * scale + zero; codes packed low bits first (element 2i in the low nibble).
-    """
-
-    bits: int
-    group_size: int
-    k_codes: torch.Tensor
-    k_meta: torch.Tensor
-    k_residual: torch.Tensor
-    v_codes: torch.Tensor
-    v_meta: torch.Tensor
-
-    def to(self, device: torch.device) -> KiviParts:
-        move = [t.to(device) for t in self.tensors()]
-        return KiviParts(self.bits, self.group_size, *move)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k_codes, self.k_meta, self.k_residual, self.v_codes, self.v_meta]
-
-
-def section_shapes(shape: tuple[int, ...], bits: int, group_size: int) -> list[tuple[int, ...]]:
-    """Shapes of the five sections for a run of canonical ``shape``; CodecError if unsupported."""
-    if len(shape) != 5 or shape[1] != 2:
-        raise CodecError(f"expected shape [num_layers, 2, tokens, heads, dim], got {tuple(shape)}")
-    if bits not in (2, 4) or group_size not in GROUP_SIZES:
-        raise CodecError(f"unsupported int{bits} group size {group_size}; use one of {GROUP_SIZES}")
-    layers, _, tokens, heads, dim = shape
-    if dim % group_size:
-        raise CodecError(
-            f"head_dim {dim} is not a multiple of group_size {group_size}: V groups span channels"
-        )
-    full = tokens // group_size * group_size
-    packed = dim * bits // 8
-    return [
-        (layers, full, heads, packed),
-        (layers, tokens // group_size, 2, heads * dim),
-        (layers, tokens - full, heads, dim),
-        (layers, tokens, heads, packed),
-        (layers, tokens, 2, heads * dim // group_size),
-    ]
 
 
 def group_params(low: torch.Tensor, high: torch.Tensor, bits: int
@@ -157,20 +102,6 @@ def decode_kivi_reference(parts: KiviParts, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def run_shape(parts: KiviParts) -> tuple[int, int, int, int, int]:
-    """The canonical shape of the run the sections hold."""
-    layers, tokens, heads, _ = parts.v_codes.shape
-    return (layers, 2, tokens, heads, parts.k_residual.shape[-1])
-
-
-def decode_paged_kivi_reference(parts: KiviParts, kv_cache: torch.Tensor,
-                                block_table: torch.Tensor) -> None:
-    """Torch reference of ``decode_paged_kivi``: token t lands in page
-    ``block_table[t // page_tokens]``, slot ``t % page_tokens``; other pages stay untouched."""
-    check_paged_target(kv_cache, block_table, run_shape(parts))
-    scatter_pages_reference(decode_kivi_reference(parts, kv_cache.dtype), kv_cache, block_table)
-
-
 class KiviCodec(QuantizedCodec):
     """KIVI-style asymmetric integer codec; ``Int4Codec`` and ``Int2Codec`` fix the bit width.
 
@@ -218,18 +149,10 @@ class KiviCodec(QuantizedCodec):
     def _reference_decode(self, parts: KiviParts, dtype: torch.dtype) -> torch.Tensor:
         return decode_kivi_reference(parts, dtype)
 
-    def _reference_decode_paged(self, parts: KiviParts, kv_cache, block_table) -> None:
-        decode_paged_kivi_reference(parts, kv_cache, block_table)
-
     def _kernel_decode(self, parts: KiviParts, out: torch.Tensor) -> None:
         from kvstore.codecs.triton.kivi import decode_kivi
 
         decode_kivi(parts, out)
-
-    def _kernel_decode_paged(self, parts: KiviParts, kv_cache, block_table) -> None:
-        from kvstore.codecs.triton.kivi import decode_paged_kivi
-
-        decode_paged_kivi(parts, kv_cache, block_table)
 
     def parse(self, blob, verify: bool = True) -> tuple[KiviParts, torch.dtype, tuple[int, ...]]:
         """Verify a blob and view its sections as CPU tensors (valid while the blob lives)."""

@@ -68,7 +68,7 @@ def test_gpu_host_overhead_bench_runs_on_the_cpu_twin():
     loads checked against the ones saved (it raises otherwise)."""
     import torch
 
-    from kvstore.bench.gpu import run_host_overhead_bench
+    from kvstore.bench.gpu.host import run_host_overhead_bench
     from kvstore.codecs.triton.common import kernels_runnable
 
     if not kernels_runnable(torch.device("cuda:0" if torch.cuda.is_available() else "cpu")):

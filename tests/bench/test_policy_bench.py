@@ -3,7 +3,9 @@ and a simulated chain that keeps the store's placement rules."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ from typer.testing import CliRunner
 
 from kvstore.bench import traces
 from kvstore.bench.policy import POLICIES, SimConfig, Simulator, simulate, working_set_bytes
+from kvstore.bench.report import PLOT_HINT
 from kvstore.cli import app
 from kvstore.errors import InvalidArgument
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_bench_policy_writes_every_trace_and_policy(tmp_path: Path) -> None:
@@ -39,11 +44,26 @@ def test_bench_policy_writes_every_trace_and_policy(tmp_path: Path) -> None:
     no_reuse = document["traces"]["no-reuse/tight"]
     assert all(s["hit_rate"] == 0 for s in no_reuse.values())
     png = out.with_suffix(".png")
+    if not HAS_MATPLOTLIB:  # the bench extra is not installed: the table and JSON only
+        assert PLOT_HINT in result.stdout and not png.exists()
+        return
     assert f"plot written to {png}" in result.stdout.replace("\n", "")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"  # a PNG, not a stub
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert width >= 600 and height >= 600
+
+
+def test_bench_policy_without_matplotlib_says_how_to_get_the_plot(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    out = tmp_path / "policy.json"
+    result = CliRunner().invoke(app, ["bench", "policy", "--quick", "--json", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["bench"] == "policy"
+    assert PLOT_HINT in result.stdout and 'pip install "kvstore[bench]"' in result.stdout
+    assert not out.with_suffix(".png").exists()
 
 
 def test_a_mooncake_file_is_replayed_under_its_own_name(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.bench.rpc import python_lookup_floor, redis_available, run_rpc_bench
+from kvstore.bench.rpc.common import python_lookup_floor
+from kvstore.bench.rpc.run import redis_available, run_rpc_bench
 from kvstore.errors import InvalidArgument
 
 

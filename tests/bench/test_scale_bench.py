@@ -3,11 +3,13 @@ operation at every size, its ratio to the first size, and the fill time."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 from typer.testing import CliRunner
 
+from kvstore.bench.report import PLOT_HINT
 from kvstore.bench.scale import OPS, ScaleConfig, parse_sizes, run_scale_bench
 from kvstore.cli import app
 from kvstore.errors import InvalidArgument
@@ -42,6 +44,9 @@ def test_scale_bench_cli_writes_json_and_png(tmp_path):
     assert all(s["fill_s_per_10k"] > 0 for s in stretches)
     assert len(doc["raw"]["sizes"]["160"]["latency_ms"]["lookup_daemon"]) == 3
     png = out.with_suffix(".png")
+    if importlib.util.find_spec("matplotlib") is None:  # no bench extra: no plot, a hint
+        assert PLOT_HINT in result.stdout and not png.exists()
+        return
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -52,9 +52,9 @@ def test_bench_rpc_passes_its_options(monkeypatch, tmp_path: Path) -> None:
         return BenchReport(name="rpc", title="rpc", columns=(Column("value", "value"),),
                            rows=({"value": 1.5},))
 
-    fake = types.ModuleType("kvstore.bench.rpc")
+    fake = types.ModuleType("kvstore.bench.rpc.run")
     fake.run_rpc_bench = run_rpc_bench  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvstore.bench.rpc", fake)
+    monkeypatch.setitem(sys.modules, "kvstore.bench.rpc.run", fake)
     out = tmp_path / "rpc.json"
     result = invoke("bench", "rpc", "--total-bytes", "64MiB", "--concurrency", "4",
                     "--json", str(out))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvstore.codecs.device import SECTION_ALIGN, device_layout
-from kvstore.codecs.fp8 import Fp8Parts, decode_fp8_reference, encode_fp8_reference
+from kvstore.codecs.fp8 import decode_fp8_reference, encode_fp8_reference
+from kvstore.codecs.parts import Fp8Parts
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.errors import CodecError, InvalidArgument
 from kvstore.spec import ENGINE_LAYOUTS, EngineLayout, KVSpec
@@ -173,11 +174,11 @@ def test_bad_inputs_name_what_is_wrong():
 @pytest.mark.parametrize("host", [False, True])  # True: the wide loads for host pages
 def test_fp4_pages_decode_into_the_engine(codec, dtype, head_dim, host):
     from kvstore.codecs.fp4 import (
-        Fp4Parts,
         dequantize_reference,
         mxfp4_quantize_reference,
         nvfp4_quantize_reference,
     )
+    from kvstore.codecs.parts import Fp4Parts
     from kvstore.codecs.triton.engine import page_tensors, to_engine
 
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_tokens=4, dtype=dtype)
@@ -214,12 +215,11 @@ def test_fp4_saves_encode_each_block_as_the_reference(codec, name, dtype, head_d
     encoding of each block (nvfp4's tensor scale from that block's slab); a slab holding NaN
     marks its tensor scale (nvfp4) or its block's scale (mxfp4); the pages decode back."""
     from kvstore.codecs.fp4 import (
-        E8M0_NAN,
-        Fp4Parts,
         dequantize_reference,
         mxfp4_quantize_reference,
         nvfp4_quantize_reference,
     )
+    from kvstore.codecs.parts import E8M0_NAN, Fp4Parts
     from kvstore.codecs.triton.engine import from_engine, page_tensors, to_engine
 
     spec = KVSpec(num_layers=2, num_kv_heads=heads, head_dim=head_dim,

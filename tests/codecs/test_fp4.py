@@ -169,42 +169,6 @@ def test_kernel_decode_matches_reference(name, dtype, seed):
     assert got is out and torch.equal(got.cpu(), want), f"seed {seed}"
 
 
-def paged_case(seed: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(seed)
-    page_tokens, num_pages = 4, 7
-    table = torch.randperm(num_pages, generator=g)[:3].to(torch.int32)
-    x = make_kv(seed, shape=(2, 2, 3 * page_tokens, 2, 64), dtype=dtype)
-    cache = torch.randn(2, 2, num_pages, page_tokens, 2, 64, generator=g).to(dtype)
-    return x, cache, table
-
-
-@pytest.mark.parametrize("name", FORMATS)
-def test_paged_reference_writes_named_pages_only(name, seed):
-    x, cache, table = paged_case(seed, torch.bfloat16)
-    before = cache.clone()
-    parts = REFERENCES[name](x)
-    fp4.decode_paged_reference(parts, cache, table)
-    run = fp4.dequantize_reference(parts, torch.bfloat16).reshape(2, 2, 3, 4, 2, 64)
-    for block, page in enumerate(table.tolist()):
-        assert torch.equal(cache[:, :, page], run[:, :, block]), f"seed {seed}"
-    others = [p for p in range(cache.shape[2]) if p not in table.tolist()]
-    assert torch.equal(cache[:, :, others], before[:, :, others])
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", FORMATS)
-def test_kernel_paged_decode_matches_reference(name, dtype, seed):
-    x, cache, table = paged_case(seed, dtype)
-    parts = REFERENCES[name](x)
-    want = cache.clone()
-    fp4.decode_paged_reference(parts, want, table)
-    got = cache.to(DEVICE)
-    getattr(kernels(), f"decode_paged_{name}")(parts.to(torch.device(DEVICE)), got,
-                                                table.to(DEVICE))
-    assert torch.equal(got.cpu(), want), f"seed {seed}"  # untouched pages included
-
-
 @needs_kernels
 def test_kernel_wrappers_reject_bad_arguments():
     k = kernels()
@@ -220,11 +184,6 @@ def test_kernel_wrappers_reject_bad_arguments():
         k.mxfp4_decode(parts, torch.empty_like(x))
     with pytest.raises(CodecError, match="shape"):
         k.nvfp4_decode(parts, torch.empty(2, 2, 8, 2, 32, device=DEVICE))
-    cache = torch.zeros(2, 2, 3, 4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(CodecError, match="block_table entries"):
-        k.decode_paged_nvfp4(parts, cache, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(CodecError, match="block_table holds"):
-        k.decode_paged_nvfp4(parts, cache, torch.tensor([0], dtype=torch.int32, device=DEVICE))
 
 
 @needs_kernels
@@ -325,16 +284,6 @@ def test_codec_round_trip_through_registry(name, dtype, seed):
     assert torch.equal(y, fp4.dequantize_reference(REFERENCES[base](x), dtype))
     out = torch.empty(x.transpose(0, 2).shape, dtype=dtype).transpose(0, 2)  # strided target
     assert codec.decode(blob, out=out) is out and torch.equal(out, y)
-
-
-@pytest.mark.parametrize("name", FORMATS)
-def test_codec_decode_paged_on_cpu(name, seed):
-    x, cache, table = paged_case(seed, torch.bfloat16)
-    want = cache.clone()
-    codec = codecs.get(name)
-    fp4.decode_paged_reference(REFERENCES[name](x), want, table)
-    codec.decode_paged(codec.encode(x), cache, table)
-    assert torch.equal(cache, want)
 
 
 @pytest.mark.parametrize("name", FORMATS)

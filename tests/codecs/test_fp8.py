@@ -13,11 +13,10 @@ from kvstore.codecs.base import framing_bytes, pack_blob
 from kvstore.codecs.fp8 import (
     PARAMS,
     Fp8E4M3Codec,
-    Fp8Parts,
     decode_fp8_reference,
-    decode_paged_fp8_reference,
     encode_fp8_reference,
 )
+from kvstore.codecs.parts import Fp8Parts
 from kvstore.codecs.triton.common import HAS_TRITON, interpreter_enabled
 from kvstore.errors import CodecError
 from kvstore.spec import KVSpec
@@ -205,34 +204,6 @@ def test_registry_chain_and_any_decoder():
         assert torch.equal(out, Fp8E4M3Codec().decode(codecs.get("fp8_e4m3").encode(kv)))
 
 
-def _paged_setup(layers=2, heads=2, dim=32, page_tokens=4, num_blocks=3, num_pages=7,
-                 device="cpu"):
-    kv = torch.randn(layers, 2, num_blocks * page_tokens, heads, dim)
-    cache = torch.full((layers, 2, num_pages, page_tokens, heads, dim), -7.0,
-                       dtype=torch.bfloat16, device=device)
-    table = torch.randperm(num_pages)[:num_blocks].to(torch.int32).to(device)
-    return kv.to(device), cache, table
-
-
-def test_paged_reference_and_codec_decode_paged():
-    kv, cache, table = _paged_setup()
-    codec = Fp8E4M3Codec()
-    blob = codec.encode(kv)
-    codec.decode_paged(blob, cache, table)
-    run = codec.decode(blob).to(torch.bfloat16)
-    for block, page in enumerate(table.tolist()):
-        assert torch.equal(cache[:, :, page], run[:, :, 4 * block:4 * block + 4])
-    untouched = sorted(set(range(7)) - set(table.tolist()))
-    assert bool((cache[:, :, untouched] == -7.0).all()), "pages not in the table were written"
-    with pytest.raises(CodecError, match="block_table entries"):
-        bad_table = torch.tensor([0, 1, 7], dtype=torch.int32)
-        decode_paged_fp8_reference(encode_fp8_reference(kv), cache, bad_table)
-    with pytest.raises(CodecError, match="block_table holds"):
-        codec.decode_paged(blob, cache, table[:2])
-    with pytest.raises(CodecError, match="int32"):
-        codec.decode_paged(blob, cache, table.long())
-
-
 # ---- Triton kernels against the reference (the interpreter on CPU, the real thing on CUDA) ----
 
 
@@ -273,27 +244,8 @@ def test_decode_kernel_matches_reference(dtype, seed):
 
 
 @needs_kernels
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_paged_decode_kernel(cache_dtype, seed):
-    from kvstore.codecs.triton.fp8 import decode_paged_fp8
-
-    kv, cache, table = _paged_setup(device=DEVICE, page_tokens=5, num_blocks=3, num_pages=8)
-    cache = cache.to(cache_dtype)
-    expected = cache.cpu().clone()
-    parts = encode_fp8_reference(kv.cpu())
-    decode_paged_fp8_reference(parts, expected, table.cpu())
-    decode_paged_fp8(parts.to(torch.device(DEVICE)), cache, table)
-    untouched = sorted(set(range(8)) - set(table.tolist()))
-    assert bool((cache[:, :, untouched] == -7.0).all()), "pages not in the table were written"
-    if DEVICE == "cuda":
-        assert torch.equal(cache.cpu(), expected), f"seed {seed}"
-    else:
-        assert_within_one_ulp(cache, expected)
-
-
-@needs_kernels
 def test_kernel_wrappers_reject_bad_arguments(monkeypatch):
-    from kvstore.codecs.triton.fp8 import decode_fp8, decode_paged_fp8, encode_fp8
+    from kvstore.codecs.triton.fp8 import decode_fp8, encode_fp8
 
     kv = torch.randn(1, 2, 4, 2, 16, device=DEVICE)
     parts = encode_fp8(kv)
@@ -305,12 +257,6 @@ def test_kernel_wrappers_reject_bad_arguments(monkeypatch):
         decode_fp8(Fp8Parts(parts.codes, parts.scales[:, :, :2]), torch.empty_like(kv))
     with pytest.raises(CodecError, match="out: shape"):
         decode_fp8(parts, torch.empty(1, 2, 4, 2, 8, device=DEVICE))
-    cache = torch.zeros(1, 2, 3, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(CodecError, match="block_table entries"):
-        decode_paged_fp8(parts, cache, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(CodecError, match="kv_cache shape"):
-        table = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
-        decode_paged_fp8(parts, cache[..., :8].contiguous(), table)
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(CodecError, match="cannot run"):

@@ -14,15 +14,14 @@ from kvstore.codecs.base import framing_bytes, pack_blob
 from kvstore.codecs.kivi import (
     Int2Codec,
     Int4Codec,
-    KiviParts,
     decode_kivi_reference,
-    decode_paged_kivi_reference,
     encode_kivi_reference,
     group_params,
     pack,
     quantize,
     unpack,
 )
+from kvstore.codecs.parts import KiviParts
 from kvstore.codecs.triton.common import HAS_TRITON, interpreter_enabled
 from kvstore.errors import CodecError
 from kvstore.spec import KVSpec
@@ -254,27 +253,6 @@ def test_bad_inputs_and_blobs():
         codec.decode(pack_blob(5, kv.dtype, shape, struct.pack("<BBH", 1, 4, 32), sections[:4]))
 
 
-def _paged_setup(page_tokens=6, num_blocks=4, num_pages=9, device="cpu", dtype=torch.bfloat16):
-    kv = torch.randn(2, 2, num_blocks * page_tokens, 2, 32)  # 24 tokens: 16 quantised + 8 residual
-    cache = torch.full((2, 2, num_pages, page_tokens, 2, 32), -7.0, dtype=dtype, device=device)
-    table = torch.randperm(num_pages)[:num_blocks].to(torch.int32).to(device)
-    return kv, cache, table
-
-
-def test_paged_reference_and_codec_decode_paged():
-    kv, cache, table = _paged_setup()
-    codec = Int4Codec(group_size=16)
-    blob = codec.encode(kv)
-    codec.decode_paged(blob, cache, table)
-    run = codec.decode(blob).to(torch.bfloat16)
-    for block, page in enumerate(table.tolist()):
-        assert torch.equal(cache[:, :, page], run[:, :, 6 * block:6 * block + 6])
-    untouched = sorted(set(range(9)) - set(table.tolist()))
-    assert bool((cache[:, :, untouched] == -7.0).all()), "pages not in the table were written"
-    with pytest.raises(CodecError, match="block_table holds"):
-        codec.decode_paged(blob, cache, table[:3])
-
-
 # ---- Triton kernels against the reference (the interpreter on CPU, the real thing on CUDA) ----
 
 
@@ -316,24 +294,8 @@ def _assert_close_to(actual: torch.Tensor, expected: torch.Tensor, seed: int) ->
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_paged_decode_kernel(bits, cache_dtype, seed):
-    from kvstore.codecs.triton.kivi import decode_paged_kivi
-
-    kv, cache, table = _paged_setup(device=DEVICE, dtype=cache_dtype)
-    parts = encode_kivi_reference(kv.to(cache_dtype), bits, 16)
-    expected = cache.cpu().clone()
-    decode_paged_kivi_reference(parts, expected, table.cpu())
-    decode_paged_kivi(parts.to(torch.device(DEVICE)), cache, table)
-    untouched = sorted(set(range(9)) - set(table.tolist()))
-    assert bool((cache[:, :, untouched] == -7.0).all()), "pages not in the table were written"
-    _assert_close_to(cache.cpu(), expected, seed)
-
-
-@needs_kernels
 def test_kernel_wrappers_reject_bad_arguments():
-    from kvstore.codecs.triton.kivi import decode_kivi, decode_paged_kivi, encode_kivi
+    from kvstore.codecs.triton.kivi import decode_kivi, encode_kivi
 
     kv = torch.randn(1, 2, 16, 2, 16, device=DEVICE)
     with pytest.raises(CodecError, match="contiguous"):
@@ -347,12 +309,6 @@ def test_kernel_wrappers_reject_bad_arguments():
         decode_kivi(bad, torch.empty_like(kv))
     with pytest.raises(CodecError, match="out: shape"):
         decode_kivi(parts, torch.empty(1, 2, 15, 2, 16, device=DEVICE))
-    cache = torch.zeros(1, 2, 4, 8, 2, 16, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(CodecError, match="block_table entries"):
-        decode_paged_kivi(parts, cache, torch.tensor([-1, 2], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(CodecError, match="kv_cache: must be contiguous"):
-        table = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
-        decode_paged_kivi(parts, cache.float(), table)
 
 
 @pytest.mark.gpu

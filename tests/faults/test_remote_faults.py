@@ -16,9 +16,9 @@ import pytest
 import redis
 import torch
 
+from kvstore.cli.doctor import check_remote
 from kvstore.client import Client
 from kvstore.config import KVStoreConfig, RemoteConfig
-from kvstore.doctor import check_remote
 from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
 from kvstore.tiers.remote import tenant_tag

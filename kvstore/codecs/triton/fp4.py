@@ -1,4 +1,4 @@
-"""Triton kernels of the nvfp4 and mxfp4 codecs: encode, decode, paged decode and a benchmark.
+"""Triton kernels of the nvfp4 and mxfp4 codecs: encode and decode.
 
 The kernels produce the bytes of the torch references in ``kvstore.codecs.fp4`` exactly. Every
 rounding step is integer arithmetic or a correctly rounded float operation (``div_rn``,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.codecs.fp4 import (
+from kvstore.codecs.parts import (
     E2M1_MAX,
     E4M3_MAX,
     E4M3_MIN_SCALE,
@@ -22,10 +22,8 @@ from kvstore.codecs.fp4 import (
     Fp4Parts,
 )
 from kvstore.codecs.triton.common import (
-    check_paged_target,
     check_same_device,
     check_tensor,
-    copy_gbps,
     interpreter_enabled,
     on_device,
     tl,
@@ -39,8 +37,8 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WORDS = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Tuned by sweeps on an NVIDIA H200 (triton 3.6, 2026-11-29) over a 1 GiB bf16 tensor as in
-# benchmark(), against a 4.22 TB/s device copy: the kernels are ALU-bound, so few warps with
-# many elements each win.
+# kvstore.bench.kernels, against a 4.22 TB/s device copy: the kernels are ALU-bound, so few
+# warps with many elements each win.
 AMAX_ELEMENTS = 16384  # elements per program of nvfp4's slice-amax pass: 3.9 TB/s
 AMAX_WARPS = 4
 # (scale blocks per program, warps): encode nvfp4 1.89 TB/s (both passes), mxfp4 3.06 TB/s;
@@ -376,83 +374,7 @@ def mxfp4_decode(parts: Fp4Parts, out: torch.Tensor) -> torch.Tensor:
     return _decode(parts, out, MX_BLOCK, "mxfp4_decode")
 
 
-def _decode_paged(parts: Fp4Parts, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  block: int, name: str) -> None:
-    shape = _check_parts(parts, block, name)
-    page_tokens = check_paged_target(kv_cache, block_table, shape)
-    check_tensor(kv_cache, f"{name} kv_cache", (torch.bfloat16, torch.float16), ndim=6)
-    check_same_device(packed=parts.packed, kv_cache=kv_cache)
-    _launch_decode(parts, block, kv_cache, block_table.numel(), page_tokens, block_table)
-
-
-def decode_paged_nvfp4(parts: Fp4Parts, kv_cache: torch.Tensor, block_table: torch.Tensor
-                       ) -> None:
-    """Decode an nvfp4 run straight into an engine's paged cache.
-
-    Args:
-        parts: nvfp4 parts of a run of ``num_blocks * page_tokens`` tokens, on kv_cache's device.
-        kv_cache: contiguous ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``
-            bf16/fp16; token t lands in page ``block_table[t // page_tokens]``, slot
-            ``t % page_tokens``; other pages are untouched.
-        block_table: int32 ``[num_blocks]``, entries in ``[0, num_pages)`` (checked: one sync).
-    """
-    _decode_paged(parts, kv_cache, block_table, NV_BLOCK, "decode_paged_nvfp4")
-
-
-def decode_paged_mxfp4(parts: Fp4Parts, kv_cache: torch.Tensor, block_table: torch.Tensor
-                       ) -> None:
-    """Decode an mxfp4 run straight into an engine's paged cache (as ``decode_paged_nvfp4``)."""
-    _decode_paged(parts, kv_cache, block_table, MX_BLOCK, "decode_paged_mxfp4")
-
-
-def _bench_codec(name: str, x: torch.Tensor, copy: float) -> list[dict]:
-    """Rows for one codec: encode, decode and paged decode (16-token pages, shuffled table)."""
-    from triton.testing import do_bench
-
-    encode, decode = globals()[f"{name}_encode"], globals()[f"{name}_decode"]
-    paged = globals()[f"decode_paged_{name}"]
-    parts = encode(x)
-    moved = x.numel() * x.element_size() + sum(t.numel() * t.element_size()
-                                               for t in parts.sections())
-    out = torch.empty_like(x)
-    num_layers, _, num_tokens, num_kv_heads, head_dim = x.shape
-    page_tokens = 16
-    num_blocks = num_tokens // page_tokens  # benchmark() makes num_tokens a multiple of 16
-    cache = torch.empty(num_layers, 2, num_blocks, page_tokens, num_kv_heads, head_dim,
-                        dtype=x.dtype, device=x.device)
-    table = torch.randperm(num_blocks, device=x.device).to(torch.int32)
-    ops = {"encode": lambda: encode(x), "decode": lambda: decode(parts, out),
-           "decode_paged": lambda: paged(parts, cache, table)}
-    rows = []
-    for op, fn in ops.items():
-        gbps = moved / (do_bench(fn, return_mode="median") * 1e6)
-        rows.append({"codec": name, "op": op, "gbps": gbps, "copy_gbps": copy,
-                     "ratio": gbps / copy})
-    return rows
-
-
-def benchmark(nbytes: int = 1 << 30) -> list[dict]:
-    """Encode, decode and paged-decode GB/s (bytes read + written) of nvfp4 and mxfp4 on a
-    bf16 canonical tensor of about ``nbytes`` on CUDA (32 layers, 8 kv heads, head_dim 128),
-    with a device-to-device copy of it measured in the same run.
-
-    Returns:
-        Rows ``{"codec", "op", "gbps", "copy_gbps", "ratio"}``; ratio = gbps / copy_gbps.
-    """
-    if not torch.cuda.is_available():
-        raise CodecError("fp4 benchmark needs a CUDA device")
-    num_layers, num_kv_heads, head_dim = 32, 8, 128
-    num_tokens = max(16, nbytes // (2 * num_layers * 2 * num_kv_heads * head_dim) // 16 * 16)
-    x = torch.randn(num_layers, 2, num_tokens, num_kv_heads, head_dim, device="cuda",
-                    dtype=torch.bfloat16)
-    copy = copy_gbps(x)
-    return [row for name in ("nvfp4", "mxfp4") for row in _bench_codec(name, x, copy)]
-
-
 __all__ = [
-    "benchmark",
-    "decode_paged_mxfp4",
-    "decode_paged_nvfp4",
     "mxfp4_decode",
     "mxfp4_encode",
     "nvfp4_decode",

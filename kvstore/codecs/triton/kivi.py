@@ -1,4 +1,4 @@
-"""Triton kernels of the int4/int2 KIVI codecs: encode K and V, decode (paged or not)."""
+"""Triton kernels of the int4/int2 KIVI codecs: encode K and V, and decode them."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.codecs.kivi import KiviParts, run_shape, section_shapes
+from kvstore.codecs.parts import KiviParts, run_shape, section_shapes
 from kvstore.codecs.triton.common import (
-    benchmark_kv,
-    check_paged_target,
     check_same_device,
     check_tensor,
-    copy_gbps,
     on_device,
 )
 from kvstore.errors import CodecError
@@ -283,55 +280,3 @@ def decode_kivi(parts: KiviParts, out: torch.Tensor) -> torch.Tensor:
     table = torch.zeros(1, dtype=torch.int32, device=out.device)
     _launch_decode(parts, out, table, max(shape[2], 1), out[0, 0].numel())
     return out
-
-
-def decode_paged_kivi(parts: KiviParts, kv_cache: torch.Tensor, block_table: torch.Tensor) -> None:
-    """Dequantise a stored run straight into an engine's paged KV cache.
-
-    Args:
-        parts: sections of a run of ``num_blocks * page_tokens`` tokens, on kv_cache's device.
-        kv_cache: ``[num_layers, 2, num_pages, page_tokens, num_kv_heads, head_dim]``, bf16/fp16.
-        block_table: int32 ``[num_blocks]``, distinct page indices; token t lands in page
-            ``block_table[t // page_tokens]``, slot ``t % page_tokens``. Other pages are untouched.
-    """
-    shape = _check_parts(parts)
-    page_tokens = check_paged_target(kv_cache, block_table, shape)
-    check_tensor(kv_cache, "kv_cache", (torch.bfloat16, torch.float16), ndim=6)
-    check_same_device(k_codes=parts.k_codes, kv_cache=kv_cache, block_table=block_table)
-    _launch_decode(parts, kv_cache, block_table, page_tokens, kv_cache[0, 0].numel())
-
-
-def benchmark(nbytes: int = 1 << 30) -> list[dict]:
-    """Encode/decode rates of int4 and int2 (group 32) on a bf16 run of ``nbytes`` on CUDA.
-
-    Rates count bytes read plus bytes written. Rows: codec, op, gbps, copy_gbps, ratio.
-    """
-    if not torch.cuda.is_available():
-        raise CodecError("benchmark needs a CUDA device")
-    kv = benchmark_kv(nbytes)
-    copy = copy_gbps(kv)
-    return [row for name, bits in (("int4", 4), ("int2", 2))
-            for row in _benchmark_codec(name, bits, kv, copy)]
-
-
-def _benchmark_codec(name: str, bits: int, kv: torch.Tensor, copy: float) -> list[dict]:
-    from triton.testing import do_bench
-
-    out = torch.empty_like(kv)
-    num_blocks = kv.shape[2] // 16
-    cache = torch.empty(kv.shape[0], 2, num_blocks, 16, *kv.shape[3:], dtype=kv.dtype,
-                        device=kv.device)
-    table = torch.randperm(num_blocks, device=kv.device).to(torch.int32)
-    parts = encode_kivi(kv, bits, 32)
-    moved = kv.nbytes + sum(t.numel() * t.element_size() for t in parts.tensors())
-    ops = {
-        "encode": lambda: encode_kivi(kv, bits, 32),
-        "decode": lambda: decode_kivi(parts, out),
-        "decode_paged": lambda: decode_paged_kivi(parts, cache, table),
-    }
-    rows = []
-    for op, fn in ops.items():
-        gbps = moved / (do_bench(fn, return_mode="median") * 1e6)
-        rows.append({"codec": name, "op": op, "gbps": gbps, "copy_gbps": copy,
-                     "ratio": gbps / copy})
-    return rows
