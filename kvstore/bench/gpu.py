@@ -188,7 +188,7 @@ def _row(path: str, codec: str, ms: float, nbytes: float, ceiling: str, ceiling_
 def _staged_load(rig: Rig, codec: str, ring) -> None:
     """Pinned host pages DMA'd chunk by chunk into a device ring and decoded on the current
     stream as each chunk lands: the engine client's own path (``StagingRing``)."""
-    from kvstore.client.gpu import HostPages
+    from kvstore.client.staging import HostPages
 
     dev = rig.layouts[codec]
     pages = HostPages([rig.hosts[codec]], np.zeros(rig.n, dtype=np.intp),
@@ -203,7 +203,7 @@ def _end_to_end_rows(tokens: int, prefill_ms: float, root: str, device: str = "c
     its SSD (fp8 pages) into a DRAM tier with room for one prefix and a fifth, two prefixes
     loaded in turns so each load reads most of its prefix back from the SSD."""
     from kvstore.client import Client
-    from kvstore.client.gpu import EngineCache
+    from kvstore.client.engine import EngineCache
     from kvstore.config import (
         DramConfig,
         HbmConfig,
@@ -436,7 +436,7 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
 
     # Pinned DRAM -> engine: the kernel reads host pages over unified addressing, or pages are
     # DMA'd in chunks into a device ring and decoded on the compute stream as they land.
-    from kvstore.client.gpu import StagingRing
+    from kvstore.client.staging import StagingRing
 
     rings = {codec: StagingRing(rig.layouts[codec], device) for codec in rig.layouts}
     chunk_blocks = rings["fp8_e4m3"].chunk_pages  # the estimate of the SSD row below
@@ -645,7 +645,7 @@ def _host_overhead_samples(blocks: int, repeat: int, root: str) -> dict[str, lis
 def _passes(spec: KVSpec, device: str, blocks: int, repeat: int, root: str
             ) -> dict[str, list[list]]:
     from kvstore.client import Client
-    from kvstore.client.gpu import EngineCache
+    from kvstore.client.engine import EngineCache
     from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
     from kvstore.keys import Namespace
     from kvstore.server.daemon import DaemonThread
