@@ -24,7 +24,7 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import (
+from kvstore.client.mappings import (
     ZeroCopy,
     check_get_out,
     check_in_time,
@@ -294,7 +294,7 @@ class AsyncClient:
 
     async def _fill_out(self, kv: torch.Tensor | None, out: torch.Tensor | None
                         ) -> torch.Tensor | None:
-        """``kvstore.client.arena.fill_out``, its copy in a worker thread."""
+        """``kvstore.client.mappings.fill_out``, its copy in a worker thread."""
         if kv is None or out is None:
             return kv
         return await asyncio.to_thread(fill_out, kv, out, self._copy_threads)

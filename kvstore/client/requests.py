@@ -30,7 +30,7 @@ from kvstore.api import (
     StoreStats,
 )
 from kvstore.client.address import Target
-from kvstore.client.arena import fresh_tensor
+from kvstore.client.mappings import fresh_tensor
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb

@@ -24,7 +24,7 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import (
+from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
     check_get_out,
@@ -91,7 +91,7 @@ class Client:
         max_message_bytes: largest gRPC message either way; tensors stream in chunks below it.
         zero_copy: move tensor bytes through the shared DRAM arena: None picks it for Unix
             sockets whenever the daemon hands this client its arena (streaming meanwhile, and
-            asking again at most every ``kvstore.client.arena.PROBE_RETRY_S``), True always
+            asking again at most every ``kvstore.client.mappings.PROBE_RETRY_S``), True always
             (errors if impossible), False never. Each call can override it.
         data_socket: without shared memory, move tensor bytes over the daemon's data socket
             (outside gRPC's framing, under one-time tickets) where it offers one; False:
