@@ -194,7 +194,7 @@ def test_gets_acquire_on_a_channel_while_the_last_release_is_on_the_other(root):
             releases = rpc_calls(daemon, "Release") - before[2]
             assert acquires == 12 and 1 <= releases <= 12  # the last get's Release, at least
             assert calls.num_calls - before[0] == acquires + releases
-            assert 1 <= len(client._calls_channels) <= 2
+            assert 1 <= len(client._transport.channels) <= 2
             assert client.stats().active_leases == 0
 
 
