@@ -39,7 +39,12 @@ from kvstore.client.mappings import (
 from kvstore.client.releases import AsyncLateReleases
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, retrying_async
-from kvstore.client.transport import AsyncChannelTransport, AsyncGrpcTransport, AsyncTransport
+from kvstore.client.transport import (
+    AsyncChannelTransport,
+    AsyncGrpcTransport,
+    AsyncSession,
+    AsyncTransport,
+)
 from kvstore.copies import resolve_copy_threads
 from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
@@ -74,8 +79,10 @@ class AsyncClient:
                                                   options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
-        self._transport: AsyncTransport = AsyncGrpcTransport(
-            self._stub, self._settings, self._zero_copy.maps.regions_retired)
+        self._session = AsyncSession(self._stub, self._settings,
+                                     self._zero_copy.maps.regions_retired)
+        self._transport: AsyncTransport = AsyncGrpcTransport(self._stub, self._settings,
+                                                             self._session)
         if call_channel:
             self._transport = AsyncChannelTransport(self._transport, self._settings, token,
                                                     max_message_bytes)
@@ -366,8 +373,9 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
         await self.flush_releases()  # aborts and releases still on their way
-        await self._transport.aclose()
+        await self._session.aclose()
         self._zero_copy.maps.close()
+        await self._transport.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> Self:

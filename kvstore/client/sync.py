@@ -38,7 +38,7 @@ from kvstore.client.mappings import (
 from kvstore.client.releases import LateReleases
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, retrying
-from kvstore.client.transport import ChannelTransport, GrpcTransport, Transport
+from kvstore.client.transport import ChannelTransport, GrpcTransport, Session, Transport
 from kvstore.copies import resolve_copy_threads
 from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
@@ -90,8 +90,8 @@ class Client:
                                               options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
-        self._transport: Transport = GrpcTransport(self._stub, self._settings,
-                                                   self._zero_copy.maps.regions_retired)
+        self._session = Session(self._stub, self._settings, self._zero_copy.maps.regions_retired)
+        self._transport: Transport = GrpcTransport(self._stub, self._settings, self._session)
         if call_channel:
             self._transport = ChannelTransport(self._transport, self._settings, token,
                                                max_message_bytes)
@@ -414,8 +414,9 @@ class Client:
     def close(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
         self._late.close()
-        self._transport.close()
+        self._session.close()
         self._zero_copy.maps.close()
+        self._transport.close()
         self._channel.close()
 
     def __enter__(self) -> Self:

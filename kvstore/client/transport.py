@@ -2,8 +2,8 @@
 once per client: over gRPC (``GrpcTransport``), or on call channels where the daemon offers them
 (``ChannelTransport``: ``CHANNEL_METHODS`` only, over gRPC otherwise, while the daemon serves none
 to this client, or when a channel broke under a call). Each has an asyncio twin. Every call is
-retried by the client's ``RetryPolicy``; Acquire and Reserve carry the client's session, a Hold
-stream that gives back what the client holds the moment it goes away."""
+retried by the client's ``RetryPolicy``; Acquire and Reserve carry the client's ``Session``, a
+Hold stream that gives back what the client holds the moment it goes away."""
 
 from __future__ import annotations
 
@@ -80,29 +80,22 @@ class CallChannels:
 # ------------------------------------------------------------------------------ blocking
 
 
-class GrpcTransport:
-    """Unary calls over gRPC; ``regions_retired`` hears the session's retired-regions events."""
+class Session:
+    """This client's session, opened at its first Acquire or Reserve: a Hold stream whose end
+    gives back what the client holds, the moment its process goes away; ``regions_retired``
+    hears the stream's retired-regions events. A daemon without sessions: none."""
 
     def __init__(self, stub: pbg.KVStoreStub, settings: ClientSettings,
                  regions_retired: Callable[[], None]) -> None:
         self._stub, self._settings = stub, settings
         self._regions_retired = regions_retired
-        self._session: Metadata | None = None  # None: not opened yet
+        self.metadata: Metadata | None = None  # None: not opened yet
         self._hold: grpc.Call | None = None
 
-    def call(self, method: str, request: Message, timeout_s: float) -> Message:
-        rpc = getattr(self._stub, method)
-        metadata = self._settings.metadata
-        if method in SESSION_METHODS:
-            metadata = metadata + self._session_metadata()
-        return retrying(self._settings.retry,
-                        lambda: rpc(request, timeout=timeout_s, metadata=metadata))
-
-    def _session_metadata(self) -> Metadata:
-        """This client's session (opened at its first Acquire or Reserve): what it holds is
-        given back the moment the process goes away. A daemon without sessions: none."""
-        if self._session is None:
-            self._session = ()
+    def open(self) -> Metadata:
+        """The session's call metadata, opening it at the first call (empty: no session)."""
+        if self.metadata is None:
+            self.metadata = ()
             session_id = new_session_id()
             call = self._stub.Hold(pb.HoldRequest(session=session_id),
                                    metadata=self._settings.metadata)
@@ -111,24 +104,48 @@ class GrpcTransport:
                              daemon=True, name="kvstore-session").start()
             if opened.wait(OPEN_TIMEOUT_S) and call.running():
                 self._hold = call
-                self._session = ((SESSION_HEADER, session_id),)
+                self.metadata = ((SESSION_HEADER, session_id),)
             else:
                 call.cancel()
-        return self._session
+        return self.metadata
 
-    def open_channel(self) -> pb.DataTicket:
-        """A ticket for a new call channel, bound to this client's session (opened again
-        where the daemon restarted)."""
-        if self._hold is not None and not self._hold.running():  # the daemon restarted
-            self._hold, self._session = None, None
-        return self._stub.OpenChannel(
-            pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
-            metadata=self._settings.metadata + self._session_metadata())
+    def renew_if_ended(self) -> None:
+        """Open a new session at the next call where the daemon ended this one (it
+        restarted)."""
+        if self._hold is not None and not self._hold.running():
+            self._hold, self.metadata = None, None
 
     def close(self) -> None:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
+
+
+class GrpcTransport:
+    """Unary calls over gRPC."""
+
+    def __init__(self, stub: pbg.KVStoreStub, settings: ClientSettings, session: Session
+                 ) -> None:
+        self._stub, self._settings, self._session = stub, settings, session
+
+    def call(self, method: str, request: Message, timeout_s: float) -> Message:
+        rpc = getattr(self._stub, method)
+        metadata = self._settings.metadata
+        if method in SESSION_METHODS:
+            metadata = metadata + self._session.open()
+        return retrying(self._settings.retry,
+                        lambda: rpc(request, timeout=timeout_s, metadata=metadata))
+
+    def open_channel(self) -> pb.DataTicket:
+        """A ticket for a new call channel, bound to this client's session (opened again
+        where the daemon restarted)."""
+        self._session.renew_if_ended()
+        return self._stub.OpenChannel(
+            pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
+            metadata=self._settings.metadata + self._session.open())
+
+    def close(self) -> None:
+        """Nothing of its own: the client closes its gRPC channel and session."""
 
 
 class ChannelTransport:
@@ -194,7 +211,6 @@ class ChannelTransport:
             return None
 
     def close(self) -> None:
-        self._grpc.close()
         for channel in self.channels:
             channel.close()
 
@@ -213,29 +229,21 @@ def _drain_hold(call, opened: threading.Event, regions_retired: Callable[[], Non
 # ------------------------------------------------------------------------------ asyncio
 
 
-class AsyncGrpcTransport:
-    """The asyncio twin of ``GrpcTransport``."""
+class AsyncSession:
+    """The asyncio twin of ``Session``."""
 
     def __init__(self, stub: pbg.KVStoreStub, settings: ClientSettings,
                  regions_retired: Callable[[], None]) -> None:
         self._stub, self._settings = stub, settings
         self._regions_retired = regions_retired
-        self._session: Metadata | None = None  # None: not opened yet
+        self.metadata: Metadata | None = None  # None: not opened yet
         self._hold = None
-        self._hold_task: asyncio.Task[None] | None = None
+        self.hold_task: asyncio.Task[None] | None = None
 
-    async def call(self, method: str, request: Message, timeout_s: float) -> Message:
-        rpc = getattr(self._stub, method)
-        metadata = self._settings.metadata
-        if method in SESSION_METHODS:
-            metadata = metadata + await self._session_metadata()
-        return await retrying_async(self._settings.retry,
-                                    lambda: rpc(request, timeout=timeout_s, metadata=metadata))
-
-    async def _session_metadata(self) -> Metadata:
-        """See ``GrpcTransport._session_metadata``."""
-        if self._session is None:
-            self._session = ()
+    async def open(self) -> Metadata:
+        """See ``Session.open``."""
+        if self.metadata is None:
+            self.metadata = ()
             session_id = new_session_id()
             call = self._stub.Hold(pb.HoldRequest(session=session_id),
                                    metadata=self._settings.metadata)
@@ -243,26 +251,49 @@ class AsyncGrpcTransport:
                 await asyncio.wait_for(call.read(), OPEN_TIMEOUT_S)
             except (grpc.RpcError, TimeoutError):
                 call.cancel()
-                return self._session
+                return self.metadata
             self._hold = call
-            self._hold_task = asyncio.get_running_loop().create_task(
+            self.hold_task = asyncio.get_running_loop().create_task(
                 _drain_hold_async(call, self._regions_retired))
-            self._session = ((SESSION_HEADER, session_id),)
-        return self._session
+            self.metadata = ((SESSION_HEADER, session_id),)
+        return self.metadata
 
-    async def open_channel(self) -> pb.DataTicket:
-        """See ``GrpcTransport.open_channel``."""
-        if self._hold_task is not None and self._hold_task.done():  # the daemon restarted
-            self._hold = self._hold_task = self._session = None
-        return await self._stub.OpenChannel(
-            pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
-            metadata=self._settings.metadata + await self._session_metadata())
+    def renew_if_ended(self) -> None:
+        """See ``Session.renew_if_ended``."""
+        if self.hold_task is not None and self.hold_task.done():  # the daemon restarted
+            self._hold = self.hold_task = self.metadata = None
 
     async def aclose(self) -> None:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
-            await asyncio.gather(self._hold_task, return_exceptions=True)
+            await asyncio.gather(self.hold_task, return_exceptions=True)
+
+
+class AsyncGrpcTransport:
+    """The asyncio twin of ``GrpcTransport``."""
+
+    def __init__(self, stub: pbg.KVStoreStub, settings: ClientSettings,
+                 session: AsyncSession) -> None:
+        self._stub, self._settings, self._session = stub, settings, session
+
+    async def call(self, method: str, request: Message, timeout_s: float) -> Message:
+        rpc = getattr(self._stub, method)
+        metadata = self._settings.metadata
+        if method in SESSION_METHODS:
+            metadata = metadata + await self._session.open()
+        return await retrying_async(self._settings.retry,
+                                    lambda: rpc(request, timeout=timeout_s, metadata=metadata))
+
+    async def open_channel(self) -> pb.DataTicket:
+        """See ``GrpcTransport.open_channel``."""
+        self._session.renew_if_ended()
+        return await self._stub.OpenChannel(
+            pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
+            metadata=self._settings.metadata + await self._session.open())
+
+    async def aclose(self) -> None:
+        """Nothing of its own: the client closes its gRPC channel and session."""
 
 
 class AsyncChannelTransport:
@@ -315,7 +346,6 @@ class AsyncChannelTransport:
             return self.channel
 
     async def aclose(self) -> None:
-        await self._grpc.aclose()
         if self.channel is not None:
             await self.channel.aclose()
 
