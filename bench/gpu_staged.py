@@ -13,7 +13,7 @@ import sys
 import torch
 
 from kvstore.bench.gpu.rig import CODECS, Rig, aligned, bench_ms, staged_load
-from kvstore.client.gpu import StagingRing
+from kvstore.client.staging import StagingRing
 from kvstore.codecs.triton.engine import to_engine
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024

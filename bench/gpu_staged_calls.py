@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvstore.bench.gpu.rig import Rig, aligned, bench_ms, staged_load
-from kvstore.client.gpu import StagingRing
+from kvstore.client.staging import StagingRing
 from kvstore.codecs.triton.engine import to_engine
 
 rig = Rig(1024, torch.device("cuda"))

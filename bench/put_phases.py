@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvstore.client import Client
-from kvstore.client.arena import write_reservation
+from kvstore.client.mappings import write_reservation
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 

@@ -60,7 +60,7 @@ class BlockLocation:
 
     key: BlockKey
     medium: Medium
-    region: str  # the tenant's arena (HOST, see kvstore.rpc.fdpass) or pool name (DEVICE)
+    region: str  # the tenant's arena (HOST, see kvstore.rpc.descriptors) or pool name (DEVICE)
     offset: int  # bytes from the start of the region
     length: int  # page bytes
 
@@ -374,6 +374,6 @@ class HealthInfo:
     tenant: str  # the caller's tenant; "" for the admin or local trust
     is_admin: bool
     # The daemon's descriptor socket, where a zero-copy client gets its tenant's host arena
-    # (kvstore.rpc.fdpass); "" when the daemon has no host arena.
+    # (kvstore.rpc.descriptors); "" when the daemon has no host arena.
     arena_path: str
     call_channel: bool = False  # the daemon serves this caller call channels (OpenChannel)

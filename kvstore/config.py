@@ -342,13 +342,13 @@ class ServerConfig:
     max_concurrent_rpcs: int = 4096  # calls in progress at once; more get RESOURCE_EXHAUSTED
     rate_limit_rps: float = 0.0  # calls per second per caller (tenant, else peer host); 0 = off
     rate_limit_burst: int = 0  # calls a caller may make at once; 0 = one second's worth
-    # The socket data path (rpc/datapath.py): Put/Get tensor bytes over a plain socket beside
+    # The socket data path (rpc/framing.py): Put/Get tensor bytes over a plain socket beside
     # gRPC, under one-time tickets. Unix: <socket_path>.data; TCP (with tcp_address): data_port
     # on the same host, which must be exactly as private as the gRPC port.
     data_socket: bool = True
     data_port: int = 0  # TCP data port when tcp_address is set; 0 picks a free one
     max_data_transfers: int = 256  # tickets outstanding (and data connections) at once
-    # Call channels (rpc/datapath.py, server/channel.py): data connections that stay open and
+    # Call channels (rpc/framing.py, server/channel.py): data connections that stay open and
     # carry Lookup, Acquire/Release and Reserve/Commit/Abort in frames outside gRPC, with the
     # same checks. Needs data_socket; clients fall back to gRPC where it is off.
     call_channel: bool = True

@@ -1,8 +1,10 @@
 """Clients of the kvstore daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
 
-Both plan their calls through ``requests.py`` (request building, response parsing) and add
-only their transport; ``address.py`` and ``retry.py`` say how to reach the daemon and when to
-try again, ``arena.py`` holds the zero-copy page paths through the shared DRAM arena. Nothing
+Both plan their calls through ``requests.py`` (request building, response parsing) and make
+them through one ``transport.py`` seam (gRPC, or the call channels of ``channels.py``);
+``releases.py`` sends their leases' Releases late, ``mappings.py`` holds the zero-copy page
+paths through the daemon's regions, ``engine.py`` (with ``staging.py``) an engine's GPU path;
+``address.py`` and ``retry.py`` say how to reach the daemon and when to try again. Nothing
 here imports the store, its tiers or the server: the wire forms come from ``kvstore.rpc``.
 """
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -24,7 +23,9 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import (
+from kvstore.client.channels import DataSocket, open_put_refused
+from kvstore.client.mappings import (
+    BlockVisitor,
     ZeroCopy,
     check_get_out,
     check_in_time,
@@ -32,33 +33,24 @@ from kvstore.client.arena import (
     must_abort,
     put_pieces,
     read_lease,
+    visit_lease,
     write_reservation,
 )
-from kvstore.client.requests import (
-    RELEASE_LINGER_S,
-    REPLY_TYPES,
-    CallChannels,
-    CarriedReleases,
-    ChannelBroken,
-    ChannelStatus,
-    DataSocket,
-    GetAssembler,
-    PutStream,
-    Tokens,
-    Unary,
-    data_address,
-    read_reply,
-    reply_header,
+from kvstore.client.releases import AsyncLateReleases
+from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.retry import RetryPolicy, retrying_async
+from kvstore.client.transport import (
+    AsyncChannelTransport,
+    AsyncGrpcTransport,
+    AsyncSession,
+    AsyncTransport,
 )
-from kvstore.client.retry import RetryPolicy, next_delay
 from kvstore.copies import resolve_copy_threads
-from kvstore.errors import CapacityError, FailedPrecondition, KVStoreError, LeaseNotFound
+from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
-from kvstore.rpc import framing as datapath
+from kvstore.rpc import framing
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
-from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID, DataAddress
-from kvstore.rpc.metadata import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:
@@ -83,100 +75,30 @@ class AsyncClient:
                  copy_threads: int | None = None) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._copy_threads = resolve_copy_threads(copy_threads)
-        self._max_reply_bytes = max_message_bytes
-        self._calls = CallChannels(call_channel, self._settings.target)
-        self._calls_channel: AsyncChannel | None = None
-        self._calls_lock: asyncio.Lock | None = None  # one task opens the call channel
-        self._token = token
         self._channel = grpc.aio.insecure_channel(self._settings.target.grpc_target,
                                                   options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
-        self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
-        self._hold = None
-        self._hold_task: asyncio.Task[None] | None = None
+        self._session = AsyncSession(self._stub, self._settings,
+                                     self._zero_copy.maps.regions_retired)
+        self._transport: AsyncTransport = AsyncGrpcTransport(self._stub, self._settings,
+                                                             self._session)
+        if call_channel:
+            self._transport = AsyncChannelTransport(self._transport, self._settings, token,
+                                                    max_message_bytes)
         self._data = DataSocket(data_socket, self._settings.target, token,
                                 self._settings.timeout_s)
-        self._cleanups: set[asyncio.Future[None]] = set()
-        # Leases whose reads ended, waiting for the next Acquire to release them (see
-        # kvstore.client.sync.LateReleases); flushing: flush_releases wants them sent now.
-        self._carry = CarriedReleases()  # its waiting ids' Releases are timed by tasks
-        self._flushing = asyncio.Event()
+        # Releases of leases whose reads ended, and aborts, sent after the call returned.
+        self._late = AsyncLateReleases(self.release)
 
     # ------------------------------------------------------------------------------ plumbing
 
     async def _call(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        delays = self._settings.retry.delays()
-        while True:
-            try:
-                return await attempt()
-            except grpc.RpcError as err:
-                await asyncio.sleep(next_delay(self._settings.retry, delays, err))
+        return await retrying_async(self._settings.retry, attempt)
 
     async def _unary(self, call: Unary[T]) -> T:
-        if call.method in CHANNEL_METHODS and self._calls.usable:
-            channel = await self._open_calls_channel()
-            if channel is not None:
-                try:
-                    return call.parse(await self._call(lambda: channel.call(
-                        call.method, call.request, self._settings.timeout_s)))
-                except ChannelBroken as exc:  # the daemon went or restarted: gRPC retries
-                    log.debug("call channel broke under %s: %s", call.method, exc)
-        rpc = getattr(self._stub, call.method)
-        metadata = self._settings.metadata
-        if call.method in SESSION_METHODS:
-            metadata = metadata + await self._session_metadata()
-        return call.parse(await self._call(
-            lambda: rpc(call.request, timeout=self._settings.timeout_s, metadata=metadata)))
-
-    async def _session_metadata(self) -> tuple[tuple[str, str], ...]:
-        """See ``Client._session_metadata``."""
-        if self._session is None:
-            self._session = ()
-            session_id = new_session_id()
-            call = self._stub.Hold(pb.HoldRequest(session=session_id),
-                                   metadata=self._settings.metadata)
-            try:
-                await asyncio.wait_for(call.read(), OPEN_TIMEOUT_S)
-            except (grpc.RpcError, TimeoutError):
-                call.cancel()
-                return self._session
-            self._hold = call
-            self._hold_task = asyncio.get_running_loop().create_task(
-                _drain_hold(call, self._zero_copy.maps.regions_retired))
-            self._session = ((SESSION_HEADER, session_id),)
-        return self._session
-
-    async def _open_calls_channel(self) -> AsyncChannel | None:
-        """See ``Client._open_calls_channel``."""
-        channel = self._calls_channel
-        if channel is not None and not channel.closed:
-            return channel
-        if self._calls_lock is None:
-            self._calls_lock = asyncio.Lock()
-        async with self._calls_lock:
-            if self._calls_channel is not None and not self._calls_channel.closed:
-                return self._calls_channel
-            if not self._calls.usable:
-                return None
-            if self._hold_task is not None and self._hold_task.done():  # the daemon restarted
-                self._hold = self._hold_task = self._session = None
-            try:
-                ticket = await self._stub.OpenChannel(
-                    pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
-                    metadata=self._settings.metadata + await self._session_metadata())
-                address = data_address(self._settings.target, ticket)
-                if address is None:
-                    raise FailedPrecondition("the call channel is not served over this "
-                                             "client's transport")
-                self._calls_channel = await AsyncChannel.open(
-                    address, ticket.ticket, self._token, self._settings.timeout_s,
-                    self._max_reply_bytes)
-            except (grpc.RpcError, OSError, KVStoreError, TimeoutError) as exc:
-                self._calls.refused(exc)
-                log.debug("no call channel, calls go over gRPC: %s", exc)
-                return None
-            return self._calls_channel
+        return call.parse(await self._transport.call(call.method, call.request,
+                                                     self._settings.timeout_s))
 
     async def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back); see Client._zero_copy_mode."""
@@ -191,7 +113,7 @@ class AsyncClient:
         The abort runs as its own task, shielded: a caller cancelled again meanwhile still
         leaves no reservation behind, and :meth:`aclose` waits for it.
         """
-        await asyncio.shield(self._later(self._abort_after(reservation_id, write)))
+        await asyncio.shield(self._late.later(self._abort_after(reservation_id, write)))
 
     async def _abort_after(self, reservation_id: str, write: asyncio.Future[None]) -> None:
         # A cancelled caller does not stop the worker thread writing the slots: freeing them
@@ -204,15 +126,21 @@ class AsyncClient:
     # ------------------------------------------------------------------------------ data path
 
     async def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *,
-                  zero_copy: bool | None = None) -> int:
-        """Store ``kv`` for ``tokens``; returns the tokens newly written (full blocks only)."""
+                  zero_copy: bool | None = None, first_block: int = 0) -> int:
+        """Store ``kv`` for ``tokens``; returns the tokens newly written (full blocks only).
+        ``first_block``: see :meth:`kvstore.client.Client.put`."""
+        requests.check_first_block(first_block)
         use, strict = await self._zero_copy_mode(zero_copy)
         if use:
             try:
-                return await self._put_shared(ns, tokens, kv)
+                return await self._put_shared(ns, tokens, kv, first_block)
             except OSError as exc:
                 self._zero_copy.put_failed(exc, strict)
-        if self._carry.waiting:  # a lease of this client's read must not keep it from room
+        if first_block:
+            head = requests.stored_head(ns, tokens, kv, first_block)
+            kv = requests.behind_head(ns, await self.get(ns, head, zero_copy=False), kv,
+                                      first_block)
+        if self._late.is_waiting:  # a lease of this client's read must not keep it from room
             await self.flush_releases()
         stream = PutStream(ns, tokens, kv, self._settings.chunk_bytes)
         if self._data.usable:
@@ -234,14 +162,14 @@ class AsyncClient:
                 return await self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
                                                 metadata=self._settings.metadata)
             except grpc.RpcError as err:
-                return requests.open_put_refused(err, self._data)
+                return open_put_refused(err, self._data)
 
         ticket = await self._call(open_put)
         sock = None if ticket is None else await asyncio.to_thread(self._data.connect, ticket)
         if sock is None:
             return None
         with contextlib.suppress(OSError):  # the Put call below says what went wrong
-            await asyncio.to_thread(datapath.send_put, sock, ticket.ticket, self._data.token,
+            await asyncio.to_thread(framing.send_put, sock, ticket.ticket, self._data.token,
                                     stream.view())
 
         async def message() -> AsyncIterator[pb.PutRequest]:
@@ -253,15 +181,16 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise translate(err) from None
 
-    async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor) -> int:
+    async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
+                          first_block: int = 0) -> int:
         """Reserve, write and commit ``kv``, piece by piece (``put_pieces``)."""
-        requests.check_put(ns, tokens, kv)
+        requests.check_put(ns, tokens[first_block * ns.spec.block_tokens:], kv)
         written = 0
-        for end in put_pieces(ns, len(tokens)):
+        for end in put_pieces(ns, len(tokens), first_block):
             reservation = await self.reserve(ns, tokens[:end])
             write = asyncio.ensure_future(
-                asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation, 0,
-                                  self._copy_threads))
+                asyncio.to_thread(write_reservation, self._zero_copy.maps, ns, kv, reservation,
+                                  first_block, self._copy_threads))
             committing = False
             try:
                 await asyncio.shield(write)
@@ -284,17 +213,21 @@ class AsyncClient:
                 return await self._get_shared(ns, tokens, out)
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
+        return await self._fill_out(await self._get(ns, tokens), out)
+
+    async def _get(self, ns: Namespace, tokens: Tokens) -> torch.Tensor | None:
+        """See Client._get."""
         if self._data.usable:
             request = requests.get_request(ns, tokens, data_socket=True)
             kv = await self._call(lambda: self._get_stream(request))
             if kv is not _NO_DATA_SOCKET:
-                return await self._fill_out(kv, out)
+                return kv
         request = requests.get_request(ns, tokens)
-        return await self._fill_out(await self._call(lambda: self._get_stream(request)), out)
+        return await self._call(lambda: self._get_stream(request))
 
     async def _fill_out(self, kv: torch.Tensor | None, out: torch.Tensor | None
                         ) -> torch.Tensor | None:
-        """``kvstore.client.arena.fill_out``, its copy in a worker thread."""
+        """``kvstore.client.mappings.fill_out``, its copy in a worker thread."""
         if kv is None or out is None:
             return kv
         return await asyncio.to_thread(fill_out, kv, out, self._copy_threads)
@@ -312,67 +245,55 @@ class AsyncClient:
                     call.cancel()
                     return _NO_DATA_SOCKET
                 with contextlib.suppress(OSError):  # the stream's status says why
-                    await asyncio.to_thread(datapath.receive_get, sock, assembler.ticket.ticket,
+                    await asyncio.to_thread(framing.receive_get, sock, assembler.ticket.ticket,
                                             self._data.token, assembler.target)
                 assembler.target = None
         return assembler.result()
 
-    async def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
-                          ) -> torch.Tensor | None:
+    async def _acquire_to_read(self, ns: Namespace, tokens: Tokens) -> Lease:
+        """See Client._acquire_to_read."""
         try:
-            lease = await self.acquire(ns, tokens)
-        except CapacityError:  # at the lease quota: see Client._acquire_to_read
-            if not self._cleanups:
+            return await self.acquire(ns, tokens)
+        except CapacityError:
+            if not self._late.is_pending:
                 raise
-            await self.flush_releases()
-            lease = await self.acquire(ns, tokens)
-        read = asyncio.ensure_future(
-            asyncio.to_thread(read_lease, self._zero_copy.maps, ns, lease, out,
-                              self._copy_threads))
+        await self.flush_releases()
+        return await self.acquire(ns, tokens)
+
+    async def _read_leased(self, lease: Lease, read_pages: Callable[[], T]) -> T:
+        """``read_pages()`` in a worker thread, then the lease's Release sent late; see
+        Client._get_shared."""
+        read = asyncio.ensure_future(asyncio.to_thread(read_pages))
         try:
-            kv = await asyncio.shield(read)
+            result = await asyncio.shield(read)
         finally:
             # Released in a task of its own once the copy stopped (a cancelled caller does not
             # stop the thread reading the pages): the caller does not wait for the round trip
             # (see Client._get_shared), and aclose does.
-            queued = self._carry.can_carry and read.done()
-            if queued:  # at once: the caller's next Acquire may come before the task runs
-                self._carry.waiting[lease.lease_id] = 0.0
-            self._later(self._release_after(lease.lease_id, read, queued))
+            self._late.send(lease.lease_id, read)
         check_in_time(lease)  # expired mid-read: the caller falls back (Client._get_shared)
-        return kv
+        return result
 
-    def _later(self, work: Awaitable[None]) -> asyncio.Future[None]:
-        """Run ``work`` as a task :meth:`aclose` waits for."""
-        cleanup = asyncio.ensure_future(work)
-        self._cleanups.add(cleanup)
-        cleanup.add_done_callback(self._cleanups.discard)
-        return cleanup
+    async def _get_shared(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
+                          ) -> torch.Tensor | None:
+        lease = await self._acquire_to_read(ns, tokens)
+        return await self._read_leased(lease, lambda: read_lease(
+            self._zero_copy.maps, ns, lease, out, self._copy_threads))
 
-    async def _release_after(self, lease_id: str, read: asyncio.Future, queued: bool) -> None:
-        """Once the read ended: up to ``RELEASE_LINGER_S`` for an Acquire to carry the
-        Release (``queued``: waiting for one already), then the Release alone."""
-        with contextlib.suppress(Exception):  # the read's error already reached the caller
-            await read
-        if not queued and self._carry.can_carry:
-            self._carry.waiting[lease_id] = 0.0
-            queued = True
-        if queued:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RELEASE_LINGER_S):
-                    await self._flushing.wait()
-            if self._carry.waiting.pop(lease_id, None) is None:
-                return  # an Acquire took it
-        await self._release_quietly(lease_id)
-
-    async def _release_quietly(self, lease_id: str) -> None:
-        with contextlib.suppress(KVStoreError):  # expired, or the daemon went: nothing held
-            await self.release(lease_id)
-
-    def _carried(self, lease_ids: list[str], num_released: int | None) -> None:
-        """See ``LateReleases.carried``: what the Acquire did not release goes alone."""
-        for lease_id in self._carry.left_over(lease_ids, num_released):
-            self._later(self._release_quietly(lease_id))
+    async def read_blocks(self, ns: Namespace, tokens: Tokens, visit: BlockVisitor, *,
+                          first_block: int = 0, zero_copy: bool | None = None) -> int:
+        """See :meth:`kvstore.client.Client.read_blocks`; through shared memory ``visit`` runs
+        in a worker thread."""
+        requests.check_first_block(first_block)
+        use, strict = await self._zero_copy_mode(zero_copy)
+        if use:
+            try:
+                lease = await self._acquire_to_read(ns, tokens)
+                return await self._read_leased(lease, lambda: visit_lease(
+                    self._zero_copy.maps, ns, lease, visit, first_block))
+            except (OSError, LeaseNotFound) as exc:
+                self._zero_copy.get_failed(exc, strict)
+        return requests.visit_blocks(ns, await self._get(ns, tokens), visit, first_block)
 
     # --------------------------------------------------------------------------- control path
 
@@ -423,12 +344,12 @@ class AsyncClient:
 
     async def _carrying(self, call: Callable[[list[str]], Unary[tuple[T, int]]]) -> T:
         """See ``Client._carrying``."""
-        carried = self._carry.take()
+        carried = self._late.take()
         num_released = None
         try:
             result, num_released = await self._unary(call(carried))
         finally:
-            self._carried(carried, num_released)
+            self._late.carried(carried, num_released)
         return result
 
     async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
@@ -438,27 +359,23 @@ class AsyncClient:
         """Give a reservation's slots back unpublished; LeaseNotFound for an unknown id."""
         await self._unary(requests.abort(reservation_id))
 
+    async def release_later(self, lease_id: str) -> None:
+        """See :meth:`kvstore.client.Client.release_later`; the Release goes alone from a task
+        of its own."""
+        self._late.send(lease_id)
+
     async def flush_releases(self) -> None:
         """See :meth:`kvstore.client.Client.flush_releases`."""
-        if self._cleanups:
-            self._flushing.set()
-            try:
-                await asyncio.gather(*self._cleanups, return_exceptions=True)
-            finally:
-                self._flushing.clear()
+        await self._late.flush()
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
         await self.flush_releases()  # aborts and releases still on their way
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
-            await asyncio.gather(self._hold_task, return_exceptions=True)
+        await self._session.aclose()
         self._zero_copy.maps.close()
-        if self._calls_channel is not None:
-            await self._calls_channel.aclose()
+        await self._transport.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> Self:
@@ -466,96 +383,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-class AsyncChannel:
-    """A call channel (``kvstore.rpc.datapath``) for an asyncio client: calls in flight at
-    once, their replies matched by request id by one reader task."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_reply_bytes: int) -> None:
-        self._reader, self._writer = reader, writer
-        self._max_reply_bytes = max_reply_bytes
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        self._last_id = OPENED_ID
-        self._task = asyncio.get_running_loop().create_task(self._read_replies())
-        self.closed = False
-
-    @classmethod
-    async def open(cls, address: DataAddress, ticket: bytes, token: str | None,
-                   timeout_s: float, max_reply_bytes: int) -> AsyncChannel:
-        """Connect, present ``ticket`` and wait for the daemon to open the channel;
-        ChannelStatus with the daemon's reason where it refuses."""
-        async with asyncio.timeout(timeout_s):
-            if address.family == socket.AF_UNIX:
-                reader, writer = await asyncio.open_unix_connection(address.address)
-            else:
-                reader, writer = await asyncio.open_connection(*address.address)
-            try:
-                writer.write(datapath.encode_hello(ticket, token))
-                length, status, _ = reply_header(await reader.readexactly(FRAME.size),
-                                                 max_reply_bytes)
-                read_reply(status, await reader.readexactly(length), None)
-            except BaseException:
-                writer.close()
-                raise
-        return cls(reader, writer, max_reply_bytes)
-
-    async def call(self, method: str, request, timeout_s: float):
-        """See ``BlockingChannel.call``; a timed-out call's late reply is dropped."""
-        if self.closed:
-            raise ChannelBroken("the call channel is closed")
-        self._last_id = request_id = self._last_id % MAX_REQUEST_ID + 1
-        reply = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        try:
-            self._writer.write(datapath.encode_frame(datapath.method_byte(method), request_id,
-                                                     request.SerializeToString()))
-            async with asyncio.timeout(timeout_s):
-                await self._writer.drain()
-                status, body = await reply
-        except TimeoutError:
-            raise ChannelStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except OSError as exc:
-            self._fail(ChannelBroken(f"the call channel failed: {exc}"))
-            raise ChannelBroken(f"the call channel failed: {exc}") from exc
-        finally:
-            self._pending.pop(request_id, None)
-            if reply.done() and not reply.cancelled():
-                reply.exception()  # failed with the channel: what this call raised says so
-        return read_reply(status, body, REPLY_TYPES[method])
-
-    async def _read_replies(self) -> None:
-        try:
-            while True:
-                length, status, request_id = reply_header(
-                    await self._reader.readexactly(FRAME.size), self._max_reply_bytes)
-                body = await self._reader.readexactly(length)
-                reply = self._pending.get(request_id)
-                if reply is not None and not reply.done():
-                    reply.set_result((status, body))
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            self._fail(exc if isinstance(exc, ChannelBroken) else
-                       ChannelBroken(f"the daemon closed the call channel: {exc!r}"))
-
-    def _fail(self, exc: ChannelBroken) -> None:
-        self.closed = True
-        for reply in self._pending.values():
-            if not reply.done():
-                reply.set_exception(exc)
-        self._writer.close()
-
-    async def aclose(self) -> None:
-        self.closed = True
-        self._task.cancel()
-        self._writer.close()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-
-async def _drain_hold(call, regions_retired: Callable[[], None]) -> None:
-    """Read a Hold stream's events until it ends, dropping the mappings of regions the daemon
-    gave back as soon as it says so. With ``read`` (the first event was read so), not the
-    iterator: gRPC refuses to mix them on one call, which ended the task at once."""
-    with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-        while (event := await call.read()) is not grpc.aio.EOF:
-            if event.regions_retired:
-                regions_retired()

@@ -1,25 +1,19 @@
 """The calls both clients make, planned once: each request built from a method's arguments and
 its response read back into kvstore values. ``Client`` and ``AsyncClient`` add only their
-transport (a blocking or an asyncio channel) and the zero-copy paths around it."""
+transport (``kvstore.client.transport``) and the zero-copy paths around it."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import socket
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Generic, TypeVar
 
-import grpc
 import numpy as np
 import torch
 from google.protobuf.message import Message
 
 from kvstore.api import (
-    MAX_CARRIED_RELEASES,
     BlockInfo,
     HealthInfo,
     Lease,
@@ -29,9 +23,8 @@ from kvstore.api import (
     Reservation,
     StoreStats,
 )
-from kvstore.client.address import Target
-from kvstore.client.arena import fresh_tensor
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.client.mappings import BlockVisitor, fresh_tensor
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.convert import (
@@ -45,8 +38,6 @@ from kvstore.rpc.convert import (
     stats_from_proto,
     tokens_to_bytes,
 )
-from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, DataAddress, connect
-from kvstore.rpc.status import ERROR_METADATA_KEY, RETRY_AFTER_METADATA_KEY, translate
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     iter_chunks,
@@ -125,44 +116,6 @@ def report_prefill(ns: Namespace, new_tokens: int, cached_tokens: int, seconds: 
 
 def health() -> Unary[HealthInfo]:
     return Unary("Health", pb.HealthRequest(), health_from_proto)
-
-
-# How long a late Release waits for the client's next Acquire to carry it before it goes alone:
-# gets back to back (a prompt's chunks, a batch's prompts) come well within it, and an engine's
-# scheduler steps, tens of milliseconds apart, mostly do.
-RELEASE_LINGER_S = 0.05
-
-
-class CarriedReleases:
-    """The Releases a client holds back for its next Acquire or Reserve to carry (their
-    ``release`` field), and the rules both clients keep: a call carries at most
-    ``MAX_CARRIED_RELEASES``; what the daemon did not release goes in Releases of their own;
-    a daemon that released none of those it was given does not read the field, and carrying
-    stops. Not locked: the blocking client keeps it under its lock, the async client on its
-    loop."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[str, float] = {}  # lease id -> when its Release goes alone
-        self.can_carry = True
-
-    def take(self) -> list[str]:
-        """Lease ids for a call to carry, no longer waiting (hand them to ``left_over``)."""
-        if not self.can_carry or not self.waiting:
-            return []
-        taken = list(itertools.islice(self.waiting, MAX_CARRIED_RELEASES))
-        for lease_id in taken:
-            del self.waiting[lease_id]
-        return taken
-
-    def left_over(self, lease_ids: list[str], num_released: int | None) -> list[str]:
-        """Of ``lease_ids``, carried by a call that ended releasing ``num_released`` of them
-        (None: the call failed, so whether it did is unknown), those to release alone now
-        (one already gone is answered LeaseNotFound, which the clients ignore)."""
-        if not lease_ids or num_released == len(lease_ids):
-            return []
-        if num_released == 0:
-            self.can_carry = False
-        return list(lease_ids)
 
 
 def acquire(ns: Namespace, tokens: Tokens, lease_s: float | None,
@@ -247,6 +200,44 @@ class PutStream:
         return response.tokens_written
 
 
+def check_first_block(first_block: int) -> None:
+    if not isinstance(first_block, int) or first_block < 0:
+        raise InvalidArgument(f"first_block must be a block index >= 0, got {first_block!r}")
+
+
+def stored_head(ns: Namespace, tokens: Tokens, kv: torch.Tensor, first_block: int) -> Tokens:
+    """The tokens of the blocks before ``first_block``, whose stored K/V a streamed put from
+    ``first_block`` on reads back first (its ``kv`` is checked against the rest)."""
+    head = first_block * ns.spec.block_tokens
+    check_put(ns, tokens[head:], kv)
+    return tokens[:head]
+
+
+def behind_head(ns: Namespace, stored: torch.Tensor | None, kv: torch.Tensor,
+                first_block: int) -> torch.Tensor:
+    """``kv`` behind ``stored``, the K/V read back for the blocks before ``first_block``;
+    NotFound where one of them is not stored."""
+    head = first_block * ns.spec.block_tokens
+    if stored is None or stored.shape[2] < head:
+        have = 0 if stored is None else stored.shape[2] // ns.spec.block_tokens
+        raise NotFound(f"block {have} of the prefix is not stored; the blocks before "
+                       f"block {first_block} must be stored before more are added to them")
+    return torch.cat((stored, kv), dim=2)
+
+
+def visit_blocks(ns: Namespace, kv: torch.Tensor | None,
+                 visit: BlockVisitor, first_block: int) -> int:
+    """Hand the blocks of a streamed get's ``kv`` to ``visit`` from ``first_block`` on (see
+    ``Client.read_blocks``); the number of blocks it holds."""
+    if kv is None:
+        return 0
+    bt = ns.spec.block_tokens
+    num_blocks = kv.shape[2] // bt
+    for i in range(first_block, num_blocks):
+        visit(i, kv[:, :, i * bt : (i + 1) * bt])
+    return num_blocks
+
+
 def ticket_put(ticket: pb.DataTicket) -> pb.PutRequest:
     """The one message of a Put whose bytes went over the data socket under ``ticket``."""
     return pb.PutRequest(header=pb.PutHeader(ticket=ticket.ticket))
@@ -255,158 +246,6 @@ def ticket_put(ticket: pb.DataTicket) -> pb.PutRequest:
 def get_request(ns: Namespace, tokens: Tokens, data_socket: bool = False) -> pb.GetRequest:
     return pb.GetRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
                          data_socket=data_socket)
-
-
-def open_put_refused(err: grpc.RpcError, data: DataSocket) -> None:
-    """None where a failed OpenPut means "stream this Put instead", else ``err`` re-raised.
-
-    A daemon older than the data socket (UNIMPLEMENTED) or one that offers none to this
-    caller (FAILED_PRECONDITION) makes the client stream for a while; one whose tickets are
-    all taken (CapacityError, not a rate limit) makes it stream this one Put.
-    """
-    code = err.code() if hasattr(err, "code") else None
-    if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
-        data.refused()
-        return
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and type(translate(err)) is CapacityError:
-        return
-    raise err
-
-
-class DataSocket:
-    """Whether a client moves tensor bytes over the daemon's data socket, and where to.
-
-    On by default: a daemon that offers none says so (OpenPut refused, a Get header without a
-    ticket) and the client streams chunks; a data socket it cannot connect to makes it stream
-    for ``RETRY_S`` before it tries again.
-    """
-
-    RETRY_S = 30.0
-
-    def __init__(self, enabled: bool, target: Target, token: str | None,
-                 timeout_s: float) -> None:
-        self.token = token
-        self._enabled = enabled
-        self._target = target
-        self._timeout_s = timeout_s
-        self._retry_at = 0.0
-
-    @property
-    def usable(self) -> bool:
-        return self._enabled and time.monotonic() >= self._retry_at
-
-    def refused(self) -> None:
-        """The daemon offers no data socket to this client: stream for a while."""
-        self._retry_at = time.monotonic() + self.RETRY_S
-
-    def connect(self, ticket: pb.DataTicket) -> socket.socket | None:
-        """A connection for ``ticket``'s transfer; None (and streaming for a while) when the
-        data socket cannot be reached."""
-        address = self._address(ticket)
-        # Firewalled, or the daemon went: the ticket expires there on its own.
-        with contextlib.suppress(OSError):
-            if address is not None:
-                return connect(address, self._timeout_s)
-        self.refused()
-        return None
-
-    def _address(self, ticket: pb.DataTicket) -> DataAddress | None:
-        return data_address(self._target, ticket)
-
-
-def data_address(target: Target, ticket: pb.DataTicket) -> DataAddress | None:
-    """Where this client connects to present ``ticket`` (None: not over its transport)."""
-    if target.is_unix:
-        return DataAddress(socket.AF_UNIX, ticket.unix_path) if ticket.unix_path else None
-    if not ticket.tcp_port:
-        return None
-    host = target.grpc_target.rpartition(":")[0].strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return DataAddress(family, (host, ticket.tcp_port))
-
-
-# ------------------------------------------------------------------------------ call channels
-
-_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
-REPLY_TYPES: dict[str, type[Message]] = {
-    name: getattr(pb, _METHODS[name].output_type.name) for name in CHANNEL_METHODS}
-
-
-class ChannelStatus(grpc.RpcError):
-    """A call that failed on a call channel, read like its gRPC twin's failure (code, details,
-    trailers), so the clients' retry and translation treat both alike."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, error: str = "",
-                 retry_after_s: float = 0.0) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-        self._trailers: tuple[tuple[str, str], ...] = ()
-        if error:
-            self._trailers += ((ERROR_METADATA_KEY, error),)
-        if retry_after_s:
-            self._trailers += ((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._trailers
-
-
-class ChannelBroken(ConnectionError):
-    """A call channel closed or failed under a call: the client makes it over gRPC."""
-
-
-def read_reply(status: int, body: bytes, reply_type: type[Message] | None) -> Message | None:
-    """A reply frame's response message (None without ``reply_type``: the hello's answer);
-    ChannelStatus for a failed call."""
-    if status:
-        error = pb.CallError.FromString(body)
-        raise ChannelStatus(_STATUS_BY_VALUE.get(status, grpc.StatusCode.UNKNOWN),
-                            error.details, error.error, error.retry_after_s)
-    return reply_type.FromString(body) if reply_type is not None else None
-
-
-def reply_header(header: bytes, max_reply_bytes: int) -> tuple[int, int, int]:
-    """``(body bytes, status, request id)`` of a reply frame's header; ChannelBroken for a
-    body larger than the client takes."""
-    length, status, request_id = FRAME.unpack(header)
-    if length > max_reply_bytes:
-        raise ChannelBroken(f"the daemon sent a {length}-byte reply on the call channel; "
-                            f"this client takes at most {max_reply_bytes}")
-    return length, status, request_id
-
-
-class CallChannels:
-    """Whether a client makes its small calls (``CHANNEL_METHODS``) on a call channel.
-
-    On by default: the client asks OpenChannel at its first such call; a daemon that serves
-    none (UNIMPLEMENTED: older than channels; FAILED_PRECONDITION: off) or whose channels
-    this tenant has used up makes it call over gRPC for ``RETRY_S`` before it asks again. A
-    channel that breaks (the daemon restarted) is opened again at the next call.
-    """
-
-    RETRY_S = 30.0
-
-    def __init__(self, enabled: bool, target: Target) -> None:
-        self._enabled = enabled
-        self.target = target
-        self._retry_at = 0.0
-
-    @property
-    def usable(self) -> bool:
-        return self._enabled and time.monotonic() >= self._retry_at
-
-    def refused(self, err: BaseException) -> None:
-        """Opening a channel failed with ``err``: a daemon that said no is asked again only
-        after ``RETRY_S``; one that could not be reached, at the next call."""
-        code = err.code() if isinstance(err, grpc.RpcError) and hasattr(err, "code") else None
-        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            self._retry_at = time.monotonic() + self.RETRY_S
 
 
 class GetAssembler:

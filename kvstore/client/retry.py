@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from kvstore.errors import InvalidArgument
 from kvstore.rpc.status import translate
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +70,23 @@ def next_delay(policy: RetryPolicy, delays: Iterator[float], err: grpc.RpcError)
     if delay is None:
         raise translate(err) from None
     return delay
+
+
+def retrying(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
+    """``attempt()``, made again after ``next_delay`` while it fails with a retried status."""
+    delays = policy.delays()
+    while True:
+        try:
+            return attempt()
+        except grpc.RpcError as err:
+            time.sleep(next_delay(policy, delays, err))
+
+
+async def retrying_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -> T:
+    """The asyncio twin of :func:`retrying`."""
+    delays = policy.delays()
+    while True:
+        try:
+            return await attempt()
+        except grpc.RpcError as err:
+            await asyncio.sleep(next_delay(policy, delays, err))

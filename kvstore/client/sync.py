@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -24,7 +22,8 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.arena import (
+from kvstore.client.channels import DataSocket, open_put_refused
+from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
     check_get_out,
@@ -36,38 +35,16 @@ from kvstore.client.arena import (
     visit_lease,
     write_reservation,
 )
-from kvstore.client.requests import (
-    RELEASE_LINGER_S,
-    REPLY_TYPES,
-    CallChannels,
-    CarriedReleases,
-    ChannelBroken,
-    ChannelStatus,
-    DataSocket,
-    GetAssembler,
-    PutStream,
-    Tokens,
-    Unary,
-    data_address,
-    read_reply,
-    reply_header,
-)
-from kvstore.client.retry import RetryPolicy, next_delay
+from kvstore.client.releases import LateReleases
+from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
+from kvstore.client.retry import RetryPolicy, retrying
+from kvstore.client.transport import ChannelTransport, GrpcTransport, Session, Transport
 from kvstore.copies import resolve_copy_threads
-from kvstore.errors import (
-    CapacityError,
-    FailedPrecondition,
-    InvalidArgument,
-    KVStoreError,
-    LeaseNotFound,
-    NotFound,
-)
+from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
-from kvstore.rpc import framing as datapath
+from kvstore.rpc import framing
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
-from kvstore.rpc.framing import CHANNEL_METHODS, FRAME, MAX_REQUEST_ID, OPENED_ID
-from kvstore.rpc.metadata import OPEN_TIMEOUT_S, SESSION_HEADER, SESSION_METHODS, new_session_id
 from kvstore.rpc.status import translate
 
 if TYPE_CHECKING:
@@ -75,7 +52,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _NO_DATA_SOCKET = object()  # a Get's ticket named a data socket this client cannot reach
-MAX_CALL_CHANNELS = 2  # a client's call channels: its caller's and its late Releases' worker
 log = logging.getLogger("kvstore.client")
 
 
@@ -91,7 +67,7 @@ class Client:
         max_message_bytes: largest gRPC message either way; tensors stream in chunks below it.
         zero_copy: move tensor bytes through the shared DRAM arena: None picks it for Unix
             sockets whenever the daemon hands this client its arena (streaming meanwhile, and
-            asking again at most every ``kvstore.client.arena.PROBE_RETRY_S``), True always
+            asking again at most every ``kvstore.client.mappings.PROBE_RETRY_S``), True always
             (errors if impossible), False never. Each call can override it.
         data_socket: without shared memory, move tensor bytes over the daemon's data socket
             (outside gRPC's framing, under one-time tickets) where it offers one; False:
@@ -110,18 +86,15 @@ class Client:
                  copy_threads: int | None = None) -> None:
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._copy_threads = resolve_copy_threads(copy_threads)
-        self._max_reply_bytes = max_message_bytes
-        self._calls = CallChannels(call_channel, self._settings.target)
-        # One call at a time each; a second for the late Releases' worker beside the caller.
-        self._calls_channels: list[BlockingChannel] = []
-        self._calls_lock = threading.Lock()  # one thread opens a call channel
-        self._token = token
         self._channel = grpc.insecure_channel(self._settings.target.grpc_target,
                                               options=self._settings.channel_options)
         self._stub = pbg.KVStoreStub(self._channel)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
-        self._session: tuple[tuple[str, str], ...] | None = None  # None: not opened yet
-        self._hold: grpc.Call | None = None
+        self._session = Session(self._stub, self._settings, self._zero_copy.maps.regions_retired)
+        self._transport: Transport = GrpcTransport(self._stub, self._settings, self._session)
+        if call_channel:
+            self._transport = ChannelTransport(self._transport, self._settings, token,
+                                               max_message_bytes)
         self._data = DataSocket(data_socket, self._settings.target, token,
                                 self._settings.timeout_s)
         self._late = LateReleases(self.release)
@@ -129,91 +102,11 @@ class Client:
     # ------------------------------------------------------------------------------ plumbing
 
     def _call(self, attempt: Callable[[], T]) -> T:
-        delays = self._settings.retry.delays()
-        while True:
-            try:
-                return attempt()
-            except grpc.RpcError as err:
-                time.sleep(next_delay(self._settings.retry, delays, err))
+        return retrying(self._settings.retry, attempt)
 
     def _unary(self, call: Unary[T]) -> T:
-        if call.method in CHANNEL_METHODS and self._calls.usable:
-            channel = self._free_calls_channel()  # its lock taken; None: all busy, or none
-            if channel is not None:
-                try:
-                    return call.parse(self._call(lambda: channel.call(
-                        call.method, call.request, self._settings.timeout_s)))
-                except ChannelBroken as exc:  # the daemon went or restarted: gRPC retries
-                    log.debug("call channel broke under %s: %s", call.method, exc)
-                finally:
-                    channel.lock.release()
-        rpc = getattr(self._stub, call.method)
-        metadata = self._settings.metadata
-        if call.method in SESSION_METHODS:
-            metadata = metadata + self._session_metadata()
-        return call.parse(self._call(
-            lambda: rpc(call.request, timeout=self._settings.timeout_s, metadata=metadata)))
-
-    def _session_metadata(self) -> tuple[tuple[str, str], ...]:
-        """This client's session (opened at its first Acquire or Reserve): what it holds is
-        given back the moment the process goes away. A daemon without sessions: none."""
-        if self._session is None:
-            self._session = ()
-            session_id = new_session_id()
-            call = self._stub.Hold(pb.HoldRequest(session=session_id),
-                                   metadata=self._settings.metadata)
-            opened = threading.Event()
-            threading.Thread(target=_drain_hold,
-                             args=(call, opened, self._zero_copy.maps.regions_retired),
-                             daemon=True,
-                             name="kvstore-session").start()
-            if opened.wait(OPEN_TIMEOUT_S) and call.running():
-                self._hold = call
-                self._session = ((SESSION_HEADER, session_id),)
-            else:
-                call.cancel()
-        return self._session
-
-    def _free_calls_channel(self) -> BlockingChannel | None:
-        """One of this client's call channels that no other thread is calling on, its lock
-        taken; a new one is opened while the client has fewer than ``MAX_CALL_CHANNELS``
-        (a get's Acquire then need not wait for, nor go around, the Release its worker sends
-        for the last get). None where all are busy, or the daemon serves none to this client
-        (``CallChannels``): the call goes over gRPC."""
-        for channel in self._calls_channels:
-            if not channel.closed and channel.lock.acquire(blocking=False):
-                if not channel.closed:
-                    return channel
-                channel.lock.release()
-        with self._calls_lock:
-            self._calls_channels = [c for c in self._calls_channels if not c.closed]
-            if len(self._calls_channels) >= MAX_CALL_CHANNELS:
-                return None
-            channel = self._open_calls_channel()
-            if channel is None:
-                return None
-            channel.lock.acquire()
-            self._calls_channels.append(channel)
-            return channel
-
-    def _open_calls_channel(self) -> BlockingChannel | None:
-        """A new call channel (under ``_calls_lock``); None where the daemon refuses it."""
-        if self._hold is not None and not self._hold.running():  # the daemon restarted
-            self._hold, self._session = None, None
-        try:
-            ticket = self._stub.OpenChannel(
-                pb.OpenChannelRequest(), timeout=self._settings.timeout_s,
-                metadata=self._settings.metadata + self._session_metadata())
-            address = data_address(self._settings.target, ticket)
-            if address is None:
-                raise FailedPrecondition("the call channel is not served over this "
-                                         "client's transport")
-            return BlockingChannel.open(datapath.connect(address, self._settings.timeout_s),
-                                        ticket.ticket, self._token, self._max_reply_bytes)
-        except (grpc.RpcError, OSError, KVStoreError) as exc:
-            self._calls.refused(exc)
-            log.debug("no call channel, calls go over gRPC: %s", exc)
-            return None
+        return call.parse(self._transport.call(call.method, call.request,
+                                               self._settings.timeout_s))
 
     def _zero_copy_mode(self, requested: bool | None) -> tuple[bool, bool]:
         """(use shared memory, fail rather than fall back)."""
@@ -243,7 +136,7 @@ class Client:
         Returns:
             Tokens newly written (full blocks only).
         """
-        _check_first_block(first_block)
+        requests.check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
@@ -270,14 +163,14 @@ class Client:
                 return self._stub.OpenPut(stream.header, timeout=self._settings.timeout_s,
                                           metadata=self._settings.metadata)
             except grpc.RpcError as err:
-                return requests.open_put_refused(err, self._data)
+                return open_put_refused(err, self._data)
 
         ticket = self._call(open_put)
         sock = None if ticket is None else self._data.connect(ticket)
         if sock is None:
             return None
         with contextlib.suppress(OSError):  # the Put call below says what went wrong
-            datapath.send_put(sock, ticket.ticket, self._data.token, stream.view())
+            framing.send_put(sock, ticket.ticket, self._data.token, stream.view())
         # Not retried: the ticket is spent whatever the outcome.
         try:
             return stream.parse(self._stub.Put(
@@ -308,14 +201,8 @@ class Client:
     def _with_stored_head(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                           first_block: int) -> torch.Tensor:
         """``kv`` behind the stored K/V of the blocks before ``first_block``."""
-        head = first_block * ns.spec.block_tokens
-        requests.check_put(ns, tokens[head:], kv)
-        stored = self.get(ns, tokens[:head], zero_copy=False)
-        if stored is None or stored.shape[2] < head:
-            have = 0 if stored is None else stored.shape[2] // ns.spec.block_tokens
-            raise NotFound(f"block {have} of the prefix is not stored; the blocks before "
-                           f"block {first_block} must be stored before more are added to them")
-        return torch.cat((stored, kv), dim=2)
+        head = requests.stored_head(ns, tokens, kv, first_block)
+        return requests.behind_head(ns, self.get(ns, head, zero_copy=False), kv, first_block)
 
     def get(self, ns: Namespace, tokens: Tokens, *, zero_copy: bool | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -361,7 +248,7 @@ class Client:
                     call.cancel()
                     return _NO_DATA_SOCKET
                 with contextlib.suppress(OSError):  # the stream's status says why it stopped
-                    datapath.receive_get(sock, assembler.ticket.ticket, self._data.token,
+                    framing.receive_get(sock, assembler.ticket.ticket, self._data.token,
                                          assembler.target)
                 assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
@@ -406,7 +293,7 @@ class Client:
         Returns:
             The number of blocks of the stored prefix, visited or not.
         """
-        _check_first_block(first_block)
+        requests.check_first_block(first_block)
         use, strict = self._zero_copy_mode(zero_copy)
         if use:
             try:
@@ -420,14 +307,7 @@ class Client:
                 return num_blocks
             except (OSError, LeaseNotFound) as exc:
                 self._zero_copy.get_failed(exc, strict)
-        kv = self._get(ns, tokens)
-        if kv is None:
-            return 0
-        bt = ns.spec.block_tokens
-        num_blocks = kv.shape[2] // bt
-        for i in range(first_block, num_blocks):
-            visit(i, kv[:, :, i * bt : (i + 1) * bt])
-        return num_blocks
+        return requests.visit_blocks(ns, self._get(ns, tokens), visit, first_block)
 
     # --------------------------------------------------------------------------- control path
 
@@ -534,12 +414,9 @@ class Client:
     def close(self) -> None:
         """Close the channel; leases and reservations still held are given back."""
         self._late.close()
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
+        self._session.close()
         self._zero_copy.maps.close()
-        for channel in self._calls_channels:
-            channel.close()
+        self._transport.close()
         self._channel.close()
 
     def __enter__(self) -> Self:
@@ -547,224 +424,3 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class BlockingChannel:
-    """A call channel (``kvstore.rpc.datapath``) for a blocking client: one call at a time,
-    under :attr:`lock`; replies read through a buffer, so a frame's header and body mostly
-    come in one receive."""
-
-    _RECV_BYTES = 64 << 10
-
-    def __init__(self, sock, max_reply_bytes: int) -> None:
-        self._sock = sock
-        self._max_reply_bytes = max_reply_bytes
-        self._buffer = bytearray()
-        self._last_id = OPENED_ID
-        self._timeout_s: float | None = -1.0  # none set yet
-        self.lock = threading.Lock()
-        self.closed = False
-
-    @classmethod
-    def open(cls, sock, ticket: bytes, token: str | None, max_reply_bytes: int
-             ) -> BlockingChannel:
-        """Present ``ticket`` on the connected ``sock`` and wait for the daemon to open the
-        channel; ChannelStatus with the daemon's reason where it refuses."""
-        channel = cls(sock, max_reply_bytes)
-        try:
-            sock.sendall(datapath.encode_hello(ticket, token))
-            channel._reply(OPENED_ID, None)
-        except BaseException:
-            channel.close()
-            raise
-        return channel
-
-    def call(self, method: str, request, timeout_s: float):
-        """The response message of one call; ChannelStatus where it failed (the status its
-        gRPC twin would end with), ChannelBroken where the channel did (then closed)."""
-        if self.closed:
-            raise ChannelBroken("the call channel is closed")
-        self._last_id = self._last_id % MAX_REQUEST_ID + 1
-        frame = datapath.encode_frame(datapath.method_byte(method), self._last_id,
-                                      request.SerializeToString())
-        try:
-            if timeout_s != self._timeout_s:  # each settimeout is a syscall or two
-                self._sock.settimeout(timeout_s)
-                self._timeout_s = timeout_s
-            self._sock.sendall(frame)
-            return self._reply(self._last_id, REPLY_TYPES[method])
-        except TimeoutError:
-            # the reply may still come: a channel whose stream is not at a frame's start is
-            # of no further use
-            self.close()
-            raise ChannelStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except ChannelBroken:
-            self.close()
-            raise
-        except OSError as exc:
-            self.close()
-            raise ChannelBroken(f"the call channel failed: {exc}") from exc
-
-    def _reply(self, request_id: int, reply_type):
-        while True:
-            length, status, got = reply_header(self._read(FRAME.size), self._max_reply_bytes)
-            body = self._read(length)
-            if got == request_id:
-                return read_reply(status, body, reply_type)
-
-    def _read(self, num_bytes: int) -> bytes:
-        buffer = self._buffer
-        while len(buffer) < num_bytes:
-            chunk = self._sock.recv(max(self._RECV_BYTES, num_bytes - len(buffer)))
-            if not chunk:
-                raise ChannelBroken("the daemon closed the call channel")
-            buffer += chunk
-        data = bytes(buffer[:num_bytes])
-        del buffer[:num_bytes]
-        return data
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-
-class LateReleases:
-    """Releases of leases whose reads ended, after the call that read them returned.
-
-    A get's caller has its data once the copy out of the arena ends; the Release round trip
-    need not be on its path. A Release first waits up to ``LINGER_S`` for this client's next
-    Acquire to carry it (``take``: no round trip of its own); what no Acquire took by then a
-    worker thread sends. A lease still held meanwhile is bounded by its deadline (the reader
-    checks it did not pass, ``check_in_time``) and, should this process die, by its session.
-    At most ``MAX_PENDING`` wait: a caller reading faster than they are released waits for
-    room, so late releases never pile up toward the tenant's lease quota.
-    """
-
-    MAX_PENDING = 8
-    LINGER_S = RELEASE_LINGER_S
-
-    def __init__(self, release: Callable[[str], None]) -> None:
-        self._release = release
-        self._cond = threading.Condition()
-        self._carry = CarriedReleases()
-        self._waiting = self._carry.waiting  # lease id -> when its Release goes alone
-        self._in_flight = 0  # taken (by the worker or an Acquire), not answered yet
-        self._urgent = 0  # callers of flush: send what waits now
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def send(self, lease_id: str) -> None:
-        """Queue ``lease_id``'s Release (the worker starts at the first)."""
-        with self._cond:
-            self._ensure_worker()
-            while len(self._waiting) + self._in_flight >= self.MAX_PENDING:
-                self._cond.wait()
-            self._waiting[lease_id] = time.monotonic() + self.LINGER_S
-            self._cond.notify_all()
-
-    def take(self) -> list[str]:
-        """The waiting lease ids, for an Acquire to release first; hand them back with
-        ``carried``."""
-        with self._cond:
-            taken = self._carry.take()
-            self._in_flight += len(taken)
-            return taken
-
-    def carried(self, lease_ids: list[str], num_released: int | None) -> None:
-        """The Acquire that took ``lease_ids`` ended: the daemon released ``num_released``
-        of them (None: the call failed, so whether it did is unknown). What it did not
-        release goes in Releases of their own now (``CarriedReleases.left_over``)."""
-        if not lease_ids:
-            return
-        with self._cond:
-            self._in_flight -= len(lease_ids)
-            left = self._carry.left_over(lease_ids, num_released)
-            if left:
-                self._waiting.update(dict.fromkeys(left, 0.0))
-                self._ensure_worker()  # even after close: these must still be sent
-            self._cond.notify_all()
-
-    def _ensure_worker(self) -> None:
-        """Start the worker if none runs (the first Release, or one handed back after
-        ``close``); the caller holds the condition's lock."""
-        if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="kvstore-release")
-            self._thread.start()
-
-    @property
-    def can_carry(self) -> bool:
-        """False once the daemon showed it does not read carried ids."""
-        return self._carry.can_carry
-
-    @property
-    def is_pending(self) -> bool:
-        """Whether a queued Release is not answered yet."""
-        with self._cond:
-            return bool(self._waiting) or self._in_flight > 0
-
-    def flush(self) -> None:
-        """Wait until every queued Release was answered (sending those that wait now)."""
-        with self._cond:
-            self._urgent += 1
-            self._cond.notify_all()
-            try:
-                while self._waiting or self._in_flight:
-                    self._cond.wait()
-            finally:
-                self._urgent -= 1
-
-    def close(self) -> None:
-        """Send what is queued, then stop the worker."""
-        with self._cond:
-            thread, self._thread = self._thread, None
-            self._stopping = True
-            self._cond.notify_all()
-        if thread is not None:
-            thread.join()
-
-    def _next(self) -> str | None:
-        """The next lease id the worker releases, once it is due; None: stop."""
-        with self._cond:
-            while True:
-                if self._waiting:
-                    lease_id = min(self._waiting, key=self._waiting.__getitem__)
-                    wait_s = self._waiting[lease_id] - time.monotonic()
-                    if wait_s <= 0 or self._urgent or self._stopping:
-                        del self._waiting[lease_id]
-                        self._in_flight += 1
-                        return lease_id
-                    self._cond.wait(wait_s)
-                elif self._stopping and not self._in_flight:
-                    return None
-                else:
-                    self._cond.wait()
-
-    def _run(self) -> None:
-        while (lease_id := self._next()) is not None:
-            try:
-                self._release(lease_id)
-            except KVStoreError as exc:  # expired, or the daemon went: nothing is held then
-                log.debug("late release of lease %s: %s", lease_id, exc)
-            finally:
-                with self._cond:
-                    self._in_flight -= 1
-                    self._cond.notify_all()
-
-
-def _drain_hold(call, opened: threading.Event, regions_retired: Callable[[], None]) -> None:
-    """Read a Hold stream's events until it ends (``opened`` once the first arrived), dropping
-    the mappings of regions the daemon gave back as soon as it says so."""
-    with contextlib.suppress(grpc.RpcError):
-        for event in call:
-            opened.set()
-            if event.regions_retired:
-                regions_retired()
-    opened.set()
-
-
-def _check_first_block(first_block: int) -> None:
-    if not isinstance(first_block, int) or first_block < 0:
-        raise InvalidArgument(f"first_block must be a block index >= 0, got {first_block!r}")

@@ -250,7 +250,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenChannel(self, request, context):
-        """A call channel (rpc/datapath.py): a one-time ticket that turns a data connection into a
+        """A call channel (rpc/framing.py): a one-time ticket that turns a data connection into a
         long-lived channel for small unary calls (Lookup, Acquire, Release, Reserve, Commit,
         Abort), carrying their request and response messages in frames outside gRPC. Bound to the
         caller (tenant and transport); what is granted on it is given back when it closes.

@@ -11,10 +11,8 @@ import time
 import pytest
 import torch
 
-from kvstore.client import AsyncClient, Client
-from kvstore.client import aio as aio_module
-from kvstore.client import sync as sync_module
-from kvstore.client.requests import RELEASE_LINGER_S
+from kvstore.client import AsyncClient, Client, releases
+from kvstore.client.releases import RELEASE_LINGER_S
 from kvstore.keys import Namespace
 from kvstore.server.service import KVStoreService
 from kvstore.spec import KVSpec
@@ -36,7 +34,7 @@ def _stored(client, kvs) -> None:
 def long_linger(monkeypatch):
     """Releases wait for the next call for 30 s: nothing but a carrying call (or a flush)
     sends them within a test."""
-    monkeypatch.setattr(sync_module.LateReleases, "LINGER_S", 30.0)
+    monkeypatch.setattr(releases.LateReleases, "LINGER_S", 30.0)
 
 
 def test_the_next_get_carries_the_last_gets_release(tmp_path, long_linger):
@@ -97,7 +95,7 @@ def test_a_carried_release_of_an_expired_lease_is_not_an_error(tmp_path, monkeyp
 
 
 async def test_the_async_client_carries_its_releases_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(aio_module, "RELEASE_LINGER_S", 30.0)
+    monkeypatch.setattr(releases, "RELEASE_LINGER_S", 30.0)
     kvs = [random_kv(SPEC, 64, seed=i) for i in range(3)]
     with DaemonThread(small_config(tmp_path)) as daemon:
         async with AsyncClient(daemon.unix_address) as client:
@@ -115,7 +113,7 @@ async def test_the_async_client_carries_its_releases_too(tmp_path, monkeypatch):
 async def test_an_acquire_carries_at_most_the_daemons_limit(tmp_path, monkeypatch):
     """More late Releases waiting than one call may carry (80 concurrent gets' leases): the
     next Acquire takes 64 of them and succeeds; the rest wait for the next call."""
-    monkeypatch.setattr(aio_module, "RELEASE_LINGER_S", 30.0)
+    monkeypatch.setattr(releases, "RELEASE_LINGER_S", 30.0)
     kv = random_kv(SPEC, 64)
     with DaemonThread(small_config(tmp_path)) as daemon:
         async with AsyncClient(daemon.unix_address) as client:

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvstore.client import AsyncClient, Client
+from kvstore.client import AsyncClient, Client, releases
 from kvstore.client import sync as sync_module
 from kvstore.config import QuotaConfig
 from kvstore.errors import InvalidArgument
@@ -129,7 +129,7 @@ def test_a_late_release_still_frees_its_pins(tmp_path, monkeypatch):
             sent.append(lease_id)
             release(lease_id)
 
-        client._late = sync_module.LateReleases(held_release)
+        client._late = releases.LateReleases(held_release)
         assert client.get(NS, TOKENS) is not None  # returned with its Release still queued
         assert sent == [] and active_leases(client) == 1
         assert admin.evict(model_id=NS.model_id) == 0  # pinned by the lease still
@@ -154,8 +154,8 @@ def test_a_tenant_at_its_lease_quota_waits_for_its_late_releases(tmp_path):
     with DaemonThread(config) as daemon, Client(daemon.unix_address, zero_copy=True) as client:
         client.put(NS, TOKENS, kv)
         release = client.release
-        client._late = sync_module.LateReleases(lambda lease_id: (gate.wait(0.5),
-                                                                  release(lease_id)))
+        client._late = releases.LateReleases(lambda lease_id: (gate.wait(0.5),
+                                                               release(lease_id)))
         assert torch.equal(client.get(NS, TOKENS), kv)
         assert torch.equal(client.get(NS, TOKENS), kv)  # the first Release still held back
         gate.set()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.client import Client
-from kvstore.client.gpu import EngineCache
+from kvstore.client.engine import EngineCache
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.config import DramConfig, HbmConfig, TierConfig
 from kvstore.keys import Namespace
@@ -188,7 +188,7 @@ def test_staging_ring_copies_runs_of_neighbouring_pages_and_lands_every_page():
     in its engine page, in a ring smaller than the lease."""
     import numpy as np
 
-    from kvstore.client.gpu import HostPages, StagingRing
+    from kvstore.client.staging import HostPages, StagingRing
     from kvstore.codecs.device import device_layout
     from kvstore.codecs.triton.engine import to_engine  # noqa: F401  (the ring's kernel)
     from kvstore.spec import EngineLayout

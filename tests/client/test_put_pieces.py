@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client import AsyncClient, Client, arena
+from kvstore.client import AsyncClient, Client, mappings
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -25,7 +25,7 @@ def small_tier(tmp_path):
 
 
 def test_a_put_near_the_tiers_size_stores_every_block_in_pieces(small_tier, monkeypatch):
-    monkeypatch.setattr(arena, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
+    monkeypatch.setattr(mappings, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
     ns = Namespace(model_id="m", spec=SPEC, tenant="default")
     tokens = random_tokens(16 * BLOCKS, seed=3)
     kv = random_kv(SPEC, 16 * BLOCKS, seed=3)
@@ -40,7 +40,7 @@ def test_a_put_near_the_tiers_size_stores_every_block_in_pieces(small_tier, monk
 
 
 async def test_the_async_client_puts_in_pieces_too(small_tier, monkeypatch):
-    monkeypatch.setattr(arena, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
+    monkeypatch.setattr(mappings, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
     ns = Namespace(model_id="m", spec=SPEC, tenant="default")
     tokens = random_tokens(16 * BLOCKS, seed=5)
     kv = random_kv(SPEC, 16 * BLOCKS, seed=5)
@@ -52,10 +52,10 @@ async def test_the_async_client_puts_in_pieces_too(small_tier, monkeypatch):
 
 
 def test_pieces_end_with_the_prompt_and_cover_it_once(monkeypatch):
-    monkeypatch.setattr(arena, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
+    monkeypatch.setattr(mappings, "PUT_PIECE_BYTES", 16 * SPEC.block_bytes)
     ns = Namespace(model_id="m", spec=SPEC, tenant="default")
-    assert arena.put_pieces(ns, 10) == [10]  # less than a block: the put as it was
-    assert arena.put_pieces(ns, 16 * 40 + 5) == [256, 512, 645]
-    assert arena.put_pieces(ns, 16 * 32) == [256, 512]
-    assert arena.put_pieces(ns, 16 * 40, first_block=30) == [640]
-    assert arena.put_pieces(ns, 16 * 60, first_block=10) == [416, 672, 928, 960]
+    assert mappings.put_pieces(ns, 10) == [10]  # less than a block: the put as it was
+    assert mappings.put_pieces(ns, 16 * 40 + 5) == [256, 512, 645]
+    assert mappings.put_pieces(ns, 16 * 32) == [256, 512]
+    assert mappings.put_pieces(ns, 16 * 40, first_block=30) == [640]
+    assert mappings.put_pieces(ns, 16 * 60, first_block=10) == [416, 672, 928, 960]

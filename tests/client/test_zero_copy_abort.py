@@ -13,7 +13,7 @@ import torch
 from kvstore.client import AsyncClient, Client
 from kvstore.client import aio as aio_module
 from kvstore.client import sync as sync_module
-from kvstore.client.arena import write_reservation
+from kvstore.client.mappings import write_reservation
 from kvstore.errors import CodecError
 from tests.server.helpers import DaemonThread
 

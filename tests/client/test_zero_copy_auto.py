@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from kvstore.client import AsyncClient, Client, arena
+from kvstore.client import AsyncClient, Client, mappings
 from tests.server.helpers import DaemonThread, rpc_calls
 
 from ..conftest import random_kv, random_tokens
@@ -26,7 +26,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(arena, "_clock", fake)
+    monkeypatch.setattr(mappings, "_clock", fake)
     return fake
 
 
@@ -49,12 +49,12 @@ async def test_a_client_that_found_no_arena_finds_it_later(daemon, ns, spec, clo
     async with AsyncClient(daemon.unix_address) as client:
         assert await client.put(ns, *prompts[0]) == 32
         assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve")) == (1, 0)
-        clock.now += arena.PROBE_RETRY_S / 2  # too soon to ask again: streams, no probe
+        clock.now += mappings.PROBE_RETRY_S / 2  # too soon to ask again: streams, no probe
         assert await client.put(ns, *prompts[1]) == 32
         assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Health")) == (2, 1)
 
         await daemon.fd_server.start()
-        clock.now += arena.PROBE_RETRY_S
+        clock.now += mappings.PROBE_RETRY_S
         assert await client.put(ns, *prompts[2]) == 32
         assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve"), rpc_calls(daemon, "Commit")) \
             == (2, 1, 1)
@@ -76,6 +76,6 @@ def test_blocking_client_finds_it_later_too(config, ns, spec, clock):
         assert client.put(ns, tokens, kv) == 32
         assert (rpc_calls(daemon, "Put"), rpc_calls(daemon, "Reserve")) == (1, 0)
         on_daemon_loop(daemon.fd_server.start())
-        clock.now += arena.PROBE_RETRY_S
+        clock.now += mappings.PROBE_RETRY_S
         assert torch.equal(client.get(ns, tokens), kv)
         assert (rpc_calls(daemon, "Acquire"), rpc_calls(daemon, "Get")) == (1, 0)

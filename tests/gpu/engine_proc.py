@@ -18,7 +18,7 @@ import torch
 
 from kvstore.api import Medium
 from kvstore.client import Client
-from kvstore.client.gpu import EngineCache
+from kvstore.client.engine import EngineCache
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client.address import parse_address
-from kvstore.client.requests import DataSocket
+from kvstore.client.channels import DataSocket
 from kvstore.errors import InvalidArgument
 from kvstore.rpc import framing as datapath
 from kvstore.rpc import kvstore_pb2 as pb

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import Client
-from kvstore.client.arena import ArenaMaps, write_reservation
+from kvstore.client.mappings import ArenaMaps, write_reservation
 from kvstore.errors import LeaseNotFound
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg

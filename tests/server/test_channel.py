@@ -194,7 +194,7 @@ def test_gets_acquire_on_a_channel_while_the_last_release_is_on_the_other(root):
             releases = rpc_calls(daemon, "Release") - before[2]
             assert acquires == 12 and 1 <= releases <= 12  # the last get's Release, at least
             assert calls.num_calls - before[0] == acquires + releases
-            assert 1 <= len(client._calls_channels) <= 2
+            assert 1 <= len(client._transport.channels) <= 2
             assert client.stats().active_leases == 0
 
 
@@ -399,12 +399,12 @@ async def test_each_tenant_has_its_channels_budget(daemon):
 async def test_an_async_client_whose_channel_broke_calls_on_and_opens_another(daemon):
     async with AsyncClient(daemon.unix_address, token="tok-acme", retry=NO_RETRY) as client:
         assert (await client.lookup(NS, list(range(32)))).num_tokens == 32
-        first = client._calls_channel
+        first = client._transport.channel
         first._writer.transport.abort()  # the connection goes, as in a daemon restart
         results = await asyncio.gather(*(client.lookup(NS, list(range(32)))
                                          for _ in range(8)))
         assert all(r.num_tokens == 32 for r in results)  # over gRPC, where it broke under them
         assert first.closed
         assert (await client.lookup(NS, list(range(32)))).num_tokens == 32
-        assert client._calls_channel is not first and not client._calls_channel.closed
+        assert client._transport.channel is not first and not client._transport.channel.closed
         assert await eventually(lambda: daemon.datapath.num_channels == 1, 5.0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvstore.client import NO_RETRY, AsyncClient
-from kvstore.client.arena import fetch_region_fd
+from kvstore.client.mappings import fetch_region_fd
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from kvstore.rpc.descriptors import MAX_MESSAGE_BYTES, fd_socket_path, parse_reply
 from kvstore.server import descriptor_socket as fdpass

@@ -16,7 +16,7 @@ import torch
 
 from kvstore import codecs
 from kvstore.client import NO_RETRY, AsyncClient, Client
-from kvstore.client.arena import ArenaMaps, fetch_region_fd
+from kvstore.client.mappings import ArenaMaps, fetch_region_fd
 from kvstore.errors import CorruptPage
 from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
 from kvstore.rpc.descriptors import fd_socket_path

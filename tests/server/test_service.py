@@ -13,7 +13,7 @@ import torch
 
 from kvstore.api import BlockInfo, LookupResult, StoreStats
 from kvstore.client import AsyncClient
-from kvstore.client.arena import ArenaMaps
+from kvstore.client.mappings import ArenaMaps
 from kvstore.errors import (
     CorruptPage,
     InvalidArgument,

@@ -115,7 +115,7 @@ def test_a_session_is_its_tenants_alone(tmp_path):
     with DaemonThread(config) as daemon, Client(daemon.unix_address, token="tok-acme") as acme:
         acme.put(ns(), list(range(32)), random_kv(SPEC, 32))
         acme.acquire(ns(), list(range(32)))  # opens acme's session
-        session = acme._session[0][1]
+        session = acme._session.metadata[0][1]
         with pytest.raises(PermissionDenied, match="another tenant"):
             _raw_acquire(daemon.unix_address, "tok-globex", session, tenant="globex")
         with pytest.raises(InvalidArgument, match="not open"):
@@ -192,9 +192,9 @@ async def test_the_async_clients_session_keeps_reading_its_stream(tmp_path):
             tokens = list(range(32))
             await client.put(ns(), tokens, random_kv(SPEC, 32), zero_copy=True)
             lease = await client.acquire(ns(), tokens)
-            session = client._session
+            session = client._session.metadata
             await asyncio.sleep(0.3)
-            assert session and not client._hold_task.done()
+            assert session and not client._session.hold_task.done()
             await client.release(lease.lease_id)
             assert (await client.lookup(ns(), tokens)).matched_tokens == 32
-            assert client._session == session
+            assert client._session.metadata == session

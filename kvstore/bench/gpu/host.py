@@ -129,7 +129,7 @@ def _host_overhead_samples(blocks: int, repeat: int, root: str) -> dict[str, lis
 def _passes(spec: KVSpec, device: str, blocks: int, repeat: int, root: str
             ) -> dict[str, list[list]]:
     from kvstore.client import Client
-    from kvstore.client.gpu import EngineCache
+    from kvstore.client.engine import EngineCache
     from kvstore.config import DramConfig, HbmConfig, KVStoreConfig, ServerConfig, TierConfig
     from kvstore.keys import Namespace
     from kvstore.server.daemon import DaemonThread

@@ -118,7 +118,7 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
 
     # Pinned DRAM -> engine: the kernel reads host pages over unified addressing, or pages are
     # DMA'd in chunks into a device ring and decoded on the compute stream as they land.
-    from kvstore.client.gpu import StagingRing
+    from kvstore.client.staging import StagingRing
 
     rings = {codec: StagingRing(rig.layouts[codec], device) for codec in rig.layouts}
     chunk_blocks = rings["fp8_e4m3"].chunk_pages  # the estimate of the SSD row below

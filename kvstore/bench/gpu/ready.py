@@ -88,7 +88,7 @@ def end_to_end_rows(tokens: int, prefill_ms: float, root: str, device: str = "cu
     its SSD (fp8 pages) into a DRAM tier with room for one prefix and a fifth, two prefixes
     loaded in turns so each load reads most of its prefix back from the SSD."""
     from kvstore.client import Client
-    from kvstore.client.gpu import EngineCache
+    from kvstore.client.engine import EngineCache
     from kvstore.config import (
         DramConfig,
         HbmConfig,

@@ -152,7 +152,7 @@ class Rig:
 def staged_load(rig: Rig, codec: str, ring) -> None:
     """Pinned host pages DMA'd chunk by chunk into a device ring and decoded on the current
     stream as each chunk lands: the engine client's own path (``StagingRing``)."""
-    from kvstore.client.gpu import HostPages
+    from kvstore.client.staging import HostPages
 
     dev = rig.layouts[codec]
     pages = HostPages([rig.hosts[codec]], np.zeros(rig.n, dtype=np.intp),

@@ -7,7 +7,7 @@ without hashing them again; it drops its mapping of a region the daemon gave bac
 says so) at its next read, so no client keeps that memory alive. Writes: Reserve, encode straight into the slots,
 Commit; Abort if the write fails or is interrupted. Neither streams tensor bytes through the
 socket. A client maps only its own tenant's arena: it gets the arena's descriptor from the
-daemon's descriptor socket (``kvstore.rpc.fdpass``, named by Health) after the daemon checked
+daemon's descriptor socket (``kvstore.rpc.descriptors``, named by Health) after the daemon checked
 its token, once per region, and keeps it. ``zero_copy=None`` (the default) picks this for
 ``unix://`` addresses whenever the daemon hands this client a descriptor, and streams while it
 does not, asking again at most every ``PROBE_RETRY_S`` (a daemon still starting, a descriptor
