@@ -195,7 +195,7 @@ spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
 ns = Namespace(model_id="m", spec=spec, tenant="acme")
 c = Client({address!r}, zero_copy=True)
 if {no_session!r}:
-    c._session = ()  # as against a daemon without sessions: only the deadline is left
+    c._session.metadata = ()  # as against a daemon without sessions: only the deadline is left
 def visit(i, kv):
     if i == 1:
         print("dying mid-copy", flush=True)
