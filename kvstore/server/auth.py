@@ -25,6 +25,7 @@ import grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unauthenticated, shown
+from kvstore.server.health import UNAUTHENTICATED_METHODS
 from kvstore.server.interceptors import Behavior, HandlerInterceptor, abort_with
 from kvstore.server.limits import RateLimiter, StreamClock, peer_host
 
@@ -141,6 +142,11 @@ class AuthInterceptor(HandlerInterceptor):
         self._require_on_unix = config.require_auth_on_unix
         self._limiter = limiter
         self._idle_s = config.stream_idle_timeout_s
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in UNAUTHENTICATED_METHODS:  # health probes carry none
+            return await continuation(handler_call_details)
+        return await super().intercept_service(continuation, handler_call_details)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
