@@ -12,7 +12,9 @@ What it answers, for the whole server (service ``""``) and for ``kvstore.v1.KVSt
 Any other service name is NOT_FOUND. ``Check`` needs no token (probes carry none: see
 :data:`UNAUTHENTICATED_METHODS`); it reveals one of two states and nothing about tenants,
 blocks or configuration. ``Watch`` keeps a stream open for as long as the caller likes, so it
-stays behind the same token check as every kvstore call.
+stays behind the same token check as every kvstore call. Unlike a kvstore call, a ``Check``'s
+request message is read before anything is checked (grpc reads a unary request first), so an
+unauthenticated caller can make the daemon receive up to ``server.max_message_bytes`` per call.
 """
 
 from __future__ import annotations
