@@ -5,7 +5,7 @@
 from kvstore.cli import serve  # noqa: F401
 
 # isort: split
-from kvstore.cli import admin, bench  # noqa: F401
+from kvstore.cli import admin, bench, deploy, health  # noqa: F401
 from kvstore.cli.app import app
 
 __all__ = ["app", "main"]

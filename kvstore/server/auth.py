@@ -27,6 +27,7 @@ import grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unauthenticated, shown
+from kvstore.server.health import UNAUTHENTICATED_METHODS
 from kvstore.server.interceptors import Behavior, HandlerInterceptor, abort_with
 from kvstore.server.limits import RateLimiter, StreamClock, peer_host
 
@@ -166,6 +167,11 @@ class AuthInterceptor(HandlerInterceptor):
         self._auth = auth
         self._limiter = limiter
         self._idle_s = config.stream_idle_timeout_s
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in UNAUTHENTICATED_METHODS:  # health probes carry none
+            return await continuation(handler_call_details)
+        return await super().intercept_service(continuation, handler_call_details)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()

@@ -34,6 +34,7 @@ from kvstore.server.auth import Authenticator, AuthInterceptor
 from kvstore.server.channel import ChannelCalls
 from kvstore.server.data_socket import DataSocketServer
 from kvstore.server.descriptor_socket import DescriptorServer
+from kvstore.server.health import DaemonHealth
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
@@ -120,6 +121,7 @@ class Daemon:
                                          max_put_bytes(config)) if server.data_socket else None
         service = KVStoreService(store, config, lambda: self.draining, self.datapath)
         add_to_server(service, self.server)
+        self.health = DaemonHealth(self.server)  # NOT_SERVING until start() has finished
         if self.datapath is not None and server.call_channel:
             # Small calls in frames on the data socket, behind the same checks (channel.py).
             self.datapath.offer_calls(
@@ -170,6 +172,7 @@ class Daemon:
         if server.metrics_port:
             self.metrics.watch_store(loop_snapshot(self.store.stats, asyncio.get_running_loop()))
             self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port)
+        await self.health.serving()
         _log.info("serving", extra={"socket": self.socket_path, "tcp_port": self.tcp_port,
                                     "data_port": self.datapath and self.datapath.tcp_port,
                                     "metrics_port": self.metrics_port, "pid": os.getpid()})
@@ -179,6 +182,7 @@ class Daemon:
         if self._stopped:
             return
         self.draining = True
+        await self.health.draining()
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         started = time.monotonic()
         try:

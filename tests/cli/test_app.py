@@ -36,8 +36,8 @@ def test_real_process(argv: list[str]) -> None:
 def test_help_lists_the_commands_in_order() -> None:
     """The command modules register on import; `kvstore --help` keeps serve first."""
     group = typer.main.get_command(app)
-    assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version",
-                                    "bench"]
+    assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version", "health",
+                                    "bench", "deploy"]
     assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "gpu",
                                                       "policy", "remote", "lmcache", "scale"]
 
