@@ -13,8 +13,10 @@ from kvstore.cli.health import UNREACHABLE, check
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc
 from kvstore.server import daemon as daemon_module
-from kvstore.server.daemon import Daemon, claim_socket_path, serve
+from kvstore.server.auth import Authenticator
+from kvstore.server.daemon import Daemon, serve
 from kvstore.server.health import KVSTORE_SERVICE, NOT_SERVING, SERVING
+from kvstore.server.sockets import claim_socket_path
 from kvstore.store import Store
 
 from .helpers import small_config
@@ -48,7 +50,7 @@ async def test_not_serving_until_started_and_while_draining(config):
     lock = claim_socket_path(config.server.socket_path)
     store = Store(config)
     await store.open()
-    d = Daemon(config, store, lock)
+    d = Daemon(config, store, lock, Authenticator(config.server))
     try:
         d._bind()
         await d.server.start()  # the sockets answer; start() has not finished
