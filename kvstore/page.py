@@ -37,7 +37,8 @@ from kvstore.errors import CapacityError, CorruptPage
 from kvstore.keys import NO_PARENT, BlockKey
 
 if TYPE_CHECKING:
-    from kvstore.codecs.base import Payload
+    from kvstore.codecs.base import Codec, Payload
+    from kvstore.keys import Namespace
 
 PAGE_MAGIC = b"KVPG"
 PAGE_VERSION = 1  # the page checksum hashes the whole payload
@@ -46,6 +47,9 @@ PAGE_VERSIONS = (PAGE_VERSION, PAGE_VERSION_BLOB_SUM)
 _BLOB_SUM_BYTES = 8  # a codec blob ends with its xxh3-64 over everything before it
 _HEADER = struct.Struct("<4sHHI16s16s16sIQQ")
 HEADER_BYTES = _HEADER.size
+# Where header fields sit, for readers that check many headers at once (client/staging.py):
+KEY_SLICE = slice(28, 44)  # magic 4 + version 2 + codec_id 2 + block_index 4 + namespace 16
+META_LEN_SLICE = slice(60, 64)  # ... + key 16 + parent 16
 _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CHECKSUM = struct.Struct("<Q")
 _ZERO_CHECKSUM = bytes(_CHECKSUM.size)
@@ -77,6 +81,13 @@ class PageMeta:
     model_id: str
     codec: str  # codec chain name, e.g. "fp8_e4m3+zstd"
     codec_id: int = 0
+
+    @classmethod
+    def for_block(cls, ns: Namespace, key: BlockKey, parent: BlockKey | None, block_index: int,
+                  codec: Codec) -> PageMeta:
+        """The meta of block ``block_index`` of a prefix in ``ns``, encoded with ``codec``."""
+        return cls(key, ns.fingerprint, parent, block_index, ns.tenant, ns.model_id, codec.name,
+                   codec.codec_id)
 
 
 @dataclass(frozen=True, slots=True)

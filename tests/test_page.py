@@ -1,10 +1,13 @@
 import pytest
 import torch
 
+from kvstore import codecs
 from kvstore.errors import CapacityError, CorruptPage
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, Namespace
 from kvstore.page import (
     HEADER_BYTES,
+    KEY_SLICE,
+    META_LEN_SLICE,
     PUBLISHED_HEADER_BYTES,
     PUBLISHED_MAGIC,
     PUBLISHED_RETIRED,
@@ -18,6 +21,7 @@ from kvstore.page import (
     parse_page,
     verify_page,
 )
+from kvstore.spec import KVSpec
 
 META = PageMeta(key=BlockKey(b"k" * 16), namespace=b"n" * 16, parent=BlockKey(b"p" * 16),
                 block_index=3, tenant="acme", model_id="m", codec="raw", codec_id=1)
@@ -173,3 +177,17 @@ def test_trusted_payload_reads_the_header_alone_and_still_checks_it():
         trusted_payload(b"XXXX" + page[4:], META.key)
     with pytest.raises(CorruptPage, match="truncated"):
         trusted_payload(page[:-1], META.key)
+
+
+def test_the_exported_header_slices_find_the_key_and_meta_length():
+    """client/staging.py reads many headers at once through these slices."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16)
+    ns = Namespace(model_id="m", spec=spec, tenant="t")
+    key = BlockKey(bytes(range(16)))
+    meta = PageMeta.for_block(ns, key, None, 0, codecs.get("raw"))
+    page = encode_page(meta, codecs.get("raw").encode(torch.zeros(spec.shape(spec.block_tokens),
+                                                                  dtype=torch.bfloat16)))
+    assert page[KEY_SLICE] == bytes(key)
+    meta_len = int.from_bytes(page[META_LEN_SLICE], "little")
+    assert decode_page(page).payload.nbytes == len(page) - HEADER_BYTES - meta_len
+    assert (meta.namespace, meta.tenant, meta.model_id) == (ns.fingerprint, "t", "m")

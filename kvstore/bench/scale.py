@@ -132,9 +132,7 @@ class _Slots:
         codec = codecs.get(reservation.codec)
         bt = ns.spec.block_tokens
         for grant in reservation.blocks:
-            meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
-                            block_index=grant.block_index, tenant=ns.tenant,
-                            model_id=ns.model_id, codec=codec.name, codec_id=codec.codec_id)
+            meta = PageMeta.for_block(ns, grant.key, grant.parent, grant.block_index, codec)
             i = grant.block_index
             page = encode_page(meta, codec.encode(kv[:, :, i * bt:(i + 1) * bt]))
             arena = self._map(grant.region)

@@ -125,9 +125,7 @@ def make_workload(num_blocks: int) -> _Workload:
 
 
 def _meta(ns: Namespace, keys: list[BlockKey], i: int, codec: codecs.Codec) -> PageMeta:
-    return PageMeta(key=keys[i], namespace=ns.fingerprint, parent=keys[i - 1] if i else None,
-                    block_index=i, tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
-                    codec_id=codec.codec_id)
+    return PageMeta.for_block(ns, keys[i], keys[i - 1] if i else None, i, codec)
 
 
 def _ring() -> torch.Tensor:

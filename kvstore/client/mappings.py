@@ -509,9 +509,7 @@ def write_reservation(maps: ArenaMaps, ns: Namespace, kv: torch.Tensor,
         _check_host(grant.medium)
         start = (grant.block_index - first_block) * bt
         block = kv[:, :, start : start + bt]
-        meta = PageMeta(key=grant.key, namespace=ns.fingerprint, parent=grant.parent,
-                        block_index=grant.block_index, tenant=ns.tenant, model_id=ns.model_id,
-                        codec=codec.name, codec_id=codec.codec_id)
+        meta = PageMeta.for_block(ns, grant.key, grant.parent, grant.block_index, codec)
         payload = codec.prepare(block)
         # Aligned: the daemon's NaN/Inf check of the section, and copies of it, run faster.
         length = page_bytes(payload, meta)

@@ -18,14 +18,12 @@ from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout
 from kvstore.codecs.triton.engine import to_engine
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES
-from kvstore.page import HEADER_BYTES, PAGE_MAGIC, parse_page
+from kvstore.page import HEADER_BYTES, KEY_SLICE, META_LEN_SLICE, PAGE_MAGIC, parse_page
 from kvstore.spec import EngineLayout
 
 # A page's fixed header (kvstore.page): magic at 0, the block key at 28, the meta length at 60.
 _PAGE_FIXED = HEADER_BYTES
 _PAGE_MAGIC = np.frombuffer(PAGE_MAGIC, dtype=np.uint8)
-_KEY = slice(28, 44)
-_META_LEN = slice(60, 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +178,9 @@ def host_pages(maps, blocks: BlockLocations, dev: DeviceLayout,
             raise InvalidArgument(f"the daemon named a page of region {region} shorter "
                                   "than a page header")
         headers = memory[offsets[mine, None] + np.arange(_PAGE_FIXED)]  # [n, header]
-        meta_len = headers[:, _META_LEN].copy().view("<u4")[:, 0].astype(np.int64)
+        meta_len = headers[:, META_LEN_SLICE].copy().view("<u4")[:, 0].astype(np.int64)
         framed = ((headers[:, :4] == _PAGE_MAGIC).all(axis=1)
-                  & (headers[:, _KEY] == keys[mine]).all(axis=1))
+                  & (headers[:, KEY_SLICE] == keys[mine]).all(axis=1))
         if not framed.all():  # parsed in full, such a page says what is wrong with it
             _sections_at(view, blocks, int(mine[np.argmin(framed)]), dev)
             raise InvalidArgument(f"a page of region {region} has a header that does not "

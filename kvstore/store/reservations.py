@@ -212,8 +212,8 @@ class Reservations:
     @staticmethod
     def _device_meta(ns: Namespace, reserved: ReservedSlot) -> PageMeta:
         codec = reserved.link.codec
-        return PageMeta(reserved.key, ns.fingerprint, reserved.parent, reserved.block_index,
-                        ns.tenant, ns.model_id, codec.name, codec.codec_id)
+        return PageMeta.for_block(ns, reserved.key, reserved.parent, reserved.block_index,
+                                  codec)
 
     def abort(self, reservation_id: str) -> None:
         """Give a reservation's slots back without publishing anything."""

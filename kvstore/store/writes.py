@@ -204,10 +204,7 @@ class Writes:
         kv = kv.detach().cpu()
         pages = []
         for i in todo:
-            meta = PageMeta(key=keys[i], namespace=ns.fingerprint,
-                            parent=keys[i - 1] if i else None, block_index=i,
-                            tenant=ns.tenant, model_id=ns.model_id, codec=codec.name,
-                            codec_id=codec.codec_id)
+            meta = PageMeta.for_block(ns, keys[i], keys[i - 1] if i else None, i, codec)
             pages.append(PendingPage(meta, codec.prepare(kv[:, :, i * bt:(i + 1) * bt]),
                                      aligned))
         return pages
