@@ -34,8 +34,9 @@ from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.madvise import fresh_tensor
 from kvstore.page import Page, PageMeta, PendingPage
 from kvstore.policy import UseHistory, build_order
-from kvstore.policy.base import EvictionOrder, Footprint
+from kvstore.policy.base import EvictionOrder
 from kvstore.policy.cost import PrefillModel, advise
+from kvstore.room import Footprint
 from kvstore.spec import KVSpec
 from kvstore.store.decode import PageDecoder, decode_pages
 from kvstore.store.directory import BlockDirectory, BlockEntry

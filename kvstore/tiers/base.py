@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, PendingPage
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
 __all__ = [

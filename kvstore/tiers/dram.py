@@ -64,7 +64,7 @@ from kvstore.page import (
     parse_page,
     trusted_payload,
 )
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.arena import (
     GrowthBudget,
     SealedStep,

@@ -25,7 +25,7 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, parse_page
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import ClusterEntry, SharedTier, TierStats
 from kvstore.tiers.redis_link import RedisLink, result_ok, tenant_tag
 from kvstore.tiers.remote_directory import ClusterDirectory

@@ -68,7 +68,7 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
 from kvstore.tiers.segments import (
     ALIGN_BYTES,

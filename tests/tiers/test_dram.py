@@ -31,7 +31,7 @@ from kvstore.page import (
     is_retired,
     verify_page,
 )
-from kvstore.policy.base import RoomNeed
+from kvstore.room import RoomNeed
 from kvstore.tiers.arena import GrowthBudget, SlabAllocator, StepPool
 from kvstore.tiers.dram import AHEAD_NICE, THREAD_COPY_BYTES, DramTier
 
