@@ -10,7 +10,7 @@ recently used closed first, never one in use). Appends and reads are positioned
 ``pwrite``/``preadv`` calls in worker threads, so an append can be in flight while the next
 batch is copied, and reads run side by side (O_DIRECT where the file system allows it,
 buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
-``ssd_index`` (the LMDB record format and its journal), ``ssd_writer`` (appends, group commits,
+``index`` (the LMDB record format and its journal), ``writer`` (appends, group commits,
 compaction) and this module (the Tier API, recovery at open, reads).
 
 What ``write()`` returning True guarantees, per ``config.fsync``:
@@ -43,7 +43,7 @@ On open, index entries that point past a segment's end (or into a missing segmen
 dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated. An
 index that is missing, empty beside segments (a rebuild that died before its commit) or found
 damaged (it is read whole in a child process first, so that damage which would crash LMDB's
-reader costs a child, not the daemon; see ``ssd_index``) is rebuilt from the segments: every
+reader costs a child, not the daemon; see ``index``) is rebuilt from the segments: every
 page describes and verifies itself. A damaged index is kept as ``index.corrupt-<time>`` and
 counted in ``stats().extra["index_resets"]``. Pages deleted before the damage may come back
 that way: still valid pages for their keys.
@@ -70,8 +70,8 @@ from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
 from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
-from kvstore.tiers.segments import (
-    ALIGN_BYTES,
+from kvstore.tiers.ssd.index import IndexOpen, IndexRecord, IndexState, LmdbIndex
+from kvstore.tiers.ssd.segments import (
     DeadOrder,
     ReadBuffers,
     Segment,
@@ -86,16 +86,12 @@ from kvstore.tiers.segments import (
     scan_segments,
     segment_path,
 )
-from kvstore.tiers.ssd_index import IndexOpen, IndexRecord, IndexState, LmdbIndex
-from kvstore.tiers.ssd_writer import (
-    GROUP_COMMIT_BYTES,
+from kvstore.tiers.ssd.writer import (
     MAX_BATCH_BYTES,
     NUM_BUFFERS,
     PendingWrite,
     SegmentWriter,
 )
-
-__all__ = ["ALIGN_BYTES", "GROUP_COMMIT_BYTES", "MAX_BATCH_BYTES", "NUM_BUFFERS", "SsdTier"]
 
 log = logging.getLogger(__name__)
 

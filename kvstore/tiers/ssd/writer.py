@@ -2,7 +2,7 @@
 
 ``SegmentWriter`` is a base class of ``kvstore.tiers.ssd.SsdTier`` and works on the tier's
 state, which the tier owns and initialises (declared below). Module docstring of
-``kvstore.tiers.ssd`` says what each fsync policy guarantees.
+``kvstore.tiers.ssd.tier`` says what each fsync policy guarantees.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError, CorruptPage, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-from kvstore.tiers.segments import (
+from kvstore.tiers.ssd.index import IndexRecord, LmdbIndex
+from kvstore.tiers.ssd.segments import (
     DeadOrder,
     Segment,
     SegmentFiles,
@@ -34,7 +35,6 @@ from kvstore.tiers.segments import (
     segment_path,
     sync_directory,
 )
-from kvstore.tiers.ssd_index import IndexRecord, LmdbIndex
 
 log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
 

@@ -25,7 +25,7 @@ from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, page_length, parse_page
 
 if TYPE_CHECKING:
-    from kvstore.tiers.ssd_index import IndexRecord
+    from kvstore.tiers.ssd.index import IndexRecord
 
 log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
 

@@ -65,7 +65,9 @@ from kvstore.page import (
     trusted_payload,
 )
 from kvstore.room import Footprint, RoomNeed
-from kvstore.tiers.arena import (
+from kvstore.tiers.base import PageCheck, SlotTier, TierStats
+from kvstore.tiers.dram.lingering import MAX_FETCHERS, LingeringSteps, holders
+from kvstore.tiers.dram.slabs import (
     GrowthBudget,
     SealedStep,
     ShmArena,
@@ -76,8 +78,6 @@ from kvstore.tiers.arena import (
     round_down,
     round_up,
 )
-from kvstore.tiers.base import PageCheck, SlotTier, TierStats
-from kvstore.tiers.lingering import MAX_FETCHERS, LingeringSteps, holders
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ PARALLEL_COPY = MANY_CORES and torch.get_num_threads() >= 4
 AHEAD_NICE = 10
 
 # A published step given back while client processes map it stays charged until they let go
-# (``kvstore.tiers.lingering``). Told at once (a Hold event), a client reading its session's
+# (``kvstore.tiers.dram.lingering``). Told at once (a Hold event), a client reading its session's
 # stream drops it as the event arrives: the write that needed the memory waits up to this long
 # for that. Later writes look again at most every LINGER_CHECK_S (a look reads
 # /proc/<pid>/maps and /proc/<pid>/fd of the step's clients).
