@@ -32,7 +32,8 @@ from kvstore.page import (
     verify_page,
 )
 from kvstore.room import RoomNeed
-from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator, StepPool
+from kvstore.tiers.dram.arena import StepPool
+from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator
 from kvstore.tiers.dram.tier import AHEAD_NICE, THREAD_COPY_BYTES, DramTier
 
 from .published_attacks import all_refused, attack

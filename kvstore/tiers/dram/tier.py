@@ -66,18 +66,9 @@ from kvstore.page import (
 )
 from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import PageCheck, SlotTier, TierStats
+from kvstore.tiers.dram.arena import SealedStep, ShmArena, Step, StepPool
 from kvstore.tiers.dram.lingering import MAX_FETCHERS, LingeringSteps, holders
-from kvstore.tiers.dram.slabs import (
-    GrowthBudget,
-    SealedStep,
-    ShmArena,
-    SlabAllocator,
-    Slot,
-    Step,
-    StepPool,
-    round_down,
-    round_up,
-)
+from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator, Slot, round_down, round_up
 
 log = logging.getLogger(__name__)
 
