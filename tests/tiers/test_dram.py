@@ -33,8 +33,9 @@ from kvstore.page import (
 )
 from kvstore.room import RoomNeed
 from kvstore.tiers.dram.arena import StepPool
+from kvstore.tiers.dram.growth import AHEAD_NICE
 from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator
-from kvstore.tiers.dram.tier import AHEAD_NICE, THREAD_COPY_BYTES, DramTier
+from kvstore.tiers.dram.tier import THREAD_COPY_BYTES, DramTier
 
 from .published_attacks import all_refused, attack
 
@@ -357,7 +358,7 @@ async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier,
     staging[:len(page)] = page
     forged = encode_page(meta, bytes(len(decode_page(page).payload)))
     seen: list[bytes] = []
-    monkeypatch.setattr("kvstore.tiers.dram.tier.CHECK_PIECE_BYTES", 64 << 10)  # several pieces
+    monkeypatch.setattr("kvstore.tiers.dram.staging.CHECK_PIECE_BYTES", 64 << 10)  # several pieces
 
     def forge() -> None:
         staging[:len(forged)] = forged

@@ -36,25 +36,20 @@ blocks of a whole step, which then goes back to the budget for staging to grow i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import functools
 import logging
 import os
-import secrets
-import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvstore.api import Medium
 from kvstore.config import DramConfig
-from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable, shown
+from kvstore.errors import CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import (
     PUBLISHED_HEADER_BYTES,
@@ -66,11 +61,13 @@ from kvstore.page import (
 )
 from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import PageCheck, SlotTier, TierStats
-from kvstore.tiers.dram.arena import SealedStep, ShmArena, Step, StepPool
-from kvstore.tiers.dram.lingering import MAX_FETCHERS, LingeringSteps, holders
-from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator, Slot, round_down, round_up
+from kvstore.tiers.dram.arena import Step
+from kvstore.tiers.dram.growth import Growth, TenantMemory
+from kvstore.tiers.dram.lingering import MAX_FETCHERS
+from kvstore.tiers.dram.slabs import SlabAllocator, Slot
+from kvstore.tiers.dram.staging import ArenaSlot, PublishClaim, Staging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these are its messages
 
 # A write copies the page into its slot (~20 GB/s inline): from 256 KiB up (over ~13 us of
 # copying, against a ~100 us thread hop only worth paying for the loop's sake) it runs in the
@@ -78,145 +75,14 @@ log = logging.getLogger(__name__)
 THREAD_COPY_BYTES = 256 << 10
 
 MANY_CORES = (os.cpu_count() or 1) >= 4
-# Threads that copy a commit's pages into published memory and check them there: one per core
-# (up to 4: the copies share the memory bus).
-CHECK_THREADS = min(4, os.cpu_count() or 1)
-# A commit's copy goes to its check (hash, NaN/Inf) in pieces of about this size, each right
-# after it landed: a 2 MiB block's page whole. Smaller pieces cost more than the caches save once
-# check threads and the loop share the GIL (each piece takes it back again): 256 KiB pieces made
-# a 2 MiB page's job 1.23 against 0.59 ms on the 2-core box, and 32 MiB puts 16-18 against 11 ms
-# on the 16-core H200 host (2026-12-02). Pieces matter for pages larger than a core's caches.
-CHECK_PIECE_BYTES = 2 << 20
 # Which copy the thread runs (2 MiB pages into the arena, measured 2026-11-29): on the 2-core box
 # numpy.copyto 9.2 GB/s, torch copy_ 8.2 (median); on a 16-core H200 host numpy.copyto 5.3 GB/s,
 # torch copy_ 52 (it spreads the copy over cores). One copy thread, so copies never stack up
 # several OpenMP teams on the same cores.
 PARALLEL_COPY = MANY_CORES and torch.get_num_threads() >= 4
 
-# Growth ahead of demand (the next step, made while nothing waits for it) runs on a thread of its
-# own, this much nicer (Linux keeps a nice value per thread): faulting in a step takes a core for
-# milliseconds, and the calls the loop answers meanwhile must not wait for it on a small host. On
-# the 2-core box (2026-12-02) a Lookup right after a 64 MiB put took 0.93 ms on average, 3.46 at
-# worst, while the tier grew, against 0.57 and 0.62 once it had grown.
-AHEAD_NICE = 10
-
-# A published step given back while client processes map it stays charged until they let go
-# (``kvstore.tiers.dram.lingering``). Told at once (a Hold event), a client reading its session's
-# stream drops it as the event arrives: the write that needed the memory waits up to this long
-# for that. Later writes look again at most every LINGER_CHECK_S (a look reads
-# /proc/<pid>/maps and /proc/<pid>/fd of the step's clients).
-LINGER_WAIT_S = 0.25
-LINGER_POLL_S = 0.01
-LINGER_CHECK_S = 1.0
-
-# Every arena maps the tier's whole capacity of address space up front (so views never move);
-# 1024 arenas of 64 GiB take half of the 128 TiB a process can map.
-MAX_ARENAS = 1024
-
-# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, and addressable
-# from kernels through unified addressing.
-_CUDA_HOST_REGISTER_FLAGS = 1 | 2
 # Page bytes are only ever read as a copy source; torch warns about any read-only buffer.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-@dataclass(slots=True, eq=False)
-class _Arena:
-    """One tenant's memory: its staging arena (the memfd, the allocator that carves it and the
-    region name clients ask for) and its published steps."""
-
-    tenant: str
-    region: str  # the staging arena's
-    memory: ShmArena
-    alloc: SlabAllocator
-    steps: StepPool
-    pinned: list[int] = field(default_factory=list)  # registered staging addresses
-    keys_by_step: dict[str, set[BlockKey]] = field(default_factory=dict)  # region -> keys
-
-    @property
-    def backed_bytes(self) -> int:
-        return self.alloc.backed_bytes + self.steps.backed_bytes
-
-    @property
-    def releasable_bytes(self) -> int:
-        return self.alloc.releasable_bytes + self.steps.releasable_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaSlot:
-    """A slot in one tenant's staging arena: the ``Slot`` this tier lends."""
-
-    arena: _Arena
-    slot: Slot
-
-    @property
-    def offset(self) -> int:
-        return self.slot.offset
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.slot.slot_bytes
-
-
-@dataclass(slots=True, eq=False)
-class PublishClaim:
-    """A published slot taken for a staging slot's page (``DramTier.claim``): the copy and its
-    check run in a thread; ``done`` is their outcome, the page's meta."""
-
-    slot: ArenaSlot  # the writer's staging slot
-    key: BlockKey
-    nbytes: int
-    step: Step
-    published: Slot
-    done: asyncio.Future[PageMeta]
-
-
-def _copy_and_check(dst: memoryview, src: memoryview, check: PageCheck) -> PageMeta:
-    """Copy a staging page into its published slot in pieces of ``CHECK_PIECE_BYTES``, each
-    fed to ``check`` (a read-only view of the copy) right after it landed, on one thread, so
-    the check reads each piece while it is still in the caches; then ``check.finish``."""
-    copy = dst.toreadonly()
-    num_bytes = src.nbytes
-    # Pieces of about equal size: a 2 MiB block's page (2 MiB and its header) is one piece,
-    # not a whole one and a 4 KiB tail.
-    num_pieces = max(1, round(num_bytes / CHECK_PIECE_BYTES))
-    start = 0
-    for i in range(1, num_pieces + 1):
-        end = num_bytes * i // num_pieces
-        # numpy's copy, one core's, whatever PARALLEL_COPY says: several check threads copy at
-        # once, and torch's copy from each would start an OpenMP team of every core. On the
-        # 16-core H200 host (2026-12-04, 4 check threads, five pairs, bench/put_paths.py's
-        # notes in BENCHMARKS.md) a 32 MiB commit took 6.2-7.0 ms with numpy's copy against
-        # 6.8-7.5 ms with torch's, numpy's the quicker in four pairs.
-        np.copyto(np.frombuffer(dst[start:end], dtype=np.uint8),
-                  np.frombuffer(src[start:end], dtype=np.uint8))
-        check.feed(copy, end)
-        start = end
-    return check.finish(dst)
-
-
-def _lower_priority() -> None:
-    """Make the calling thread ``AHEAD_NICE`` nicer (only it: Linux keeps nice per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid,
-                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + AHEAD_NICE))
-
-
-def _settle(loop: asyncio.AbstractEventLoop, claim: PublishClaim,
-            job: concurrent.futures.Future[PageMeta]) -> None:
-    # Resolved on the loop, and only once the thread is done with both slots.
-    loop.call_soon_threadsafe(_resolve, claim.done, job)
-
-
-def _resolve(done: asyncio.Future[PageMeta], job: concurrent.futures.Future[PageMeta]) -> None:
-    if done.done():
-        return
-    exc = job.exception()
-    if exc is None:
-        done.set_result(job.result())
-    else:
-        done.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -249,9 +115,10 @@ class DramTier(SlotTier):
     writers; reads are trusted views into published memory.
 
     Memory grows in ``chunk_bytes`` steps, in a thread, one step ahead of demand, so the
-    request path rarely waits on page faults. ``region_of(tenant)`` (staging), ``locate(key)``
-    (a page's step and place) and ``region_fd(region)`` let a client of that tenant map its
-    memory and read a page in place.
+    request path rarely waits on page faults (``Growth``); zero-copy writers' slots and the
+    checked copies of their pages are ``Staging``'s. ``region_of(tenant)`` (staging),
+    ``locate(key)`` (a page's step and place) and ``region_fd(region)`` let a client of that
+    tenant map its memory and read a page in place.
     """
 
     name = "dram"
@@ -259,24 +126,19 @@ class DramTier(SlotTier):
     def __init__(self, config: DramConfig, name: str = "dram") -> None:
         self.name = name
         self.config = config
-        self._budget = GrowthBudget(config.capacity_bytes)
-        self._arenas: dict[str, _Arena] = {}  # by tenant
-        self._regions: dict[str, tuple[_Arena, ShmArena | SealedStep]] = {}  # by region name
+        self._growth = Growth(name, config, make_step=self._make_step)
+        self._budget = self._growth.budget
+        self._arenas = self._growth.arenas  # by tenant
+        self._regions = self._growth.regions  # by region name: (tenant memory, its memfd)
         self._entries: dict[BlockKey, _Entry] = {}
         self._pending: dict[BlockKey, asyncio.Future[bool]] = {}
-        self._grow_lock = asyncio.Lock()  # one for all memory: it grows within one budget
-        self._grow_task: asyncio.Task[None] | None = None
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-copy")
-        # Commits copy and check their pages side by side (a decode may take milliseconds).
-        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-dram-check")
-        self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-grow",
-                                          initializer=_lower_priority)
-        self._pin_cuda = False
-        self._is_open = False
-        self._retired_listeners: list[Callable[[str], None]] = []
-        self._lingering = LingeringSteps()
-        self._lingering_checked = 0.0  # time.monotonic() of the last look
         self._stats = TierStats(name=self.name)
+        self._staging = Staging(self._growth, self._stats)
+
+    @property
+    def _is_open(self) -> bool:
+        return self._growth.is_open
 
     @property
     def medium(self) -> Medium:
@@ -316,7 +178,7 @@ class DramTier(SlotTier):
 
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """``FdRegions.on_retired``: called with the tenant whose published steps went back."""
-        self._retired_listeners.append(listener)
+        self._growth.on_retired(listener)
 
     def arena_path(self, tenant: str) -> str | None:
         """A path through which this process, and only it, can open ``tenant``'s staging arena
@@ -338,28 +200,15 @@ class DramTier(SlotTier):
         """Get ready; arenas are made as tenants first store, no memory is grown yet."""
         if not hasattr(os, "memfd_create"):
             raise Unavailable("the dram tier needs memfd_create (Linux 3.17 or later)")
-        self._is_open = True
+        self._growth.is_open = True
 
     async def close(self) -> None:
         """Wait for growth in flight, unpin and close all memory. Pages are dropped."""
         if not self._is_open:
             return
-        self._is_open = False
-        if self._grow_task is not None:  # it takes the lock itself, then sees the tier closed
-            await asyncio.gather(self._grow_task, return_exceptions=True)
-        async with self._grow_lock:  # a write may still be growing
-            self._entries.clear()
-            for arena in self._arenas.values():
-                self._unpin(arena)
-                arena.memory.close()
-                for step in arena.steps.take_all():
-                    self._retire(step)
-            self._arenas.clear()
-            self._regions.clear()
-            self._lingering.clear()
+        await self._growth.close(forget=self._entries.clear)
         self._copier.shutdown(wait=False)
-        self._checker.shutdown(wait=False)
-        self._grower.shutdown(wait=False)
+        self._staging.close()
 
     async def reserve(self, nbytes: int, tenant: str) -> int:
         """Grow ``tenant``'s published memory to ``nbytes`` (within the budget) ahead of demand,
@@ -368,23 +217,13 @@ class DramTier(SlotTier):
         Grows one step at a time in a thread, so writes interleave and the loop stays free
         (prefaulting runs at about 0.4 GB/s). Returns the tenant's published bytes.
         """
-        arena = self._arena(tenant)
-        target = min(round_up(max(nbytes, 0)), self.capacity_bytes)
-        while self._is_open and arena.steps.backed_bytes < target:
-            async with self._grow_lock:
-                step_bytes = round_down(min(arena.steps.chunk_bytes,
-                                            target - arena.steps.backed_bytes,
-                                            self._budget.room_bytes))
-                if (not self._is_open or step_bytes <= PUBLISHED_HEADER_BYTES
-                        or not await self._grow_step(arena, step_bytes)):
-                    break
-        return arena.steps.backed_bytes
+        return await self._growth.reserve(self._arena(tenant), nbytes)
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
 
     def room_for(self, nbytes: int) -> RoomNeed | None:
-        if self._is_open and self._fits(nbytes):
+        if self._is_open and self._growth.fits(nbytes):
             return None
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         return RoomNeed(nbytes=slot_bytes, size_class=slot_bytes)
@@ -403,7 +242,7 @@ class DramTier(SlotTier):
         if not self._is_open or slot_bytes > self.max_page_bytes:
             return own_need
         arena = self._arenas.get(tenant)
-        if self._fits_for(arena, nbytes):
+        if self._growth.fits_for(arena, nbytes):
             return None
         own_bytes = arena.backed_bytes if arena is not None else 0
         donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_step),
@@ -427,7 +266,7 @@ class DramTier(SlotTier):
         arena = self._arenas.get(tenant)
         if arena is not None and arena.alloc.growth_plan(nbytes) is not None:
             return None
-        if self._spare_bytes(arena) >= slot_bytes:
+        if self._growth.spare_bytes(arena) >= slot_bytes:
             return None
         donor = max((a for a in self._arenas.values() if a.keys_by_step),
                     key=lambda a: a.backed_bytes, default=None)
@@ -540,22 +379,17 @@ class DramTier(SlotTier):
     # Zero-copy writers (the store's reservations): a staging slot is handed out, a client of
     # the tenant writes an encoded page into its mapped arena, then the tier copies it into
     # published memory (``claim``), the store checks that copy there, and the tier enters it
-    # (``publish``): one copy, checked where the writer cannot reach it.
+    # (``publish``): one copy, checked where the writer cannot reach it (``Staging``).
 
     async def allocate_slot(self, nbytes: int, tenant: str) -> ArenaSlot | None:
         """A free staging slot of at least ``nbytes`` in ``tenant``'s arena; None when there is
         no room."""
         self._check_open()
-        arena = self._arena(tenant)
-        slot = arena.alloc.allocate(nbytes) or await self._allocate_slow(arena, nbytes)
-        if slot is None:
-            self._stats.rejected += 1
-            return None
-        return ArenaSlot(arena, slot)
+        return await self._staging.allocate_slot(nbytes, self._arena(tenant))
 
     def slot_view(self, slot: ArenaSlot) -> memoryview:
         """The whole staging slot in its arena (writable, by its writer too)."""
-        return slot.arena.memory.view[slot.offset : slot.offset + slot.slot_bytes]
+        return self._staging.slot_view(slot)
 
     async def claim(self, slot: ArenaSlot, key: BlockKey, nbytes: int,
                     check: PageCheck) -> PublishClaim | None:
@@ -570,31 +404,12 @@ class DramTier(SlotTier):
         ``publish`` no reader is told where the copy is.
         """
         self._check_open()
-        arena = slot.arena
-        if not 0 < nbytes <= slot.slot_bytes:
-            raise CorruptPage(f"page for key {bytes(key).hex()} says it is {nbytes} bytes; its "
-                              f"slot holds {slot.slot_bytes}")
-        found = arena.steps.allocate(nbytes) or await self._publish_slow(arena, nbytes)
-        if found is None:
-            self._stats.rejected += 1
-            return None
-        step, published = found
-        dst = step.memory.view[published.offset : published.offset + nbytes]
-        src = self.slot_view(slot)[:nbytes]
-        claim = PublishClaim(slot, key, nbytes, step, published,
-                             asyncio.get_running_loop().create_future())
-        job = self._checker.submit(_copy_and_check, dst, src, check)
-        job.add_done_callback(functools.partial(_settle, asyncio.get_running_loop(), claim))
-        return claim
+        return await self._staging.claim(slot, key, nbytes, check)
 
     async def checked(self, claim: PublishClaim) -> PageMeta:
         """Wait for ``claim``'s copy and check: the page's meta, or what the check raised
         (InvalidArgument when its meta names another key or tenant)."""
-        meta = await asyncio.shield(claim.done)
-        if meta.key != claim.key or meta.tenant != claim.slot.arena.tenant:
-            raise InvalidArgument(f"page for key {bytes(claim.key).hex()} does not fit this "
-                                  f"slot of tenant {shown(claim.slot.arena.tenant)}'s arena")
-        return meta
+        return await self._staging.checked(claim)
 
     def publish(self, claim: PublishClaim) -> int:
         """Enter ``claim``'s checked copy as its key (a copy stored meanwhile by another writer
@@ -604,30 +419,22 @@ class DramTier(SlotTier):
         self.abort(claim.slot)
         entry = self._entries.get(claim.key)
         if entry is not None or claim.step.region not in arena.steps.steps:
-            self._release_claim(claim)
+            self._staging.release_claim(claim)
             return 0 if entry is None else entry.length
         self._entries[claim.key] = _Entry(claim.step, claim.published, claim.nbytes, meta)
         arena.keys_by_step.setdefault(claim.step.region, set()).add(claim.key)
         self._stats.bytes_written += claim.nbytes
-        self._grow_ahead(arena, claim.nbytes)
+        self._growth.grow_ahead(arena, claim.nbytes)
         return claim.nbytes
 
     def drop(self, claim: PublishClaim) -> None:
         """Give ``claim``'s published slot back once its copy is done (a thread still writing
         it must not write into a slot lent again); the staging slot stays the caller's."""
-        if claim.done.done():
-            self._release_claim(claim)
-        else:
-            claim.done.add_done_callback(lambda _: self._release_claim(claim))
-
-    def _release_claim(self, claim: PublishClaim) -> None:
-        arena = claim.slot.arena
-        if claim.step.region in arena.steps.steps:
-            arena.steps.release(claim.step, claim.published)
+        self._staging.drop(claim)
 
     def abort(self, slot: ArenaSlot) -> None:
         """Give back a staging slot that was never published."""
-        slot.arena.alloc.release(slot.slot)
+        self._staging.abort(slot)
 
     def stats(self) -> TierStats:
         s = self._stats
@@ -646,7 +453,7 @@ class DramTier(SlotTier):
                 "slot_classes": sum(a.steps.num_classes for a in arenas),
                 "free_slots": sum(a.steps.num_free_slots for a in arenas),
                 # given back, still mapped by client processes: charged until they let go
-                "lingering_bytes": self._lingering.nbytes,
+                "lingering_bytes": self._growth.lingering.nbytes,
             },
         )
 
@@ -658,21 +465,7 @@ class DramTier(SlotTier):
         CUDA.
         """
         self._check_open()
-        if not torch.cuda.is_available():
-            return False
-        async with self._grow_lock:
-            if not self._pin_cuda:
-                for arena in self._arenas.values():
-                    for offset, nbytes in arena.alloc.backed_ranges():  # holes hold no memory
-                        address = arena.memory.base_address() + offset
-                        await asyncio.to_thread(self._register, address, nbytes)
-                        arena.pinned.append(address)
-                    arena.alloc.merge_growth = False  # later growth: registrations of their own
-                    for step in list(arena.steps.steps.values()):
-                        await asyncio.to_thread(self._register, step.memory.base_address(),
-                                                step.nbytes)
-            self._pin_cuda = True
-        return True
+        return await self._growth.pin_cuda()
 
     # --- internals -------------------------------------------------------------------------
 
@@ -680,56 +473,20 @@ class DramTier(SlotTier):
         if not self._is_open:
             raise Unavailable("dram tier is not open (call open() first, or it was closed)")
 
-    def _arena(self, tenant: str) -> _Arena:
+    def _arena(self, tenant: str) -> TenantMemory:
         """``tenant``'s memory, made on first use (a sealed staging memfd; nothing grown)."""
         self._check_open()
-        arena = self._arenas.get(tenant)
-        if arena is not None:
-            return arena
-        if len(self._arenas) >= MAX_ARENAS:
-            raise CapacityError(f"the {self.name} tier holds {MAX_ARENAS} tenant arenas, its "
-                                f"limit; tenant {shown(tenant)} gets none")
-        region = f"{self.name}.{secrets.token_hex(8)}"
-        memory = ShmArena(f"kvstore-{region}", self.capacity_bytes)
-        memory.create()
-        alloc = SlabAllocator(self.capacity_bytes, self.config.chunk_bytes, self._budget)
-        alloc.merge_growth = not self._pin_cuda
-        arena = _Arena(tenant, region, memory, alloc, StepPool(self.config.chunk_bytes))
-        self._arenas[tenant] = arena
-        self._regions[region] = (arena, memory)
-        log.info("dram: made arena %s for tenant %s", region, shown(tenant))
-        return arena
+        return self._growth.arena(tenant)
 
-    def _spare_bytes(self, arena: _Arena | None = None) -> int:
-        """Memory the budget has left, with what tenants could give back, for ``arena`` to
-        grow into (None: anyone): all of every other tenant's free memory, and its own empty
-        steps but not its free staging memory. A tenant's staging memory stays its writers'
-        while nobody else needs it: turning it into published memory and back with each
-        zero-copy put would empty a whole step of its blocks every few puts."""
-        spare = self._budget.room_bytes
-        for other in self._arenas.values():
-            spare += other.steps.releasable_bytes if other is arena else other.releasable_bytes
-        return spare
+    def _make_step(self, step: Step) -> None:
+        """Back a new published step (``Growth`` calls this in a growth thread)."""
+        self._growth.back_step(step)
 
-    def _fits(self, nbytes: int) -> bool:
-        """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when
-        the budget (with the free memory it could take back) holds a step of one slot, else
-        when some tenant's published memory has a free slot of its class."""
-        slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
-        if slot_bytes > self.max_page_bytes:
-            return False
-        return self._spare_bytes() >= PUBLISHED_HEADER_BYTES + slot_bytes or any(
-            a.steps.fits(nbytes) for a in self._arenas.values())
+    async def _settle_lingering(self, wait: bool) -> None:
+        """``Growth.settle_lingering``: look now whether given-back steps are still held."""
+        await self._growth.settle_lingering(wait)
 
-    def _fits_for(self, arena: _Arena | None, nbytes: int) -> bool:
-        """Whether a page of ``nbytes`` fits in ``arena``'s published memory (None: a tenant
-        with none yet) without deleting pages."""
-        if arena is not None and arena.steps.fits(nbytes):
-            return True
-        return self._spare_bytes(arena) >= PUBLISHED_HEADER_BYTES + \
-            SlabAllocator.slot_bytes_for(nbytes)
-
-    def _step_need(self, arena: _Arena, protected: Callable[[BlockKey], bool] | None = None
+    def _step_need(self, arena: TenantMemory, protected: Callable[[BlockKey], bool] | None = None
                    ) -> RoomNeed:
         """Every block of ``arena``'s emptiest step: deleting them empties the step, which
         then goes back to the budget for any memory to grow into. Steps holding a block
@@ -749,7 +506,7 @@ class DramTier(SlotTier):
         """Have ``fill`` write an ``nbytes`` page into a published slot of its tenant and enter
         it (None: no room)."""
         arena = self._arena(meta.tenant)
-        found = arena.steps.allocate(nbytes) or await self._publish_slow(arena, nbytes)
+        found = await self._growth.published_slot(arena, nbytes)
         if found is None:
             self._stats.rejected += 1
             return None
@@ -766,100 +523,8 @@ class DramTier(SlotTier):
         entry = self._entries[key] = _Entry(step, slot, nbytes, meta)
         arena.keys_by_step.setdefault(step.region, set()).add(key)
         self._stats.bytes_written += nbytes
-        self._grow_ahead(arena, nbytes)
+        self._growth.grow_ahead(arena, nbytes)
         return entry
-
-    async def _publish_slow(self, arena: _Arena, nbytes: int) -> tuple[Step, Slot] | None:
-        # Growth happens under the lock only, so a plan made under it cannot go stale.
-        async with self._grow_lock:
-            while self._is_open:
-                found = arena.steps.allocate(nbytes)
-                if found is not None:
-                    return found
-                step_bytes = arena.steps.step_bytes_for(nbytes, self._budget.room_bytes)
-                if step_bytes is None:
-                    if not await self._take_back(arena, PUBLISHED_HEADER_BYTES +
-                                                 SlabAllocator.slot_bytes_for(nbytes)):
-                        return None
-                    continue
-                if not await self._grow_step(arena, step_bytes):
-                    return None
-        return None
-
-    async def _allocate_slow(self, arena: _Arena, nbytes: int) -> Slot | None:
-        async with self._grow_lock:
-            while self._is_open:
-                slot = arena.alloc.allocate(nbytes)
-                if slot is not None:
-                    return slot
-                plan = arena.alloc.growth_plan(nbytes)
-                if plan is None:
-                    if not await self._take_back(arena, SlabAllocator.slot_bytes_for(nbytes)):
-                        return None
-                    continue
-                offset, need = plan
-                if not need or not await self._grow_locked(arena, need, offset):
-                    return None
-        return None
-
-    async def _take_back(self, arena: _Arena, need_bytes: int) -> bool:
-        """Give free memory back to the budget for ``arena`` to grow (free staging chunks and
-        empty published steps of other tenants, then its own empty steps: ``_spare_bytes``)
-        until it holds ``need_bytes``; False (nothing given back) when all of it would not be
-        enough."""
-        if self._lingering:  # steps given back earlier whose clients let go since
-            await self._settle_lingering(wait=False)
-        short = need_bytes - self._budget.room_bytes
-        if short <= 0 or self._spare_bytes(arena) < need_bytes:
-            return False
-        donors = sorted(self._arenas.values(),
-                        key=lambda a: (a is arena, -a.releasable_bytes))
-        lingering = False
-        for donor in donors:
-            retired = False
-            staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
-            for offset, size in staging:
-                await asyncio.to_thread(donor.memory.release, offset, size)
-                log.info("dram: took %d free bytes at %d back from arena %s", size, offset,
-                         donor.region)
-                short -= size
-            for step in donor.steps.take_empty(short) if short > 0 else ():
-                await asyncio.to_thread(self._retire, step)
-                self._regions.pop(step.region, None)
-                donor.keys_by_step.pop(step.region, None)
-                if step.fetchers:  # its memory lives while they map it: charged until then
-                    self._lingering.add(step.region, step.nbytes, donor.tenant, step.fetchers)
-                    lingering = True
-                else:
-                    self._budget.grown_bytes -= step.nbytes
-                log.info("dram: gave back published step %s (%d bytes) of tenant %s",
-                         step.region, step.nbytes, shown(donor.tenant))
-                short -= step.nbytes
-                retired = True
-            if retired:  # its clients' mappings keep the memory until they drop them
-                for listener in self._retired_listeners:
-                    listener(donor.tenant)
-        if lingering:  # clients just told to drop them: those that read their session do
-            await self._settle_lingering(wait=True)
-        return True
-
-    async def _settle_lingering(self, wait: bool) -> None:
-        """Give the budget back the given-back steps no client process holds any more:
-        ``wait``ing up to ``LINGER_WAIT_S`` for clients just told to drop them, else one look
-        at most every ``LINGER_CHECK_S``."""
-        now = time.monotonic()
-        if not wait and now - self._lingering_checked < LINGER_CHECK_S:
-            return
-        deadline = now + (LINGER_WAIT_S if wait else 0.0)
-        while True:
-            still = await asyncio.to_thread(holders, self._lingering.snapshot())
-            self._budget.grown_bytes -= self._lingering.release(still)
-            if not self._lingering or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(LINGER_POLL_S)
-        self._lingering_checked = time.monotonic()
-        if wait and self._lingering:
-            self._lingering.warn()
 
     async def _fill(self, dst: memoryview, fill: Callable[[memoryview], None]) -> None:
         """Have ``fill`` write a page into its published slot ``dst`` (in the copy thread when
@@ -875,106 +540,6 @@ class DramTier(SlotTier):
             await asyncio.gather(copy, return_exceptions=True)
             raise
 
-    def _grow_ahead(self, arena: _Arena, nbytes: int) -> None:
-        idle = self._grow_task is None or self._grow_task.done()
-        if idle and not self._grow_lock.locked() and self._spare_step_bytes(arena, nbytes):
-            self._grow_task = asyncio.get_running_loop().create_task(self._spare(arena, nbytes))
-
-    def _spare_step_bytes(self, arena: _Arena, nbytes: int) -> int:
-        """Bytes of a whole step for pages of ``nbytes`` to grow ahead, or 0 when ``arena``
-        has an empty step ready or the budget does not hold a whole one."""
-        whole = arena.steps.step_bytes_for(nbytes, self.capacity_bytes) or 0
-        if arena.steps.releasable_bytes or whole > self._budget.room_bytes:
-            return 0
-        return whole
-
-    async def _spare(self, arena: _Arena, nbytes: int) -> None:
-        async with self._grow_lock:
-            step_bytes = self._spare_step_bytes(arena, nbytes)
-            if self._is_open and step_bytes:
-                await self._grow_step(arena, step_bytes, ahead=True)
-
-    async def _grow_step(self, arena: _Arena, nbytes: int, ahead: bool = False) -> bool:
-        """Make a published step of ``nbytes`` for ``arena`` in a thread (under the grow lock;
-        ``ahead`` of demand: on the low-priority one, ``AHEAD_NICE``); False if shared memory
-        ran out."""
-        region = f"{self.name}.{secrets.token_hex(8)}"
-        step = Step(region, SealedStep(f"kvstore-{region}", nbytes))
-        try:
-            # Charged once made, like staging growth: until then room checks still see the
-            # budget's room, and a write that counts on it waits on the lock for this step.
-            if ahead:
-                await asyncio.get_running_loop().run_in_executor(self._grower, self._make_step,
-                                                                 step)
-            else:
-                await asyncio.to_thread(self._make_step, step)
-        except CapacityError as exc:
-            log.warning("dram: cannot grow tenant %s's published memory: %s",
-                        shown(arena.tenant), exc)
-            return False
-        if not self._is_open:
-            await asyncio.to_thread(self._retire, step)
-            return False
-        self._budget.grown_bytes += nbytes
-        arena.steps.add(step)
-        self._regions[region] = (arena, step.memory)
-        return True
-
-    def _make_step(self, step: Step) -> None:
-        step.memory.create()
-        if self._pin_cuda:
-            try:
-                self._register(step.memory.base_address(), step.nbytes)
-            except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
-                log.warning("dram: step %s stays pageable: %s", step.region, exc)
-
-    def _retire(self, step: Step) -> None:
-        if self._pin_cuda and step.memory.base_address():
-            cudart = torch.cuda.cudart()
-            err = int(cudart.cudaHostUnregister(step.memory.base_address()))
-            if err:
-                cudart.cudaGetLastError()  # a refusal must not fail a later CUDA call
-            if err not in (0, 713):  # 713: cudaErrorHostMemoryNotRegistered (it stayed pageable)
-                log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
-        step.memory.retire()
-
-    async def _grow_locked(self, arena: _Arena, nbytes: int, offset: int | None = None) -> bool:
-        """Grow ``arena``'s staging memory by ``nbytes`` at ``offset`` (default: its end) in a
-        thread; False if shared memory ran out."""
-        offset = arena.alloc.grown_bytes if offset is None else offset
-        try:
-            offset = await asyncio.to_thread(self._grow_blocking, arena, nbytes, offset)
-        except CapacityError as exc:
-            log.warning("dram: cannot grow arena %s: %s", arena.region, exc)
-            return False
-        arena.alloc.add_grown(offset, nbytes)
-        return True
-
-    def _grow_blocking(self, arena: _Arena, nbytes: int, offset: int) -> int:
-        offset = arena.memory.grow(nbytes, offset)
-        if self._pin_cuda:
-            address = arena.memory.base_address() + offset
-            try:
-                self._register(address, nbytes)
-                arena.pinned.append(address)
-            except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
-                log.warning("dram: arena %s growth at %d stays pageable: %s", arena.region,
-                            offset, exc)
-        return offset
-
-    @staticmethod
-    def _register(address: int, nbytes: int) -> None:
-        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_FLAGS))
-        if err != 0:
-            raise CapacityError(f"cudaHostRegister of {nbytes} bytes failed (cudaError {err})")
-
-    def _unpin(self, arena: _Arena) -> None:
-        for address in arena.pinned:
-            err = int(torch.cuda.cudart().cudaHostUnregister(address))
-            if err != 0:
-                log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
-        arena.pinned.clear()
-
     def _remove(self, key: BlockKey) -> None:
         entry = self._entries.pop(key)
         arena = self._arena_of(entry)
@@ -984,5 +549,5 @@ class DramTier(SlotTier):
             del arena.keys_by_step[entry.step.region]
         arena.steps.release(entry.step, entry.slot)
 
-    def _arena_of(self, entry: _Entry) -> _Arena:
+    def _arena_of(self, entry: _Entry) -> TenantMemory:
         return self._regions[entry.step.region][0]
