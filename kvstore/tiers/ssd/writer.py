@@ -1,8 +1,7 @@
 """The SSD tier's write side: batched appends, the fsync policy, group commits and compaction.
 
-``SegmentWriter`` is a base class of ``kvstore.tiers.ssd.SsdTier`` and works on the tier's
-state, which the tier owns and initialises (declared below). Module docstring of
-``kvstore.tiers.ssd.tier`` says what each fsync policy guarantees.
+``SegmentWriter`` is an object ``kvstore.tiers.ssd.tier.SsdTier`` holds; that module's
+docstring says what each fsync policy guarantees.
 """
 
 from __future__ import annotations
