@@ -30,10 +30,11 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
 from kvstore.policy import build_order
 from kvstore.policy.admission import admission_for
-from kvstore.policy.base import AdmissionPolicy, EvictionOrder, Footprint, RoomNeed
+from kvstore.policy.base import AdmissionPolicy, EvictionOrder
 from kvstore.policy.cost import ModelProfile, PathModel, PrefillModel, advise
 from kvstore.policy.heap import IndexedHeap, merge_ascending
 from kvstore.policy.history import UseHistory
+from kvstore.room import Footprint, RoomNeed
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 
 PAGE_BYTES = 2 << 20
 PROBE_TOKENS = (8192, 32768)

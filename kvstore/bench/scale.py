@@ -417,7 +417,7 @@ async def _ssd_full_run(root: Path, segments: int, puts: int, profile: Any = Non
     full, each making its room as the store does: delete the oldest page while ``room_for``
     says it does not fit (so every put asks ``room_for`` and reclaims)."""
     from kvstore.keys import BlockKey
-    from kvstore.tiers.ssd import SsdTier
+    from kvstore.tiers.ssd.tier import SsdTier
 
     tier = SsdTier(SsdConfig(path=str(root), capacity_bytes=segments * SSD_FULL_SEGMENT_BYTES,
                              segment_bytes=SSD_FULL_SEGMENT_BYTES, fsync="never",

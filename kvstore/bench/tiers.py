@@ -225,8 +225,8 @@ async def bench_dram(work: _Workload, ring: torch.Tensor, repeat: int
 
     The arena stays grown between rounds: later rounds show the steady state, the first growth.
     """
-    from kvstore.tiers.arena import SlabAllocator
-    from kvstore.tiers.dram import DramTier
+    from kvstore.tiers.dram.slabs import SlabAllocator
+    from kvstore.tiers.dram.tier import DramTier
 
     chunk_bytes = DramConfig().chunk_bytes
     slot_bytes = SlabAllocator.slot_bytes_for(len(work.page(0)))
@@ -285,7 +285,7 @@ async def bench_ssd(work: _Workload, ring: torch.Tensor, directory: Path, repeat
 
 async def _ssd_round(work: _Workload, pages: list[bytes], ring: torch.Tensor, directory: Path,
                      capacity: int, queue_depth: int) -> tuple[float, float, float]:
-    from kvstore.tiers.ssd import SsdTier
+    from kvstore.tiers.ssd.tier import SsdTier
 
     scratch = Path(tempfile.mkdtemp(prefix="kvstore-bench-ssd-", dir=directory))
     try:

@@ -113,7 +113,7 @@ def _list_cluster(config: Path | None, remote_url: str | None, tenant: str | Non
     import dataclasses
 
     from kvstore.cli.render import cluster_table
-    from kvstore.tiers.remote import RemoteTier
+    from kvstore.tiers.remote.tier import RemoteTier
 
     if not tenant:
         usage_error("--cluster lists one tenant's blocks: give --tenant")

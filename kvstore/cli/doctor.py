@@ -243,7 +243,7 @@ def check_remote(remote: RemoteConfig) -> Check:
     """Reach the shared tier's store with its own time bound and credentials."""
     import asyncio
 
-    from kvstore.tiers.redis_link import RedisLink
+    from kvstore.tiers.remote.link import RedisLink
 
     async def probe() -> tuple[str, str]:
         link = RedisLink(remote)

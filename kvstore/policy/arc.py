@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import BlockKey
-from kvstore.policy.base import EvictionOrder, Footprint
+from kvstore.policy.base import EvictionOrder
 from kvstore.policy.history import COALESCE_S
+from kvstore.room import Footprint
 
 RECENT, FREQUENT = 1, 2  # T1 and T2
 

@@ -9,7 +9,8 @@ from itertools import compress
 from operator import attrgetter
 
 from kvstore.keys import BlockKey
-from kvstore.policy.base import EvictionOrder, Footprint
+from kvstore.policy.base import EvictionOrder
+from kvstore.room import Footprint
 
 _SIZE_CLASS = attrgetter("size_class")
 

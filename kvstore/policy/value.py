@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
-from kvstore.policy.base import EvictionOrder, Footprint
+from kvstore.policy.base import EvictionOrder
 from kvstore.policy.heap import IndexedHeap, merge_ascending
 from kvstore.policy.history import COALESCE_S, BlockUses, ReuseStats, UseHistory
+from kvstore.room import Footprint
 
 SavedSeconds = Callable[[Footprint, "int | None"], float]
 """Seconds a hit in this tier saves for a block of this footprint at this chain depth (None:

@@ -23,8 +23,9 @@ from operator import attrgetter
 from kvstore.api import BlockInfo
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
-from kvstore.policy.base import EvictionOrder, Footprint, RoomNeed
+from kvstore.policy.base import EvictionOrder
 from kvstore.policy.lru import LruOrder
+from kvstore.room import Footprint, RoomNeed
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: C code scans lists of entries

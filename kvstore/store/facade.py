@@ -23,7 +23,8 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
 from kvstore.policy import UseHistory, build_order
-from kvstore.policy.base import EvictionOrder, Footprint
+from kvstore.policy.base import EvictionOrder
+from kvstore.room import Footprint
 from kvstore.spec import KVSpec
 from kvstore.store.demotion import Demoter
 from kvstore.store.directory import BlockDirectory, BlockEntry

@@ -40,8 +40,9 @@ from kvstore.errors import CapacityError, KVStoreError, shown
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, PendingPage, decode_page, encode_page, finished_page
 from kvstore.policy.admission import admission_for
-from kvstore.policy.base import AdmissionPolicy, RoomNeed
+from kvstore.policy.base import AdmissionPolicy
 from kvstore.policy.cost import PathModel
+from kvstore.room import RoomNeed
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import InPlaceWrites, SharedTier, SlotTier, Tier

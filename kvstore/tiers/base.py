@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 from kvstore.api import Medium, TierStats
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, PendingPage
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 
 __all__ = [
@@ -394,7 +394,7 @@ class FdRegions(Protocol):
     def sent_to(self, region: str, pid: int) -> None:
         """``region``'s descriptor went to client process ``pid`` (0: one this daemon cannot
         see): given back, the region stays charged while that process still maps it or holds
-        the descriptor (``kvstore.tiers.lingering``)."""
+        the descriptor (``kvstore.tiers.dram.lingering``)."""
 
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """Have ``listener(tenant)`` called, on the event loop, each time the tier gives back

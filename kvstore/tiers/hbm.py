@@ -41,7 +41,7 @@ from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavaila
 from kvstore.ipc import device_id, export_cuda_pool, export_host_pool
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, encode_page, page_bytes
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import NEAR_DEVICE, SlotTier
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd.tier import SsdTier
 from tests.faults.helpers import fill
 from tests.tiers.test_ssd import make_page
 

@@ -18,7 +18,7 @@ import sys
 from kvstore.config import SsdConfig
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError
 from kvstore.keys import Namespace
 from kvstore.server.daemon import serve
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd.tier import SsdTier
 from tests.tiers.test_ssd import make_page
 
 from ..conftest import random_kv, random_tokens

@@ -20,8 +20,8 @@ import torch
 
 from kvstore.client import Client
 from kvstore.keys import Namespace
-from kvstore.tiers import ssd_index_check
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd import index_check as ssd_index_check
+from kvstore.tiers.ssd.tier import SsdTier
 from tests.faults.ssd_reopen import damage_page, reopen, tier_config
 
 from ..conftest import random_kv, random_tokens

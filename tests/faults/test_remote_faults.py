@@ -21,7 +21,7 @@ from kvstore.client import Client
 from kvstore.config import KVStoreConfig, RemoteConfig
 from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
-from kvstore.tiers.remote import tenant_tag
+from kvstore.tiers.remote.link import tenant_tag
 
 from ..cli.helpers import invoke
 from ..conftest import random_kv, random_tokens

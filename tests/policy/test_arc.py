@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.policy.arc import ArcOrder
-from kvstore.policy.base import Footprint
+from kvstore.room import Footprint
 
 from .test_orders import Clock, key, never
 

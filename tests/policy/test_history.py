@@ -8,7 +8,6 @@ import random
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.policy.base import Footprint
 from kvstore.policy.history import (
     GHOST_TAUS,
     MIN_TAU_S,
@@ -18,6 +17,7 @@ from kvstore.policy.history import (
     use_class,
 )
 from kvstore.policy.value import ValueOrder
+from kvstore.room import Footprint
 
 from .test_orders import Clock, key, never
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvstore.keys import BlockKey
-from kvstore.policy.base import Footprint, RoomNeed
 from kvstore.policy.lru import LruOrder
+from kvstore.room import Footprint, RoomNeed
 
 
 def key(i: int) -> BlockKey:

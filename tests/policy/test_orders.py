@@ -9,7 +9,8 @@ import pytest
 
 from kvstore.keys import BlockKey
 from kvstore.policy import ORDER_NAMES, build_order
-from kvstore.policy.base import EvictionOrder, Footprint, RoomNeed
+from kvstore.policy.base import EvictionOrder
+from kvstore.room import Footprint, RoomNeed
 
 
 class Clock:

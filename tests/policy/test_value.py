@@ -6,9 +6,9 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey
-from kvstore.policy.base import Footprint
 from kvstore.policy.history import ReuseStats, use_class
 from kvstore.policy.value import ValueOrder
+from kvstore.room import Footprint
 
 HALF_LIFE_S = 15.0
 

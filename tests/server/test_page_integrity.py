@@ -21,7 +21,7 @@ from kvstore.errors import CorruptPage
 from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
 from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.server.daemon import serve
-from kvstore.tiers import dram as dram_module
+from kvstore.tiers.dram import growth as dram_module
 
 from ..conftest import REPO_ROOT, random_kv, random_tokens
 from ..tiers.published_attacks import all_refused, attack
@@ -295,7 +295,7 @@ async def test_commit_finds_a_nan_in_any_piece_of_the_copy(root, ns, spec, monke
     """The commit checks a raw page for NaN and Inf piece by piece as its copy lands: one bad
     value in the first, a middle or the last piece (pieces that cut values in two, too) fails
     the commit naming the block; the same page without it commits."""
-    monkeypatch.setattr("kvstore.tiers.dram.CHECK_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr("kvstore.tiers.dram.staging.CHECK_PIECE_BYTES", piece_bytes)
     config = small_config(root, tenant_tokens=TOKENS)
     tokens, kv = random_tokens(16), random_kv(spec, 16)
     daemon = await serve(config)

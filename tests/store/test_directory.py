@@ -7,7 +7,7 @@ import asyncio
 
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.store.directory import BlockDirectory
 
 TIERS = ("hot", "warm", "cold")

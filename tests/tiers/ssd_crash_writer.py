@@ -14,7 +14,7 @@ import sys
 from kvstore.config import SsdConfig
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd.tier import SsdTier
 
 PAGES_PER_ROUND = 4  # written concurrently, so the write-combining queue batches them
 

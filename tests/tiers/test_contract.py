@@ -15,9 +15,9 @@ from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page, verify_page
 from kvstore.store.placement import MAX_ROOM_ROUNDS
 from kvstore.tiers.base import Tier
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.dram.tier import DramTier
+from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20
 CAPACITY = 4 * MiB

@@ -31,9 +31,11 @@ from kvstore.page import (
     is_retired,
     verify_page,
 )
-from kvstore.policy.base import RoomNeed
-from kvstore.tiers.arena import GrowthBudget, SlabAllocator, StepPool
-from kvstore.tiers.dram import AHEAD_NICE, THREAD_COPY_BYTES, DramTier
+from kvstore.room import RoomNeed
+from kvstore.tiers.dram.arena import StepPool
+from kvstore.tiers.dram.growth import AHEAD_NICE
+from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator
+from kvstore.tiers.dram.tier import THREAD_COPY_BYTES, DramTier
 
 from .published_attacks import all_refused, attack
 
@@ -356,7 +358,7 @@ async def test_a_slot_changed_during_its_check_is_never_served(tier: DramTier,
     staging[:len(page)] = page
     forged = encode_page(meta, bytes(len(decode_page(page).payload)))
     seen: list[bytes] = []
-    monkeypatch.setattr("kvstore.tiers.dram.CHECK_PIECE_BYTES", 64 << 10)  # several pieces
+    monkeypatch.setattr("kvstore.tiers.dram.staging.CHECK_PIECE_BYTES", 64 << 10)  # several pieces
 
     def forge() -> None:
         staging[:len(forged)] = forged
@@ -710,7 +712,7 @@ async def test_a_killed_process_leaves_no_arena_behind(tmp_path) -> None:
     code = (
         "import asyncio, os\n"
         "from kvstore.config import DramConfig\n"
-        "from kvstore.tiers.dram import DramTier\n"
+        "from kvstore.tiers.dram.tier import DramTier\n"
         "from kvstore.page import PageMeta, encode_page\n"
         "async def main():\n"
         f"    t = DramTier(DramConfig(capacity_bytes=1 << 20, chunk_bytes=1 << 20,"

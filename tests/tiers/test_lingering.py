@@ -1,4 +1,4 @@
-"""kvstore.tiers.lingering: which processes still hold a given-back step, read from /proc."""
+"""kvstore.tiers.dram.lingering: which processes still hold a given-back step, read from /proc."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvstore.tiers.lingering import Lingering, LingeringSteps, holders
+from kvstore.tiers.dram.lingering import Lingering, LingeringSteps, holders
 
 MiB = 1 << 20
 

@@ -15,8 +15,8 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.redis_link import Breaker
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.link import Breaker
+from kvstore.tiers.remote.tier import RemoteTier
 
 from ..redis_servers import RedisServer, free_port, needs_redis_binary
 

@@ -11,8 +11,8 @@ import torch
 from kvstore.config import SsdConfig
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.segments import ALIGN_BYTES, ReadBuffers, aligned
-from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssd.segments import ALIGN_BYTES, ReadBuffers, aligned
+from kvstore.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20
 

@@ -16,7 +16,8 @@ from kvstore.config import SsdConfig
 from kvstore.errors import AlreadyRunning, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta, encode_page
-from kvstore.tiers.ssd import ALIGN_BYTES, SsdTier
+from kvstore.tiers.ssd.segments import ALIGN_BYTES
+from kvstore.tiers.ssd.tier import SsdTier
 from tests.tiers.ssd_crash_writer import crash_page
 
 MiB = 1 << 20

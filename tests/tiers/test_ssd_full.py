@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.config import SsdConfig
 from kvstore.errors import ConfigError
-from kvstore.tiers.segments import DeadOrder, Segment
+from kvstore.tiers.ssd.segments import DeadOrder, Segment
 from tests.tiers.test_ssd import config, make_page, opened
 
 KiB = 1 << 10

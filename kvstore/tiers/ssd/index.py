@@ -21,8 +21,8 @@ import lmdb
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.keys import KEY_BYTES, NO_PARENT, BlockKey
 from kvstore.page import PageMeta
-from kvstore.tiers import ssd_index_check
-from kvstore.tiers.segments import (
+from kvstore.tiers.ssd import index_check
+from kvstore.tiers.ssd.segments import (
     PRIVATE_FILE_MODE,
     aligned,
     private_directory,
@@ -146,7 +146,7 @@ class LmdbIndex:
     async def open(self) -> IndexOpen:
         """Open the environment, creating it if there is none.
 
-        An existing index is first read whole in a child process (``ssd_index_check``). If it
+        An existing index is first read whole in a child process (``index_check``). If it
         is damaged (the check fails or dies, or LMDB here calls it damaged) it is moved aside
         to ``index.corrupt-<time>``, kept for inspection, and a new, empty index is opened:
         the caller rebuilds it from the segments. KVStoreError if LMDB refuses for another
@@ -173,7 +173,7 @@ class LmdbIndex:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, ssd_index_check.__file__, str(path), _DB_NAME.decode(),
+                sys.executable, index_check.__file__, str(path), _DB_NAME.decode(),
                 env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE)
         except OSError as exc:  # no interpreter to run, no process to spare
@@ -187,9 +187,9 @@ class LmdbIndex:
         reason = err.decode(errors="replace").strip()[-500:]
         if child.returncode == 0:
             return None
-        if child.returncode == ssd_index_check.UNREADABLE:
+        if child.returncode == index_check.UNREADABLE:
             raise KVStoreError(f"cannot read the ssd index in {path}: {reason}")
-        if child.returncode == ssd_index_check.UNAVAILABLE:
+        if child.returncode == index_check.UNAVAILABLE:
             return self._unchecked(path, reason)
         if child.returncode < 0:
             return f"reading it was killed by signal {-child.returncode}"

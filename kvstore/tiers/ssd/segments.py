@@ -16,16 +16,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from kvstore.errors import AlreadyRunning, ConfigError, CorruptPage, InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.page import HEADER_BYTES, Page, PageMeta, decode_page, page_length, parse_page
-
-if TYPE_CHECKING:
-    from kvstore.tiers.ssd_index import IndexRecord
 
 log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
 
@@ -463,7 +460,16 @@ def check_page(key: BlockKey, page: bytes | memoryview, meta: PageMeta
     return view, decoded.meta, struct.unpack_from("<Q", view, _CHECKSUM_OFFSET)[0]
 
 
-def read_page(fd: int, record: IndexRecord, buf: memoryview, verify: bool = True) -> Page:
+class PagePlace(Protocol):
+    """Where a committed page lives and what it must be (the index's records)."""
+
+    meta: PageMeta
+    offset: int
+    length: int
+    checksum: int
+
+
+def read_page(fd: int, record: PagePlace, buf: memoryview, verify: bool = True) -> Page:
     """Read and verify one page into ``buf`` (``record.padded`` aligned bytes; the page views
     it), in a worker thread; CorruptPage on any fault.
 

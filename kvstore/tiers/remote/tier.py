@@ -25,10 +25,10 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import CorruptPage
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta, decode_page, parse_page
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import ClusterEntry, SharedTier, TierStats
-from kvstore.tiers.redis_link import RedisLink, result_ok, tenant_tag
-from kvstore.tiers.remote_directory import ClusterDirectory
+from kvstore.tiers.remote.directory import ClusterDirectory
+from kvstore.tiers.remote.link import RedisLink, result_ok, tenant_tag
 
 # Redis refuses bulk strings above proto-max-bulk-len, 512 MB by default.
 MAX_VALUE_BYTES = 512 << 20

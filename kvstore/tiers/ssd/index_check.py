@@ -3,7 +3,7 @@ kills this process and not the daemon.
 
 LMDB maps its file and trusts what it finds there: pages past the end of a truncated file
 raise SIGBUS when touched, and damaged page pointers can send it anywhere. Run by
-``kvstore.tiers.ssd_index`` as ``python ssd_index_check.py INDEX_DIR DB_NAME`` before it opens
+``kvstore.tiers.ssd.index`` as ``python index_check.py INDEX_DIR DB_NAME`` before it opens
 an existing index. Exit status: 0 if every page of the database was read, ``DAMAGED`` if LMDB
 (or the file size) says it is damaged, ``UNREADABLE`` if it cannot be read for another reason
 (permissions, memory), ``UNAVAILABLE`` if this process cannot import lmdb (nothing was
@@ -24,7 +24,7 @@ UNAVAILABLE = 5
 try:
     import lmdb
 except ImportError as exc:
-    if __name__ != "__main__":  # imported by kvstore.tiers.ssd_index for the constants
+    if __name__ != "__main__":  # imported by kvstore.tiers.ssd.index for the constants
         raise
     print(f"cannot import lmdb: {exc}", file=sys.stderr)
     sys.exit(UNAVAILABLE)

@@ -1,8 +1,7 @@
 """The SSD tier's write side: batched appends, the fsync policy, group commits and compaction.
 
-``SegmentWriter`` is a base class of ``kvstore.tiers.ssd.SsdTier`` and works on the tier's
-state, which the tier owns and initialises (declared below). Module docstring of
-``kvstore.tiers.ssd`` says what each fsync policy guarantees.
+``SegmentWriter`` is an object ``kvstore.tiers.ssd.tier.SsdTier`` holds; that module's
+docstring says what each fsync policy guarantees.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError, CorruptPage, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-from kvstore.tiers.segments import (
+from kvstore.tiers.ssd.index import IndexRecord, LmdbIndex
+from kvstore.tiers.ssd.segments import (
     DeadOrder,
     Segment,
     SegmentFiles,
@@ -34,7 +34,6 @@ from kvstore.tiers.segments import (
     segment_path,
     sync_directory,
 )
-from kvstore.tiers.ssd_index import IndexRecord, LmdbIndex
 
 log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are its messages
 
@@ -76,46 +75,98 @@ class PendingWrite:
 
 
 class SegmentWriter:
-    """Appends queued pages to segments, makes them durable, indexes them, reclaims space."""
+    """Appends queued pages to segments, makes them durable, indexes them, reclaims space.
 
-    # State owned and initialised by SsdTier.__init__.
-    _config: SsdConfig
-    _dir: Path
-    _o_direct: bool
-    _index: dict[bytes, IndexRecord]
-    _segments: dict[int, Segment]
-    _active: Segment | None
-    _next_segment_id: int
-    _used_bytes: int
-    _reserve_bytes: int
-    _queue: deque[PendingWrite]
-    _inflight: dict[bytes, PendingWrite]
-    _unsynced: list[PendingWrite]
-    _unsynced_bytes: int
-    _lmdb: LmdbIndex
-    _emptied: set[Segment]
-    _dead_order: DeadOrder
-    _files: SegmentFiles
-    _compact_lock: asyncio.Lock
-    _wake: asyncio.Event
-    _flush_wake: asyncio.Event
-    _buffers: asyncio.Queue[mmap.mmap]
-    _is_closing: bool
-    _is_stopping: bool
-    _counts: dict[str, int]
+    ``SsdTier`` holds one. It owns the write side: the queue and pages in flight, the space
+    accounting (``used_bytes``, the active segment, dead bytes by segment), the writer and
+    flusher tasks and compaction. It shares the tier's index, segment table, descriptor cache,
+    LMDB journal and counters, and reads a committed page back (to move it) through the tier's
+    ``read_entry``. Called from the tier's event loop only.
+    """
 
-    capacity_bytes: int
-    # Defined by SsdTier: read a committed page, drop one that failed verification, run a task.
-    _read_entry: Callable[[IndexRecord], Awaitable[Page]]
-    _drop_corrupt: Callable[[IndexRecord, CorruptPage], None]
-    _spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    def __init__(self, config: SsdConfig, index: dict[bytes, IndexRecord],
+                 segments: dict[int, Segment], files: SegmentFiles, lmdb: LmdbIndex,
+                 counts: dict[str, int], reserve_bytes: int,
+                 read_entry: Callable[[IndexRecord], Awaitable[Page]],
+                 drop_corrupt: Callable[[IndexRecord, CorruptPage], None]) -> None:
+        self._config = config
+        self._dir = Path(config.path)
+        self._index = index
+        self._segments = segments
+        self.files = files  # the tier replaces it at open, once O_DIRECT is decided
+        self._lmdb = lmdb
+        self._counts = counts
+        self._reserve_bytes = reserve_bytes
+        self._read_entry = read_entry
+        self._drop_corrupt = drop_corrupt
+        self.capacity_bytes = config.capacity_bytes
+        self.used_bytes = 0  # segment sizes plus space reserved by queued writes
+        self.active: Segment | None = None
+        self.next_segment_id = 1
+        self.inflight: dict[bytes, PendingWrite] = {}
+        self.moved: list[BlockKey] = []  # relocated by compaction since the tier was asked
+        self.dead_order = DeadOrder()  # segments by dead bytes, for room_for and reclaim
+        self.is_closing = False  # refuse new calls
+        self._is_stopping = False  # compaction drained: the writer and flusher may exit
+        self._queue: deque[PendingWrite] = deque()
+        self._unsynced: list[PendingWrite] = []  # appended, waiting for the "batch" flusher
+        self._unsynced_bytes = 0
+        self._emptied: set[Segment] = set()
+        self._compact_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._flush_wake = asyncio.Event()
+        self._buffers: asyncio.Queue[mmap.mmap] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._writer_task: asyncio.Task[None] | None = None
+        self._flusher_task: asyncio.Task[None] | None = None
 
-    def _submit(self, key: BlockKey, data: memoryview, meta: PageMeta, checksum: int,
+    @property
+    def has_started(self) -> bool:
+        return self._writer_task is not None
+
+    def start(self) -> None:
+        """Start the writer and the flusher (the tier's ``open``, once recovered)."""
+        for _ in range(NUM_BUFFERS):
+            self._buffers.put_nowait(mmap.mmap(-1, MAX_BATCH_BYTES))
+        self.is_closing = self._is_stopping = False
+        self._writer_task = asyncio.create_task(self._writer())
+        self._flusher_task = asyncio.create_task(self._flusher())
+
+    async def stop(self) -> None:
+        """Refuse new calls, finish queued writes, make them durable and indexed."""
+        self.is_closing = True
+        async with self._compact_lock:  # a running compaction stops early and drains
+            self._is_stopping = True
+        self._wake.set()
+        self._flush_wake.set()
+        await asyncio.gather(self._writer_task, self._flusher_task)
+        while self._tasks:  # appends and removals in flight
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._flush()  # the last group commit
+        await self.remove_emptied()
+
+    def recovered(self, next_segment_id: int) -> None:
+        """The tier's ``open`` recovered the segments: order them by dead bytes."""
+        for seg in self._segments.values():
+            self.dead_order.note(seg)
+        self.next_segment_id = next_segment_id
+
+    def forget_segments(self) -> None:
+        """The tier released its files: no segment is active or ordered any more."""
+        self.dead_order = DeadOrder()
+        self.active = None
+
+    def take_moved(self) -> list[BlockKey]:
+        """The keys compaction relocated since the last call."""
+        moved, self.moved = self.moved, []
+        return moved
+
+    def submit(self, key: BlockKey, data: memoryview, meta: PageMeta, checksum: int,
                 relocate_from: IndexRecord | None = None) -> PendingWrite:
         """Reserve space and queue a page for the writer (the caller checked that it fits)."""
         future = asyncio.get_running_loop().create_future()
         pending = PendingWrite(key, data, meta, checksum, future, relocate_from)
-        self._used_bytes += pending.padded
+        self.used_bytes += pending.padded
         self._queue.append(pending)
         self._wake.set()
         return pending
@@ -143,7 +194,7 @@ class SegmentWriter:
     async def _next_batch(self) -> tuple[Segment, list[PendingWrite]]:
         """Place the queued pages that fit one append in one segment."""
         limit = self._config.segment_bytes
-        seg = self._active
+        seg = self.active
         first = self._queue[0].padded
         if seg is None or seg.is_broken or (seg.size_bytes and seg.size_bytes + first > limit):
             seg = await self._open_segment()
@@ -164,21 +215,21 @@ class SegmentWriter:
         return seg, batch
 
     async def _open_segment(self) -> Segment:
-        segment_id = self._next_segment_id
-        self._next_segment_id += 1
+        segment_id = self.next_segment_id
+        self.next_segment_id += 1
         path = segment_path(self._dir, segment_id)
         seg = Segment(segment_id, path, 0)
-        self._files.create(seg)
+        self.files.create(seg)
         if self._config.fsync != "never":
             try:
                 await asyncio.to_thread(sync_directory, self._dir)
             except OSError:
-                self._files.forget(seg)
+                self.files.forget(seg)
                 await aiofiles.os.remove(path)
                 raise
         self._segments[segment_id] = seg
-        self._dead_order.note(seg)
-        self._active = seg
+        self.dead_order.note(seg)
+        self.active = seg
         return seg
 
     async def _write_batch(self, seg: Segment, batch: list[PendingWrite], buffer: mmap.mmap
@@ -186,11 +237,11 @@ class SegmentWriter:
         """Fill the buffer, append it after the segment's previous batch, then commit."""
         nbytes = sum(p.padded for p in batch)
         try:
-            fd = self._files.acquire(seg)
+            fd = self.files.acquire(seg)
             try:
                 await asyncio.to_thread(append, fd, buffer, batch, nbytes)
             finally:
-                self._files.release(seg)
+                self.files.release(seg)
         except OSError as exc:
             seg.is_broken = True
             log.error("ssd append of %d bytes to %s failed: %s", nbytes, seg.path.name, exc)
@@ -225,11 +276,11 @@ class SegmentWriter:
         await self._finish(batch)
 
     async def _fdatasync(self, seg: Segment) -> None:
-        fd = self._files.acquire(seg)
+        fd = self.files.acquire(seg)
         try:
             await asyncio.to_thread(os.fdatasync, fd)
         finally:
-            self._files.release(seg)
+            self.files.release(seg)
 
     def _stage(self, p: PendingWrite) -> None:
         """Enter an appended page in the in-memory index and the journal (or count it dead)."""
@@ -241,8 +292,8 @@ class SegmentWriter:
             self._note_if_empty(seg)
             return
         if old is not None:
-            self._release(old)  # a compaction victim is removed by its compactor, later
-            self._moved.append(p.key)
+            self.release(old)  # a compaction victim is removed by its compactor, later
+            self.moved.append(p.key)
         entry = IndexRecord(p.meta, seg.segment_id, p.offset, len(p.data), p.checksum)
         self._index[p.key] = entry
         seg.keys.add(p.key)
@@ -287,7 +338,7 @@ class SegmentWriter:
             self._answer(batch, exc)
             return
         self._answer(batch, None)
-        await self._remove_emptied()
+        await self.remove_emptied()
 
     def _unstage(self, p: PendingWrite) -> None:
         """Take a staged page back out of the index after its commit failed. A page moved by
@@ -299,12 +350,12 @@ class SegmentWriter:
             return
         del self._index[p.key]
         self._lmdb.forget(p.key)
-        self._release(entry)
+        self.release(entry)
 
     def _answer(self, batch: list[PendingWrite], exc: BaseException | None) -> None:
         for p in batch:
-            if self._inflight.get(p.key) is p:
-                del self._inflight[p.key]
+            if self.inflight.get(p.key) is p:
+                del self.inflight[p.key]
             if p.future.done():
                 continue
             if exc is None:
@@ -316,21 +367,21 @@ class SegmentWriter:
         """Count unstaged pages' space as dead and raise ``exc`` in their writers."""
         for p in batch:
             if p.segment is None:
-                self._used_bytes -= p.padded  # never placed in a segment
+                self.used_bytes -= p.padded  # never placed in a segment
             else:
                 p.segment.num_inflight -= 1
                 p.segment.live_bytes -= p.padded
                 self._note_if_empty(p.segment)
         self._answer(batch, exc)
-        self._spawn(self._remove_emptied())
+        self._spawn(self.remove_emptied())
 
-    def _fits(self, padded: int) -> bool:
+    def fits(self, padded: int) -> bool:
         """Whether a page fits beside the space held back for compaction."""
-        return self._used_bytes + padded <= self.capacity_bytes - self._reserve_bytes
+        return self.used_bytes + padded <= self.capacity_bytes - self._reserve_bytes
 
-    def _is_idle_sealed(self, seg: Segment) -> bool:
+    def is_idle_sealed(self, seg: Segment) -> bool:
         """Whether ``seg`` could be compacted now: sealed, holding bytes, nothing in flight."""
-        return (seg is not self._active and not seg.is_compacting and seg.num_inflight == 0
+        return (seg is not self.active and not seg.is_compacting and seg.num_inflight == 0
                 and seg.size_bytes > 0)
 
     def _compaction_victim(self, tried: set[Segment], free: int) -> Segment | None:
@@ -339,20 +390,20 @@ class SegmentWriter:
         pages to make this room (``room_for`` counts every dead byte), among every one with
         dead bytes. O(log n) per segment passed over (``DeadOrder``)."""
         def takes(s: Segment) -> bool:
-            return (self._is_idle_sealed(s) and s.dead_bytes > 0 and s not in tried
+            return (self.is_idle_sealed(s) and s.dead_bytes > 0 and s not in tried
                     and s.live_bytes <= free)
 
         fraction = self._config.compact_dead_fraction
         threshold = fraction * self._config.segment_bytes
         # Deadest first, so once the dead bytes fall below the fraction of a full segment no
         # later one qualifies unless it is a short segment: those wait for the second pass.
-        seg = self._dead_order.first(lambda s: s.dead_bytes < threshold or (
+        seg = self.dead_order.first(lambda s: s.dead_bytes < threshold or (
             takes(s) and s.dead_bytes >= fraction * s.size_bytes))
         if seg is not None and seg.dead_bytes >= threshold:
             return seg
-        return self._dead_order.first(takes)
+        return self.dead_order.first(takes)
 
-    def _release(self, entry: IndexRecord) -> None:
+    def release(self, entry: IndexRecord) -> None:
         """A committed page left the index: its bytes are dead now."""
         seg = self._segments.get(entry.segment_id)
         if seg is not None:
@@ -362,11 +413,11 @@ class SegmentWriter:
 
     def _note_if_empty(self, seg: Segment) -> None:
         """After ``seg``'s live bytes dropped: reorder it, and queue it for removal if empty."""
-        self._dead_order.note(seg)
+        self.dead_order.note(seg)
         if seg.live_bytes == 0 and seg.num_inflight == 0 and not seg.is_removed:
             self._emptied.add(seg)
 
-    async def _remove_emptied(self) -> None:
+    async def remove_emptied(self) -> None:
         """Delete segments without live bytes (a compaction victim waits for its commit).
 
         Nothing is deleted while the index is behind (its last commit failed): the committed
@@ -385,24 +436,24 @@ class SegmentWriter:
     async def _remove_segment(self, seg: Segment) -> None:
         seg.is_removed = True
         self._segments.pop(seg.segment_id, None)
-        self._dead_order.discard(seg)
-        if self._active is seg:
-            self._active = None
+        self.dead_order.discard(seg)
+        if self.active is seg:
+            self.active = None
         try:
             await aiofiles.os.remove(seg.path)
         except FileNotFoundError:
             pass
-        self._used_bytes -= seg.size_bytes  # only now: the bytes never outlive the bound
-        self._files.forget(seg)  # closed now, or by its last user
+        self.used_bytes -= seg.size_bytes  # only now: the bytes never outlive the bound
+        self.files.forget(seg)  # closed now, or by its last user
 
-    async def _reclaim(self, padded: int) -> None:
+    async def reclaim(self, padded: int) -> None:
         """Compact dead segments until a page of ``padded`` bytes fits, or nothing is left:
         those at least ``compact_dead_fraction`` dead first, then, since the store deleted
         pages to make this room (``room_for`` counts every dead byte), the deadest others."""
         async with self._compact_lock:
             tried: set[Segment] = set()
-            while not self._fits(padded) and not self._is_closing:
-                victim = self._compaction_victim(tried, self.capacity_bytes - self._used_bytes)
+            while not self.fits(padded) and not self.is_closing:
+                victim = self._compaction_victim(tried, self.capacity_bytes - self.used_bytes)
                 if victim is None:
                     return
                 tried.add(victim)
@@ -417,7 +468,7 @@ class SegmentWriter:
             moves: list[PendingWrite] = []
             for key in list(seg.keys):
                 entry = self._index.get(key)
-                if entry is None or entry.segment_id != seg.segment_id or self._is_closing:
+                if entry is None or entry.segment_id != seg.segment_id or self.is_closing:
                     continue
                 moved = await self._move(entry)
                 if moved is None:
@@ -430,7 +481,7 @@ class SegmentWriter:
         finally:
             seg.is_compacting = False
             self._note_if_empty(seg)
-        await self._remove_emptied()
+        await self.remove_emptied()
         log.info("ssd compaction of %s: %d bytes, %d still live", seg.path.name, before,
                  seg.live_bytes)
 
@@ -443,12 +494,22 @@ class SegmentWriter:
             return []
         if self._index.get(entry.meta.key) is not entry:
             return []  # deleted while we read it
-        if self._used_bytes + entry.padded > self.capacity_bytes:
+        if self.used_bytes + entry.padded > self.capacity_bytes:
             return None
-        return [self._submit(entry.meta.key, page.data, entry.meta, entry.checksum, entry)]
+        return [self.submit(entry.meta.key, page.data, entry.meta, entry.checksum, entry)]
 
     async def _await_moves(self, moves: list[PendingWrite]) -> None:
         results = await asyncio.gather(*(p.future for p in moves), return_exceptions=True)
         if failed := [r for r in results if isinstance(r, BaseException)]:
             log.error("ssd compaction: %d of %d copies failed: %s", len(failed), len(moves),
                       failed[0])
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("ssd background task failed: %r", task.exception())

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import shown
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these are its messages
 
 # A step remembers at most this many client processes it went to (each asked for its
 # descriptor): a tenant's engine processes, a few dozen at most on one host.

@@ -10,7 +10,7 @@ recently used closed first, never one in use). Appends and reads are positioned
 ``pwrite``/``preadv`` calls in worker threads, so an append can be in flight while the next
 batch is copied, and reads run side by side (O_DIRECT where the file system allows it,
 buffered otherwise). The code: ``segments`` (segment files, aligned I/O),
-``ssd_index`` (the LMDB record format and its journal), ``ssd_writer`` (appends, group commits,
+``index`` (the LMDB record format and its journal), ``writer`` (appends, group commits,
 compaction) and this module (the Tier API, recovery at open, reads).
 
 What ``write()`` returning True guarantees, per ``config.fsync``:
@@ -43,7 +43,7 @@ On open, index entries that point past a segment's end (or into a missing segmen
 dropped, and bytes past the last indexed page of a segment (a torn tail) are truncated. An
 index that is missing, empty beside segments (a rebuild that died before its commit) or found
 damaged (it is read whole in a child process first, so that damage which would crash LMDB's
-reader costs a child, not the daemon; see ``ssd_index``) is rebuilt from the segments: every
+reader costs a child, not the daemon; see ``index``) is rebuilt from the segments: every
 page describes and verifies itself. A damaged index is kept as ``index.corrupt-<time>`` and
 counted in ``stats().extra["index_resets"]``. Pages deleted before the damage may come back
 that way: still valid pages for their keys.
@@ -53,13 +53,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import struct
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiofiles
 import aiofiles.os
@@ -68,11 +65,10 @@ from kvstore.config import SsdConfig
 from kvstore.errors import CapacityError, CorruptPage, InvalidArgument, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.page import Page, PageMeta
-from kvstore.policy.base import Footprint, RoomNeed
+from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import Tier, TierStats
-from kvstore.tiers.segments import (
-    ALIGN_BYTES,
-    DeadOrder,
+from kvstore.tiers.ssd.index import IndexOpen, IndexRecord, IndexState, LmdbIndex
+from kvstore.tiers.ssd.segments import (
     ReadBuffers,
     Segment,
     SegmentFiles,
@@ -86,16 +82,9 @@ from kvstore.tiers.segments import (
     scan_segments,
     segment_path,
 )
-from kvstore.tiers.ssd_index import IndexOpen, IndexRecord, IndexState, LmdbIndex
-from kvstore.tiers.ssd_writer import (
-    GROUP_COMMIT_BYTES,
-    MAX_BATCH_BYTES,
-    NUM_BUFFERS,
-    PendingWrite,
+from kvstore.tiers.ssd.writer import (
     SegmentWriter,
 )
-
-__all__ = ["ALIGN_BYTES", "GROUP_COMMIT_BYTES", "MAX_BATCH_BYTES", "NUM_BUFFERS", "SsdTier"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +93,7 @@ log = logging.getLogger(__name__)
 READ_BUFFER_BYTES = 64 << 20
 
 
-class SsdTier(SegmentWriter, Tier):
+class SsdTier(Tier):
     """Pages in append-only segment files, indexed by LMDB, bounded by ``capacity_bytes``.
 
     Called from one event loop. File I/O goes through aiofiles or worker threads, LMDB
@@ -124,34 +113,18 @@ class SsdTier(SegmentWriter, Tier):
         reserve = int((1.0 - config.compact_dead_fraction) * config.segment_bytes)
         self._reserve_bytes = min(aligned(reserve), config.capacity_bytes // 2)
         self._index: dict[bytes, IndexRecord] = {}
-        self._moved: list[BlockKey] = []  # relocated by compaction since moved_keys() was asked
         self._segments: dict[int, Segment] = {}
-        self._active: Segment | None = None
-        self._next_segment_id = 1
-        self._used_bytes = 0  # segment sizes plus space reserved by queued writes
-        self._queue: deque[PendingWrite] = deque()
-        self._inflight: dict[bytes, PendingWrite] = {}
-        self._unsynced: list[PendingWrite] = []  # appended, waiting for the "batch" flusher
-        self._unsynced_bytes = 0
-        self._emptied: set[Segment] = set()
-        self._dead_order = DeadOrder()  # segments by dead bytes, for room_for and reclaim
         self._files = SegmentFiles(config.max_open_segments, o_direct=False)  # set at open
-        self._compact_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._flush_wake = asyncio.Event()
-        self._buffers: asyncio.Queue[mmap.mmap] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._writer_task: asyncio.Task[None] | None = None
-        self._flusher_task: asyncio.Task[None] | None = None
         self._lmdb = LmdbIndex(self._dir, config.index_map_bytes, sync=config.fsync != "never")
         self._read_buffers = ReadBuffers(READ_BUFFER_BYTES)
         self._lock_fd: int | None = None
-        self._is_closing = False  # refuse new calls
-        self._is_stopping = False  # compaction drained: the writer and flusher may exit
         self._o_direct = False
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "rejected",
                                       "bytes_read", "bytes_written", "compactions", "appends",
                                       "index_resets"), 0)
+        self._writer = SegmentWriter(config, self._index, self._segments, self._files,
+                                     self._lmdb, self._counts, self._reserve_bytes,
+                                     self._read_entry, self._drop_corrupt)
 
     @property
     def capacity_bytes(self) -> int:
@@ -159,7 +132,7 @@ class SsdTier(SegmentWriter, Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used_bytes
+        return self._writer.used_bytes
 
     @property
     def o_direct(self) -> bool:
@@ -183,11 +156,12 @@ class SsdTier(SegmentWriter, Tier):
         the free space, and it frees the segment's dead bytes.
         """
         padded = aligned(nbytes)
-        if self._fits(padded):
+        if self._writer.fits(padded):
             return None
-        deficit = self._used_bytes + padded - (self.capacity_bytes - self._reserve_bytes)
-        free = self.capacity_bytes - self._used_bytes
-        seg = self._dead_order.first(self._is_idle_sealed)
+        used = self._writer.used_bytes
+        deficit = used + padded - (self.capacity_bytes - self._reserve_bytes)
+        free = self.capacity_bytes - used
+        seg = self._writer.dead_order.first(self._is_idle_sealed)
         if seg is None:  # only the active segment holds pages: it must fill and seal first
             return RoomNeed(nbytes=deficit)
         delete = max(deficit - seg.dead_bytes, seg.live_bytes - free, 0)
@@ -202,8 +176,7 @@ class SsdTier(SegmentWriter, Tier):
         return Footprint(size_class=entry.segment_id, nbytes=entry.padded)
 
     def moved_keys(self) -> list[BlockKey]:
-        moved, self._moved = self._moved, []
-        return [key for key in moved if key in self._index]
+        return [key for key in self._writer.take_moved() if key in self._index]
 
     def entries(self) -> Iterator[PageMeta]:
         for entry in list(self._index.values()):
@@ -216,7 +189,7 @@ class SsdTier(SegmentWriter, Tier):
     def stats(self) -> TierStats:
         c = self._counts
         return TierStats(
-            name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self._used_bytes,
+            name=self.name, capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
             num_blocks=len(self._index), hits=c["hits"], misses=c["misses"],
             corrupt=c["corrupt"], rejected=c["rejected"],
             bytes_read=c["bytes_read"], bytes_written=c["bytes_written"],
@@ -241,20 +214,21 @@ class SsdTier(SegmentWriter, Tier):
         self._check_open()
         if key in self._index:
             return True
-        if key in self._inflight:
-            return await asyncio.shield(self._inflight[key].future)
+        writer = self._writer
+        if key in writer.inflight:
+            return await asyncio.shield(writer.inflight[key].future)
         data, page_meta, checksum = check_page(key, page, meta)
         padded = aligned(len(data))
-        if not self._fits(padded):
-            await self._reclaim(padded)
+        if not writer.fits(padded):
+            await writer.reclaim(padded)
             self._check_open()
-            if key in self._index or key in self._inflight:  # written while we compacted
+            if key in self._index or key in writer.inflight:  # written while we compacted
                 return await self.write(key, page, meta)
-            if not self._fits(padded):
+            if not writer.fits(padded):
                 self._counts["rejected"] += 1
                 return False
-        pending = self._submit(key, data, page_meta, checksum)
-        self._inflight[key] = pending
+        pending = writer.submit(key, data, page_meta, checksum)
+        writer.inflight[key] = pending
         return await asyncio.shield(pending.future)
 
     async def read(self, key: BlockKey, *, verify: bool = True) -> Page | None:
@@ -269,7 +243,7 @@ class SsdTier(SegmentWriter, Tier):
             page = await self._read_entry(entry, verify)
         except CorruptPage as exc:
             self._drop_corrupt(entry, exc)
-            await self._remove_emptied()
+            await self._writer.remove_emptied()
             self._counts["misses"] += 1
             return None
         self._counts["hits"] += 1
@@ -278,54 +252,42 @@ class SsdTier(SegmentWriter, Tier):
 
     async def delete(self, key: BlockKey) -> bool:
         self._check_open()
-        pending = self._inflight.pop(key, None)
+        pending = self._writer.inflight.pop(key, None)
         if pending is not None:
             pending.is_cancelled = True  # its write still returns; a new write starts afresh
         entry = self._index.pop(key, None)
         if entry is None:
             return pending is not None
         self._lmdb.forget(key)  # committed with the next flush: see the module docstring
-        self._release(entry)
-        await self._remove_emptied()
+        self._writer.release(entry)
+        await self._writer.remove_emptied()
         return True
 
     async def open(self) -> None:
         """Lock the directory, probe O_DIRECT, open the index and recover the segments."""
-        if self._writer_task is not None:
+        if self._writer.has_started:
             raise InvalidArgument(f"ssd tier at {self._dir} was opened before; make a new one")
         await asyncio.to_thread(private_directory, self._dir, "ssd.path")
         self._lock_fd = await asyncio.to_thread(lock_directory, self._dir)
         try:
             self._o_direct = self._config.o_direct and await asyncio.to_thread(
                 probe_o_direct, self._dir)
-            self._files = SegmentFiles(self._config.max_open_segments, self._o_direct)
+            self._files = self._writer.files = SegmentFiles(self._config.max_open_segments,
+                                                            self._o_direct)
             await self._recover()
         except BaseException:
             await self._release_resources()
             raise
-        for _ in range(NUM_BUFFERS):
-            self._buffers.put_nowait(mmap.mmap(-1, MAX_BATCH_BYTES))
-        self._is_closing = self._is_stopping = False
-        self._writer_task = asyncio.create_task(self._writer())
-        self._flusher_task = asyncio.create_task(self._flusher())
+        self._writer.start()
         log.info("ssd tier open at %s: %d blocks in %d segments, %d bytes, o_direct=%s",
-                 self._dir, len(self._index), len(self._segments), self._used_bytes,
+                 self._dir, len(self._index), len(self._segments), self.used_bytes,
                  self._o_direct)
 
     async def close(self) -> None:
         """Finish queued writes, make them durable and indexed, and release the files."""
-        if not self._lmdb.is_open or self._is_closing:
+        if not self._lmdb.is_open or self._writer.is_closing:
             return
-        self._is_closing = True
-        async with self._compact_lock:  # a running compaction stops early and drains
-            self._is_stopping = True
-        self._wake.set()
-        self._flush_wake.set()
-        await asyncio.gather(self._writer_task, self._flusher_task)
-        while self._tasks:  # appends and removals in flight
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self._flush()  # the last group commit
-        await self._remove_emptied()
+        await self._writer.stop()
         await self._release_resources()
 
     async def _recover(self) -> None:
@@ -350,9 +312,7 @@ class SsdTier(SegmentWriter, Tier):
             seg = self._segments[entry.segment_id]
             seg.live_bytes += entry.padded
             seg.keys.add(key)
-        for seg in self._segments.values():
-            self._dead_order.note(seg)
-        self._next_segment_id = max(sizes, default=0) + 1
+        self._writer.recovered(next_segment_id=max(sizes, default=0) + 1)
         try:
             await self._lmdb.commit()
         except CapacityError as exc:  # kept in the journal; no segment is deleted meanwhile
@@ -410,22 +370,25 @@ class SsdTier(SegmentWriter, Tier):
         self._files.acquire(seg)  # tightens a segment of an older version; kept if room
         self._files.release(seg)
         self._segments[segment_id] = seg
-        self._used_bytes += end
+        self._writer.used_bytes += end
 
     async def _release_resources(self) -> None:
         while any(seg.num_users for seg in self._segments.values()):
             await asyncio.sleep(0.001)  # reads in worker threads still hold descriptors
         self._files.close_all()
         self._segments.clear()
-        self._dead_order = DeadOrder()
-        self._active = None
+        self._writer.forget_segments()
         await self._lmdb.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # also drops the flock
             self._lock_fd = None
 
+    def _is_idle_sealed(self, seg: Segment) -> bool:
+        """Whether ``seg`` could be compacted now (``SegmentWriter.is_idle_sealed``)."""
+        return self._writer.is_idle_sealed(seg)
+
     def _check_open(self) -> None:
-        if not self._lmdb.is_open or self._is_closing:
+        if not self._lmdb.is_open or self._writer.is_closing:
             raise Unavailable(f"ssd tier at {self._dir} is not open")
 
     async def _read_entry(self, entry: IndexRecord, verify: bool = True) -> Page:
@@ -451,14 +414,4 @@ class SsdTier(SegmentWriter, Tier):
         if self._index.get(key) is entry:
             del self._index[key]
             self._lmdb.forget(key)
-            self._release(entry)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("ssd background task failed: %r", task.exception())
+            self._writer.release(entry)

@@ -30,7 +30,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.page import PageMeta
 from kvstore.tiers.base import ClusterEntry
-from kvstore.tiers.redis_link import RedisLink, result_ok, tenant_tag
+from kvstore.tiers.remote.link import RedisLink, result_ok, tenant_tag
 
 log = logging.getLogger("kvstore.tiers.remote")
 LIST_TIMEOUT_S = 10.0  # listing scans every node: an admin command, not a request path

@@ -1,0 +1,1 @@
+"""The DRAM tier: ``tier`` (the Tier API), ``staging``, ``growth``, ``lingering``, ``slabs``."""

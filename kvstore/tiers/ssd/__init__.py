@@ -1,0 +1,1 @@
+"""The SSD tier: ``tier`` (Tier API, recovery, reads), ``writer``, ``segments``, ``index``."""
