@@ -385,8 +385,24 @@ class ServerConfig:
                               f"got {self.log_level!r}")
 
 
-TIER_KINDS: dict[str, type[TierSettings]] = {"hbm": HbmConfig, "dram": DramConfig,
-                                             "ssd": SsdConfig, "remote": RemoteConfig}
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    """A kind of tier: the settings its ``[[tiers]]`` table takes, and where its implementation
+    lives (``"module:Class"``, imported by ``kvstore.tiers.build_tier`` only when a chain names
+    the kind, so an optional dependency (CUDA, lmdb, redis) costs only the kinds that need it)."""
+
+    settings: type[TierSettings]
+    implementation: str
+
+
+# The one registry of tier kinds. Adding a kind: its settings class above, its module under
+# kvstore/tiers/, and one line here.
+TIER_KINDS: dict[str, TierKind] = {
+    "hbm": TierKind(HbmConfig, "kvstore.tiers.hbm:HbmTier"),
+    "dram": TierKind(DramConfig, "kvstore.tiers.dram.tier:DramTier"),
+    "ssd": TierKind(SsdConfig, "kvstore.tiers.ssd.tier:SsdTier"),
+    "remote": TierKind(RemoteConfig, "kvstore.tiers.remote.tier:RemoteTier"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,10 +417,11 @@ class TierConfig:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"tiers: name {self.name!r} must be letters, digits, - or _")
-        cls = TIER_KINDS.get(self.kind)
-        if cls is None:
+        kind = TIER_KINDS.get(self.kind)
+        if kind is None:
             raise ConfigError(f"tiers.{self.name}.kind must be one of {sorted(TIER_KINDS)}, "
                               f"got {self.kind!r}")
+        cls = kind.settings
         if not isinstance(self.settings, cls):
             raise ConfigError(f"tiers.{self.name}: a {self.kind} tier takes {cls.__name__}")
 
@@ -496,11 +513,12 @@ def _tier_chain(tables: Any) -> tuple[TierConfig, ...]:
     for i, table in enumerate(tables):
         fields = dict(table)
         name, kind = str(fields.pop("name", "")), str(fields.pop("kind", ""))
-        cls = TIER_KINDS.get(kind)
-        if cls is None:
+        registered = TIER_KINDS.get(kind)
+        if registered is None:
             raise ConfigError(f"tiers[{i}].kind must be one of {sorted(TIER_KINDS)}, "
                               f"got {kind!r}")
-        chain.append(TierConfig(name, kind, _apply(f"tiers.{name or i}", cls(), fields)))
+        chain.append(TierConfig(name, kind,
+                                _apply(f"tiers.{name or i}", registered.settings(), fields)))
     return tuple(chain)
 
 

@@ -53,3 +53,18 @@ def test_bad_toml(tmp_path):
     path.write_text("[dram\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path, environ={})
+
+
+def test_every_registered_tier_kind_names_a_tier_class_that_takes_its_settings():
+    """config.TIER_KINDS is the one registry: each kind's implementation imports and is a Tier."""
+    import importlib
+    import inspect
+
+    from kvstore.config import TIER_KINDS
+    from kvstore.tiers.base import Tier
+
+    for kind, registered in TIER_KINDS.items():
+        module, _, name = registered.implementation.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, Tier), kind
+        assert list(inspect.signature(cls).parameters)[:2] == ["config", "name"], kind
