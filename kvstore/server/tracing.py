@@ -13,11 +13,9 @@ tracing is on, and runs without it installed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -76,31 +74,16 @@ class CallTracer:
     def is_enabled(self) -> bool:
         return self._tracer is not None
 
-    @contextlib.contextmanager
-    def call(self, method: str, metadata: Any) -> Iterator[CallRecord]:
-        """The record of one call for the body of the ``with``; the caller sets
-        ``record.attributes["rpc.grpc.status_code"]`` before it ends (else OK, or the
-        exception's)."""
+    def call(self, method: str, metadata: Any) -> _CallScope:
+        """``with tracer.call(method, metadata) as record:`` the record of one call for the
+        body of the ``with``, and its span where traced; the caller sets
+        ``record.attributes["rpc.grpc.status_code"]`` before it ends (else OK, or ERROR for an
+        exception)."""
         record = CallRecord(method, request_id=request_id_of(metadata))
-        if self._tracer is None or method not in TRACED_METHODS:
-            with recording(record):
-                yield record
-            return
-        start_ns = time.time_ns()
-        failure: BaseException | None = None
-        try:
-            with recording(record):
-                yield record
-        except BaseException as exc:
-            failure = exc
-            raise
-        finally:
-            try:
-                self._export(record, metadata, start_ns, failure)
-            except Exception:  # noqa: BLE001 - a span that cannot be made never fails a call
-                _log.exception("could not record the span of a %s call", method)
+        traced = self._tracer is not None and method in TRACED_METHODS
+        return _CallScope(self if traced else None, record, metadata)
 
-    def _export(self, record: CallRecord, metadata: Any, start_ns: int,
+    def export(self, record: CallRecord, metadata: Any, start_ns: int,
                 failure: BaseException | None) -> None:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -135,6 +118,26 @@ class CallTracer:
             self._provider.force_flush(FLUSH_TIMEOUT_MS)
             self._provider.shutdown()
             self._provider = self._tracer = None
+
+
+class _CallScope(recording):
+    """A call's record made current and, with a tracer, its span exported at the end. A
+    class, not a generator: it runs on every call."""
+
+    __slots__ = ("_metadata", "_start_ns", "_tracer")
+
+    def __init__(self, tracer: CallTracer | None, record: CallRecord, metadata: Any) -> None:
+        super().__init__(record)
+        self._tracer, self._metadata = tracer, metadata
+        self._start_ns = time.time_ns() if tracer is not None else 0
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        super().__exit__()
+        if self._tracer is not None:
+            try:
+                self._tracer.export(self._record, self._metadata, self._start_ns, exc)
+            except Exception:  # noqa: BLE001 - a span that cannot be made never fails a call
+                _log.exception("could not record the span of a %s call", self._record.method)
 
 
 class TracingInterceptor(HandlerInterceptor):
