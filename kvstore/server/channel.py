@@ -48,6 +48,7 @@ from kvstore.rpc.framing import (
 )
 from kvstore.rpc.status import status_for
 from kvstore.server.auth import Caller
+from kvstore.server.calls import note_tenant
 from kvstore.server.limits import RateLimiter, peer_host
 from kvstore.server.sessions import Session
 from kvstore.server.tracing import CallTracer
@@ -131,6 +132,7 @@ class ChannelCalls:
                 caller = scope.caller
                 self._limiter.check(f"tenant {caller.tenant}" if caller.tenant is not None
                                     else f"peer {peer_host(scope.peer)}")
+            note_tenant(scope.caller.tenant)  # as a gRPC call's scope notes it
             request_cls, core = self._cores[method]
             try:
                 request = request_cls.FromString(body)
