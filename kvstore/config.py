@@ -326,6 +326,10 @@ class ServerConfig:
     tcp_address: str = ""  # "host:port" to also listen on TCP; "" for Unix socket only
     metrics_port: int = 0  # Prometheus HTTP port; 0 disables
     metrics_host: str = "127.0.0.1"
+    # Distinct tenants (and models) a request metric keeps its own label for; later ones are
+    # counted as "other", so clients naming new models cannot grow the registry without bound;
+    # 0: no tenant or model labels (the metrics then name no tenant or model).
+    metrics_max_label_values: int = 32
     tenant_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token
     admin_token: str = ""  # sees and manages every tenant
     require_auth_on_unix: bool = False  # also demand tokens on the Unix socket
@@ -358,6 +362,10 @@ class ServerConfig:
             raise ConfigError(f"server.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError("server.max_message_bytes must be >= 1 MiB")
+        if not 0 <= self.metrics_max_label_values <= 10_000:
+            raise ConfigError(f"server.metrics_max_label_values must be in [0, 10000] (0 = no "
+                              f"tenant or model labels), "
+                              f"got {self.metrics_max_label_values!r}")
         if not 0 < self.stream_idle_timeout_s <= 3600:
             raise ConfigError(f"server.stream_idle_timeout_s must be in (0, 3600] seconds, "
                               f"got {self.stream_idle_timeout_s!r}")
@@ -406,6 +414,25 @@ TIER_KINDS: dict[str, TierKind] = {
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry spans of requests, exported over OTLP/gRPC (needs the ``tracing`` extra).
+
+    Empty fields defer to OpenTelemetry's own variables, read as its SDK reads them:
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default
+    ``http://localhost:4317``), ``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_HEADERS``.
+    """
+
+    enabled: bool = False
+    otlp_endpoint: str = ""  # "http://host:4317" (plaintext) or "https://..."; "": OTEL_* env
+    service_name: str = ""  # "": OTEL_SERVICE_NAME, else "kvstore"
+    sample_ratio: float = 1.0  # of traces the daemon starts; a client's sampled parent wins
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ConfigError(f"tracing.sample_ratio must be in [0, 1], got {self.sample_ratio!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     """One link of the tier chain: its name (in stats, listings, ``tokens_per_tier``), its kind
     (which tier implementation; a key of ``TIER_KINDS``) and that kind's settings."""
@@ -435,6 +462,7 @@ class KVStoreConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # The chain, fastest first; empty: [dram], then [ssd] if enabled, then [remote] if it has a url.
     tiers: tuple[TierConfig, ...] = ()
 
@@ -456,7 +484,7 @@ class KVStoreConfig:
 
 
 _SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig,
-             "quota": QuotaConfig, "remote": RemoteConfig}
+             "quota": QuotaConfig, "remote": RemoteConfig, "tracing": TracingConfig}
 
 
 def _coerce(section: str, name: str, value: Any, current: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.client.retry import RetryPolicy
+from kvstore.client.tracing import request_metadata
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidArgument
 from kvstore.rpc.tensors import chunk_limit
@@ -58,7 +59,7 @@ class ClientSettings:
 
     target: Target
     channel_options: tuple[tuple[str, int], ...]
-    metadata: tuple[tuple[str, str], ...]  # sent with every call (the bearer token)
+    auth_metadata: tuple[tuple[str, str], ...]  # sent with every call (the bearer token)
     retry: RetryPolicy
     timeout_s: float  # deadline of each call
     chunk_bytes: int  # tensor bytes per streamed Put message
@@ -69,5 +70,11 @@ class ClientSettings:
         """Settings from a client's constructor arguments (see :class:`kvstore.client.Client`)."""
         return cls(target=parse_address(address),
                    channel_options=tuple(channel_options(max_message_bytes)),
-                   metadata=call_metadata(token), retry=retry or RetryPolicy(),
+                   auth_metadata=call_metadata(token), retry=retry or RetryPolicy(),
                    timeout_s=timeout_s, chunk_bytes=chunk_limit(max_message_bytes))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a call made now carries: the bearer token, and the request id and trace
+        context of the caller's context (``kvstore.client.tracing``)."""
+        return self.auth_metadata + request_metadata()

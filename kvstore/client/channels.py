@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvstore.client.address import Target
+from kvstore.client.tracing import request_metadata
 from kvstore.errors import CapacityError
 from kvstore.rpc import framing
 from kvstore.rpc import kvstore_pb2 as pb
@@ -119,8 +120,8 @@ class BlockingChannel:
         if self.closed:
             raise ChannelBroken("the call channel is closed")
         self._last_id = self._last_id % MAX_REQUEST_ID + 1
-        frame = framing.encode_frame(framing.method_byte(method), self._last_id,
-                                      request.SerializeToString())
+        frame = framing.encode_call(method, self._last_id, request.SerializeToString(),
+                                    request_metadata())
         try:
             if timeout_s != self._timeout_s:  # each settimeout is a syscall or two
                 self._sock.settimeout(timeout_s)
@@ -203,8 +204,9 @@ class AsyncChannel:
         self._last_id = request_id = self._last_id % MAX_REQUEST_ID + 1
         reply = self._pending[request_id] = asyncio.get_running_loop().create_future()
         try:
-            self._writer.write(framing.encode_frame(framing.method_byte(method), request_id,
-                                                     request.SerializeToString()))
+            self._writer.write(framing.encode_call(method, request_id,
+                                                   request.SerializeToString(),
+                                                   request_metadata()))
             async with asyncio.timeout(timeout_s):
                 await self._writer.drain()
                 status, body = await reply

@@ -158,6 +158,50 @@ MAX_FRAMES_IN_FLIGHT = 64
 _FRAME_SLACK_BYTES = 64 << 10  # a request's fields beside its tokens (namespace, ids)
 
 
+# A request frame whose method byte has this bit set starts its body with call metadata (the
+# engine's request id, W3C trace context: ``kvstore.rpc.metadata``): ``CALL_METADATA`` (its
+# byte length), then ``key=value`` lines in ASCII, then the request message. Clients set it
+# only when they have metadata to send.
+METADATA_FLAG = 0x80
+CALL_METADATA = struct.Struct("<H")
+MAX_METADATA_BYTES = 4096
+
+
+def encode_metadata(pairs: tuple[tuple[str, str], ...]) -> bytes:
+    """A frame's metadata prefix for ``pairs`` (the frame's method byte gets ``METADATA_FLAG``);
+    InvalidArgument for a key or value a line cannot carry, or too many bytes."""
+    lines = []
+    for key, value in pairs:
+        if "=" in key or not (key + value).isascii() or not (key + value).isprintable():
+            raise InvalidArgument(f"call metadata {key!r} must be printable ASCII (no '=' in "
+                                  "the key)")
+        lines.append(f"{key}={value}")
+    raw = "\n".join(lines).encode("ascii")
+    if len(raw) > MAX_METADATA_BYTES:
+        raise InvalidArgument(f"call metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
+    return CALL_METADATA.pack(len(raw)) + raw
+
+
+def split_metadata(body: bytes) -> tuple[tuple[tuple[str, str], ...], bytes]:
+    """``(metadata pairs, request body)`` of a frame body that starts with metadata;
+    InvalidArgument where the prefix is malformed."""
+    if len(body) < CALL_METADATA.size:
+        raise InvalidArgument("a call frame flagged with metadata is shorter than its prefix")
+    (length,) = CALL_METADATA.unpack_from(body)
+    end = CALL_METADATA.size + length
+    if length > MAX_METADATA_BYTES or end > len(body):
+        raise InvalidArgument(f"a call frame declares {length} bytes of metadata; at most "
+                              f"{min(MAX_METADATA_BYTES, len(body) - CALL_METADATA.size)}")
+    try:
+        text = bytes(body[CALL_METADATA.size:end]).decode("ascii")
+    except UnicodeDecodeError:
+        raise InvalidArgument("call frame metadata is not ASCII") from None
+    pairs = tuple(tuple(line.split("=", 1)) for line in text.split("\n") if line)
+    if any(len(pair) != 2 for pair in pairs):
+        raise InvalidArgument("call frame metadata holds a line that is not key=value")
+    return pairs, body[end:]  # type: ignore[return-value]
+
+
 def method_byte(method: str) -> int:
     """The byte that names ``method`` in a request frame (1 for the first of
     ``CHANNEL_METHODS``); InvalidArgument for a method the channel does not carry."""
@@ -169,8 +213,20 @@ def method_byte(method: str) -> int:
 
 
 def method_of(byte: int) -> str | None:
-    """The method a request frame's byte names; None for a byte that names none."""
+    """The method a request frame's byte names (``METADATA_FLAG`` aside); None for a byte that
+    names none."""
+    byte &= ~METADATA_FLAG
     return CHANNEL_METHODS[byte - 1] if 1 <= byte <= len(CHANNEL_METHODS) else None
+
+
+def encode_call(method: str, request_id: int, body: bytes,
+                metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """A request frame: ``method``'s byte (flagged, with ``metadata`` before ``body``, where
+    there is metadata)."""
+    if not metadata:
+        return encode_frame(method_byte(method), request_id, body)
+    return encode_frame(method_byte(method) | METADATA_FLAG, request_id,
+                        encode_metadata(metadata) + body)
 
 
 def max_frame_bytes(max_request_tokens: int, max_message_bytes: int) -> int:

@@ -13,3 +13,10 @@ OPEN_TIMEOUT_S = 2.0  # a client waits this long for the first heartbeat, then g
 def new_session_id() -> str:
     """128 random bits in hex: only the process that made it knows it."""
     return secrets.token_hex(16)
+
+# The serving engine's id of the request a call is for (its spans and logs carry it). Printable
+# ASCII; the daemon keeps at most MAX_REQUEST_ID_CHARS of it.
+REQUEST_ID_HEADER = "x-kvstore-request-id"
+MAX_REQUEST_ID_CHARS = 128
+# W3C trace context (https://www.w3.org/TR/trace-context/), as OpenTelemetry's propagator sets it.
+TRACE_HEADERS = ("traceparent", "tracestate")

@@ -34,19 +34,24 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvstore.config import TracingConfig
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.framing import (
     FRAME,
     MAX_FRAMES_IN_FLIGHT,
+    METADATA_FLAG,
     OPENED_ID,
     encode_frame,
     method_of,
+    split_metadata,
 )
 from kvstore.rpc.status import status_for
 from kvstore.server.auth import Caller
+from kvstore.server.calls import note_tenant
 from kvstore.server.limits import RateLimiter, peer_host
 from kvstore.server.sessions import Session
+from kvstore.server.tracing import CallTracer
 
 _log = logging.getLogger("kvstore.server.channel")
 _OK = 0
@@ -82,24 +87,43 @@ class ChannelCalls:
         observe: ``Metrics.observe``, called once per call with its method, code and time.
         is_draining: True once the daemon stops taking calls (gRPC refuses new ones then): a
             channel's new calls are refused too, with Unavailable.
+        tracer: opens each call's record and span, as ``TracingInterceptor`` does for gRPC
+            (None: records only).
     """
 
     def __init__(self, cores: dict[str, tuple[type[Message], Core]],
                  limiter: RateLimiter | None,
-                 observe: Callable[[str, grpc.StatusCode, float], None],
-                 is_draining: Callable[[], bool] = lambda: False) -> None:
+                 observe: Callable[..., None],
+                 is_draining: Callable[[], bool] = lambda: False,
+                 tracer: CallTracer | None = None) -> None:
         self._cores = cores
         self._limiter = limiter
         self._observe = observe
         self._is_draining = is_draining
+        self._tracer = tracer or CallTracer(TracingConfig())
         self.num_calls = 0  # calls answered, since the daemon started
         self.most_in_flight = 0  # the most frames one channel ever had unanswered at once
 
     def __contains__(self, method: str) -> bool:
         return method in self._cores
 
-    async def call(self, method: str, body: bytes, scope: CallScope) -> tuple[int, bytes]:
-        """Run one call; ``(status code, body)`` of its reply frame."""
+    async def call(self, method: str, body: bytes, scope: CallScope,
+                   has_metadata: bool = False) -> tuple[int, bytes]:
+        """Run one call (``has_metadata``: its body starts with call metadata, see
+        ``kvstore.rpc.framing``); ``(status code, body)`` of its reply frame."""
+        metadata = ()
+        if has_metadata:
+            try:
+                metadata, body = split_metadata(body)
+            except InvalidArgument as exc:
+                return error_reply(grpc.StatusCode.INVALID_ARGUMENT, exc)
+        with self._tracer.call(method, metadata) as record:
+            code, reply = await self._call(method, body, scope, record)
+            record.attributes["rpc.grpc.status_code"] = code
+            return code, reply
+
+    async def _call(self, method: str, body: bytes, scope: CallScope, record
+                    ) -> tuple[int, bytes]:
         start, code = time.perf_counter(), grpc.StatusCode.OK
         try:
             if self._is_draining():
@@ -108,6 +132,7 @@ class ChannelCalls:
                 caller = scope.caller
                 self._limiter.check(f"tenant {caller.tenant}" if caller.tenant is not None
                                     else f"peer {peer_host(scope.peer)}")
+            note_tenant(scope.caller.tenant)  # as a gRPC call's scope notes it
             request_cls, core = self._cores[method]
             try:
                 request = request_cls.FromString(body)
@@ -132,7 +157,7 @@ class ChannelCalls:
                         f"{str(exc)[:_MAX_DETAIL_CHARS]}").SerializeToString()
         finally:
             self.num_calls += 1
-            self._observe(method, code, time.perf_counter() - start)
+            self._observe(method, code, time.perf_counter() - start, record)
 
 
 def error_reply(code: grpc.StatusCode, exc: KVStoreError) -> tuple[int, bytes]:
@@ -157,9 +182,10 @@ async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
             frame = await _next_frame(reader, writer, max_frame_bytes, idle_s, budget)
             if frame is None:
                 return
-            method, request_id, body = frame
+            method, request_id, body, has_metadata = frame
             task = asyncio.get_running_loop().create_task(
-                _answer(writer, calls, scope, method, request_id, body, slots, idle_s, budget))
+                _answer(writer, calls, scope, (method, request_id, body, has_metadata), slots,
+                        idle_s, budget))
             running.add(task)
             task.add_done_callback(running.discard)
             calls.most_in_flight = max(calls.most_in_flight, slots.count)
@@ -209,8 +235,9 @@ class _InFlight:
 
 async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       max_frame_bytes: int, idle_s: float, budget: FrameBudget
-                      ) -> tuple[str, int, bytes] | None:
-    """The next request frame's method, id and body, its bytes taken from ``budget``; None
+                      ) -> tuple[str, int, bytes, bool] | None:
+    """The next request frame's method, id, body and whether the body starts with call
+    metadata, its bytes taken from ``budget``; None
     where the channel ends (the client closed it, or it broke a bound: answered with the error
     and logged)."""
     try:
@@ -232,7 +259,8 @@ async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         await budget.take(length)  # unread until it fits: the tenant's earlier calls first
         try:
             async with asyncio.timeout(idle_s):
-                return method, request_id, await reader.readexactly(length)
+                return (method, request_id, await reader.readexactly(length),
+                        bool(kind & METADATA_FLAG))
         except BaseException:
             budget.give(length)
             raise
@@ -253,11 +281,12 @@ async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def _answer(writer: asyncio.StreamWriter, calls: ChannelCalls, scope: CallScope,
-                  method: str, request_id: int, body: bytes, slots: _InFlight,
+                  frame: tuple[str, int, bytes, bool], slots: _InFlight,
                   idle_s: float, budget: FrameBudget) -> None:
+    method, request_id, body, has_metadata = frame
     try:
         try:
-            code, reply = await calls.call(method, body, scope)
+            code, reply = await calls.call(method, body, scope, has_metadata)
         finally:
             budget.give(len(body))
         if writer.is_closing():

@@ -41,6 +41,7 @@ from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
 from kvstore.server.registration import add_to_server
 from kvstore.server.service import KVStoreService, max_put_bytes
 from kvstore.server.sockets import claim_socket_path
+from kvstore.server.tracing import CallTracer, TracingInterceptor
 from kvstore.store import Store
 
 _log = logging.getLogger("kvstore.server.daemon")
@@ -96,10 +97,11 @@ class Daemon:
     """
 
     def __init__(self, config: KVStoreConfig, store: Store, lock: IO[str],
-                 auth: Authenticator) -> None:
+                 auth: Authenticator, tracer: CallTracer | None = None) -> None:
         self.config = config
         self.store = store
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.server.metrics_max_label_values)
+        self.tracer = tracer or CallTracer(config.tracing)  # spans only with tracing.enabled
         self.socket_path = config.server.socket_path
         self.tcp_port: int | None = None
         self.metrics_port: int | None = None
@@ -110,8 +112,8 @@ class Daemon:
         limiter = (RateLimiter(server.rate_limit_rps, server.rate_limit_burst)
                    if server.rate_limit_rps else None)
         self.server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(self.metrics), AuthInterceptor(server, auth, limiter),
-                          ErrorInterceptor()],
+            interceptors=[TracingInterceptor(self.tracer), MetricsInterceptor(self.metrics),
+                          AuthInterceptor(server, auth, limiter), ErrorInterceptor()],
             options=server_options(server),
             maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
@@ -126,7 +128,7 @@ class Daemon:
             # Small calls in frames on the data socket, behind the same checks (channel.py).
             self.datapath.offer_calls(
                 ChannelCalls(service.channel_cores(), limiter, self.metrics.observe,
-                             lambda: self.draining),
+                             lambda: self.draining, self.tracer),
                 max_frame_bytes(server.max_request_tokens, server.max_message_bytes))
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions
@@ -194,6 +196,7 @@ class Daemon:
             if self.datapath is not None:  # after the drain: draining calls move bytes on it
                 await self.datapath.close()
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
+            await asyncio.to_thread(self.tracer.shutdown)  # sends the spans still queued
             await self.store.close()
         finally:
             if self.fd_server is not None:  # idempotent: removes the socket on any failure
@@ -214,6 +217,7 @@ async def serve(config: KVStoreConfig) -> Daemon:
     if server.tcp_address and auth.tokens.empty:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
                           "server.admin_token: TCP is never served without tokens")
+    tracer = CallTracer(config.tracing)  # before anything opens: a missing extra fails first
     lock = claim_socket_path(server.socket_path)
     try:
         store = Store(config)
@@ -221,7 +225,7 @@ async def serve(config: KVStoreConfig) -> Daemon:
     except BaseException:
         lock.close()
         raise
-    daemon = Daemon(config, store, lock, auth)
+    daemon = Daemon(config, store, lock, auth, tracer)
     try:
         await daemon.start()
     except BaseException:

@@ -1,5 +1,9 @@
 """Prometheus metrics: per-RPC latency and errors (an interceptor) and store gauges per tier.
 
+RPC metrics are labelled by method, tenant and model (what the call's record noted,
+``server/calls.py``); each of tenant and model keeps its own label for its first
+``server.metrics_max_label_values`` distinct values and counts later ones as ``other``.
+
 Everything lives on one private ``CollectorRegistry`` served by prometheus_client's HTTP server
 on ``server.metrics_port``. Store numbers are read at scrape time from ``Store.stats()``, run on
 the daemon's event loop (the store is not thread-safe), so a scrape never sees a torn snapshot.
@@ -18,12 +22,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.server.calls import CallRecord, current
 from kvstore.server.interceptors import Behavior, HandlerInterceptor
 
 _log = logging.getLogger("kvstore.server.metrics")
 # From 100 us (a Lookup on a warm loop) to 30 s (a multi-GiB streamed Get).
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
                      0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OTHER_LABEL = "other"  # the label of a tenant or model past a cap
+DEFAULT_MAX_LABEL_VALUES = 32
 SCRAPE_TIMEOUT_S = 2.0  # how long a scrape waits for the event loop before skipping store stats
 
 # TierStats field -> (metric suffix, kind, help)
@@ -124,20 +131,48 @@ def loop_snapshot(stats: Callable[[], Any], loop: asyncio.AbstractEventLoop
     return snapshot
 
 
-class Metrics:
-    """The daemon's metrics registry, its RPC instruments and its HTTP endpoint."""
+class LabelCap:
+    """One label's values: the first ``limit`` distinct ones keep their own, later ones read
+    ``OTHER_LABEL`` (a label's every value is a series Prometheus keeps forever; clients name
+    tenants' models freely). The empty value (no tenant: local trust) never counts; a limit of
+    0 leaves every value empty (no such label at all)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._kept: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if not self._limit:
+            return ""
+        if not value or value in self._kept:
+            return value
+        if len(self._kept) < self._limit:
+            self._kept.add(value)
+            return value
+        return OTHER_LABEL
+
+
+class Metrics:
+    """The daemon's metrics registry, its RPC instruments and its HTTP endpoint.
+
+    Args:
+        max_label_values: distinct tenants, and distinct models, that keep a label of their
+            own (``server.metrics_max_label_values``).
+    """
+
+    def __init__(self, max_label_values: int = DEFAULT_MAX_LABEL_VALUES) -> None:
         self.registry = CollectorRegistry()
         self.rpc_latency = Histogram(
-            "kvstore_rpc_latency_seconds", "RPC handling time, by method.", ["method"],
-            registry=self.registry, buckets=LATENCY_BUCKETS_S,
+            "kvstore_rpc_latency_seconds", "RPC handling time, by method, tenant and model.",
+            ["method", "tenant", "model"], registry=self.registry, buckets=LATENCY_BUCKETS_S,
         )
         self.rpc_errors = Counter(
-            "kvstore_rpc_errors", "RPCs that ended in a non-OK status, by method and code.",
-            ["method", "code"], registry=self.registry,
+            "kvstore_rpc_errors",
+            "RPCs that ended in a non-OK status, by method, code, tenant and model.",
+            ["method", "code", "tenant", "model"], registry=self.registry,
         )
-        self._latency_by_method: dict[str, Any] = {}
+        self._tenants, self._models = LabelCap(max_label_values), LabelCap(max_label_values)
+        self._latency_by_labels: dict[tuple[str, str, str], Any] = {}
         self._http: Any = None
         self._store_collector: StoreCollector | None = None
 
@@ -148,13 +183,18 @@ class Metrics:
         self._store_collector = StoreCollector(snapshot)
         self.registry.register(self._store_collector)
 
-    def observe(self, method: str, code: grpc.StatusCode, elapsed_s: float) -> None:
-        latency = self._latency_by_method.get(method)
-        if latency is None:  # labels() takes a lock; resolve each method's child once
-            latency = self._latency_by_method[method] = self.rpc_latency.labels(method)
+    def observe(self, method: str, code: grpc.StatusCode, elapsed_s: float,
+                record: CallRecord | None = None) -> None:
+        """Count one call of ``method``, labelled by its ``record``'s tenant and model."""
+        tenant = self._tenants(record.tenant) if record is not None else ""
+        model = self._models(record.model) if record is not None else ""
+        labels = (method, tenant, model)
+        latency = self._latency_by_labels.get(labels)
+        if latency is None:  # labels() takes a lock; resolve each child once
+            latency = self._latency_by_labels[labels] = self.rpc_latency.labels(*labels)
         latency.observe(elapsed_s)
         if code != grpc.StatusCode.OK:
-            self.rpc_errors.labels(method, code.name).inc()
+            self.rpc_errors.labels(method, code.name, tenant, model).inc()
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0 picks a port); return the bound port."""
@@ -169,7 +209,7 @@ class Metrics:
             self._http = None
 
 
-def _final_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+def final_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
@@ -179,7 +219,8 @@ def _final_code(context: grpc.aio.ServicerContext, exc: BaseException | None) ->
 
 
 class MetricsInterceptor(HandlerInterceptor):
-    """Times every call and counts non-OK statuses; the outermost interceptor."""
+    """Times every call and counts non-OK statuses; inside ``TracingInterceptor``, whose
+    call record gives the labels."""
 
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
@@ -194,8 +235,8 @@ class MetricsInterceptor(HandlerInterceptor):
                 failure = exc
                 raise
             finally:
-                self._metrics.observe(method, _final_code(context, failure),
-                                      time.perf_counter() - start)
+                self._metrics.observe(method, final_code(context, failure),
+                                      time.perf_counter() - start, current())
 
         return run
 
@@ -209,7 +250,7 @@ class MetricsInterceptor(HandlerInterceptor):
                 failure = exc
                 raise
             finally:
-                self._metrics.observe(method, _final_code(context, failure),
-                                      time.perf_counter() - start)
+                self._metrics.observe(method, final_code(context, failure),
+                                      time.perf_counter() - start, current())
 
         return run

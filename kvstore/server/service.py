@@ -53,6 +53,7 @@ from kvstore.rpc.tensors import (
     tensor_header,
     tensor_view,
 )
+from kvstore.server import calls
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.channel import CallScope, Core
 from kvstore.server.data_socket import DataSocketServer
@@ -127,12 +128,15 @@ class KVStoreService(pbg.KVStoreServicer):
                    ) -> Namespace:
         ns = namespace_from_proto(msg)
         (caller or current_caller()).check_namespace_tenant(ns.tenant, action)
+        calls.note_namespace(ns)  # the call's span and metric labels
         return ns
 
     @staticmethod
     def _scope(context) -> CallScope:
         """A gRPC call's caller and peer, for a handler core."""
-        return CallScope(current_caller(), context.peer(), context)
+        caller = current_caller()
+        calls.note_tenant(caller.tenant)
+        return CallScope(caller, context.peer(), context)
 
     def _session(self, scope: CallScope):
         """The session a call's grants go under: its channel's, or the one its metadata
@@ -160,14 +164,20 @@ class KVStoreService(pbg.KVStoreServicer):
 
     async def lookup(self, request: pb.LookupRequest, scope: CallScope) -> pb.LookupResponse:
         ns = self._namespace(request.namespace, "look up", scope.caller)
-        result = await self._store.lookup(ns, self._tokens(request.tokens))
+        with calls.phase("store"):
+            result = await self._store.lookup(ns, self._tokens(request.tokens))
+        calls.note(num_tokens=result.num_tokens, matched_tokens=result.matched_tokens,
+                   advised_tokens=result.tokens_to_fetch)
+        calls.note_tiers("tokens", result.tokens_per_tier)
         return lookup_to_proto(result, packed=request.packed)
 
     def _checked_put(self, header: pb.PutHeader) -> tuple[Namespace, np.ndarray, int]:
         """A Put header's namespace (the caller may write it), tokens and tensor bytes."""
         ns = self._namespace(header.namespace, "write")
         tokens = self._tokens(header.tokens)
-        return ns, tokens, expected_tensor(ns.spec, len(tokens), header.tensor)
+        nbytes = expected_tensor(ns.spec, len(tokens), header.tensor)
+        calls.note(num_tokens=len(tokens), bytes=nbytes)
+        return ns, tokens, nbytes
 
     def _datapath_for(self, context) -> DataSocketServer | None:
         """The data path, if this daemon offers one the caller's transport can reach."""
@@ -205,10 +215,15 @@ class KVStoreService(pbg.KVStoreServicer):
         try:
             if await clock.next(stream, "Put") is not None:
                 raise InvalidArgument("no chunks may follow a Put header with a ticket")
-            buffer = await self._datapath.transfers.wait(transfer)
+            with calls.phase("receive"):
+                buffer = await self._datapath.transfers.wait(transfer)
             ns, tokens, tensor = transfer.context
+            calls.note_namespace(ns)
+            calls.note(num_tokens=len(tokens), bytes=buffer.nbytes, path="data_socket")
             try:
-                written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, tensor))
+                with calls.phase("store"):
+                    written = await self._store.put(ns, tokens,
+                                                    tensor_from_buffer(buffer, tensor))
             except asyncio.CancelledError:
                 raise  # its encoding thread may still read the buffer: not reused
             except BaseException:
@@ -217,6 +232,7 @@ class KVStoreService(pbg.KVStoreServicer):
             reuse = True
         finally:
             self._datapath.transfers.discard(transfer, reuse=reuse)
+        calls.note(tokens_written=written)
         return pb.PutResponse(tokens_written=written)
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
@@ -234,20 +250,25 @@ class KVStoreService(pbg.KVStoreServicer):
         ns, tokens, nbytes = self._checked_put(header)
         assembler = ChunkAssembler(nbytes, self._max_put_bytes)
         clock.advance()
+        calls.note(path="stream")
         try:
-            while (message := await clock.next(stream, "Put")) is not None:
-                if message.WhichOneof("part") != "chunk":
-                    raise InvalidArgument("only chunks may follow the PutHeader")
-                assembler.add(message.chunk)
-                if assembler.is_complete:
-                    clock.advance()  # the client now has a full idle gap to close the stream
-                else:
-                    clock.note(len(message.chunk))
+            with calls.phase("receive"):
+                while (message := await clock.next(stream, "Put")) is not None:
+                    if message.WhichOneof("part") != "chunk":
+                        raise InvalidArgument("only chunks may follow the PutHeader")
+                    assembler.add(message.chunk)
+                    if assembler.is_complete:
+                        clock.advance()  # the client now has a full idle gap to close it
+                    else:
+                        clock.note(len(message.chunk))
             buffer = assembler.finish()
         except BaseException:
             assembler.release()  # a refused or abandoned put gives its bytes back now
             raise
-        written = await self._store.put(ns, tokens, tensor_from_buffer(buffer, header.tensor))
+        with calls.phase("store"):
+            written = await self._store.put(ns, tokens,
+                                            tensor_from_buffer(buffer, header.tensor))
+        calls.note(tokens_written=written)
         return pb.PutResponse(tokens_written=written)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
@@ -257,8 +278,11 @@ class KVStoreService(pbg.KVStoreServicer):
         if datapath is not None:
             # Raw pages in trusted memory go from where they lie into the data socket: one
             # copy on this side, no decode, no result tensor (else Store.get below).
-            pinned = await self._store.get_in_place(ns, tokens)
+            with calls.phase("store"):
+                pinned = await self._store.get_in_place(ns, tokens)
             if pinned is not None:
+                calls.note(matched_tokens=pinned.shape[2], bytes=pinned.nbytes,
+                           path="data_socket_in_place")
                 try:
                     transfer = datapath.transfers.open_get(current_caller(), context.peer(),
                                                            pinned.pieces)
@@ -268,27 +292,36 @@ class KVStoreService(pbg.KVStoreServicer):
                                                   dtype=str(pinned.dtype).removeprefix("torch."),
                                                   shape=list(pinned.shape),
                                                   total_bytes=pinned.nbytes))
-                        async for message in self._send_ticket(datapath, transfer, header):
-                            yield message
+                        with calls.phase("send"):
+                            async for message in self._send_ticket(datapath, transfer,
+                                                                   header):
+                                yield message
                         return
                 finally:
                     pinned.release()
-        kv = await self._store.get(ns, tokens)
+        with calls.phase("store"):
+            kv = await self._store.get(ns, tokens)
         if kv is None:
+            calls.note(matched_tokens=0, bytes=0)
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
+        calls.note(matched_tokens=kv.shape[2], bytes=kv.nbytes)
         header = pb.GetHeader(found=True, matched_tokens=kv.shape[2], tensor=tensor_header(kv))
         transfer = None if datapath is None else datapath.transfers.open_get(
             current_caller(), context.peer(), [tensor_view(kv)])
         if transfer is not None:  # None: out of tickets; stream this one
-            async for message in self._send_ticket(datapath, transfer, header):
-                yield message
+            calls.note(path="data_socket")
+            with calls.phase("send"):
+                async for message in self._send_ticket(datapath, transfer, header):
+                    yield message
             return
-        yield pb.GetResponse(header=header)
-        chunk_bytes = min(max(request.chunk_bytes, MIN_CHUNK_BYTES) if request.chunk_bytes
-                          else self._chunk_bytes, self._chunk_bytes)
-        for chunk in iter_chunks(tensor_view(kv), chunk_bytes):
-            yield pb.GetResponse(chunk=chunk)
+        calls.note(path="stream")
+        with calls.phase("send"):
+            yield pb.GetResponse(header=header)
+            chunk_bytes = min(max(request.chunk_bytes, MIN_CHUNK_BYTES) if request.chunk_bytes
+                              else self._chunk_bytes, self._chunk_bytes)
+            for chunk in iter_chunks(tensor_view(kv), chunk_bytes):
+                yield pb.GetResponse(chunk=chunk)
 
     @staticmethod
     async def _send_ticket(datapath: DataSocketServer, transfer: Transfer, header: pb.GetHeader
@@ -361,8 +394,11 @@ class KVStoreService(pbg.KVStoreServicer):
         tokens, medium = self._tokens(request.tokens), medium_from_proto(request.medium)
         session = self._session(scope)
         released = await self._release_carried(request.release, scope)  # frees room to make
-        reservation = await self._store.reserve(ns, tokens, lease_s, medium,
-                                                _device(request.device))
+        with calls.phase("store"):
+            reservation = await self._store.reserve(ns, tokens, lease_s, medium,
+                                                    _device(request.device))
+        calls.note(num_tokens=len(tokens), blocks=len(reservation.blocks),
+                   bytes=int(sum(reservation.blocks.lengths)), released=released)
         self._sessions.note(session, reservation.reservation_id, is_lease=False)
         reply = reservation_to_proto(reservation, packed=request.packed)
         reply.released = released
@@ -377,7 +413,9 @@ class KVStoreService(pbg.KVStoreServicer):
             raise InvalidArgument(f"ready_event holds {len(request.ready_event)} bytes; a CUDA "
                                   f"IPC event handle has {MAX_EVENT_HANDLE_BYTES}")
         self._sessions.forget(request.reservation_id)
-        published = await self._store.commit(request.reservation_id, request.ready_event)
+        with calls.phase("store"):
+            published = await self._store.commit(request.reservation_id, request.ready_event)
+        calls.note(tokens_published=published)
         return pb.CommitResponse(tokens_published=published)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -399,8 +437,14 @@ class KVStoreService(pbg.KVStoreServicer):
         tokens, medium = self._tokens(request.tokens), medium_from_proto(request.medium)
         session = self._session(scope)
         released = await self._release_carried(request.release, scope)  # frees lease quota
-        lease = await self._store.acquire(ns, tokens, lease_s, medium, request.first_block,
-                                          _device(request.device))
+        with calls.phase("store"):
+            lease = await self._store.acquire(ns, tokens, lease_s, medium, request.first_block,
+                                              _device(request.device))
+        calls.note(num_tokens=len(tokens), matched_tokens=lease.matched_tokens,
+                   blocks=len(lease.blocks), bytes=int(sum(lease.blocks.lengths)),
+                   released=released)
+        if lease.tier:
+            calls.note_tiers("tokens", {lease.tier: len(lease.blocks) * ns.spec.block_tokens})
         self._sessions.note(session, lease.lease_id, is_lease=True)
         reply = lease_to_proto(lease, packed=request.packed)
         reply.released = released
@@ -460,7 +504,11 @@ class KVStoreService(pbg.KVStoreServicer):
         ns = self._namespace(request.namespace, "prefetch")
         deadline_s = _seconds(request.deadline_s, "deadline_s", MAX_HINT_DEADLINE_S, False)
         policy = request.policy or "best_effort"  # the store names a policy it does not know
-        scheduled = await self._store.hint(ns, self._tokens(request.tokens), deadline_s, policy)
+        tokens = self._tokens(request.tokens)
+        with calls.phase("store"):
+            scheduled = await self._store.hint(ns, tokens, deadline_s, policy)
+        calls.note(num_tokens=len(tokens), deadline_s=deadline_s, policy=policy,
+                   blocks=scheduled)
         return pb.HintResponse(num_blocks=scheduled)
 
     async def CancelHint(self, request: pb.CancelHintRequest, context

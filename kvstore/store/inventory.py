@@ -74,6 +74,9 @@ class Inventory:
             for link in self._links:
                 tiers[link.name] = stats = link.tier.stats()
                 stats.evictions = link.evictions
+                # Leased pages are read by clients in place, never through the tier's read.
+                stats.hits += link.leased_pages
+                stats.bytes_read += link.leased_bytes
                 # The cost model's current estimate of reading out of this tier.
                 stats.extra["read_bytes_per_s"] = link.path.bytes_per_s
                 stats.extra["read_fixed_s"] = link.path.fixed_s

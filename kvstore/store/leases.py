@@ -80,6 +80,8 @@ class LeaseManager:
         held = wanted[:landed]
         hold = self._held.add(LeaseHold(secrets.token_hex(12), deadline, ns.tenant, held))
         self._dir.touch(held)
+        link.leased_pages += len(held)  # reads served from this tier (Inventory.stats)
+        link.leased_bytes += sum(entry.sizes.get(link.name, 0) for entry in held)
         matched = min(len(entries), first_block + landed)
         return Lease(hold.held_id, hold.deadline, matched * ns.spec.block_tokens,
                      _locations(tier, [entry.meta.key for entry in held]), link.codec.name,

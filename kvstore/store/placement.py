@@ -66,6 +66,10 @@ class Link:
     admission: AdmissionPolicy
     path: PathModel  # the cost model's estimate of reading out of this tier
     evictions: int = 0  # pages removed from this tier to make room (demoted or dropped)
+    # Pages leased out of this tier and their bytes: clients read those in place, past the
+    # tier's own read path, so the tier never counts them; its stats add these.
+    leased_pages: int = 0
+    leased_bytes: int = 0
 
     @classmethod
     def build(cls, index: int, config: TierConfig) -> Link:

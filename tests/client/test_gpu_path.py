@@ -97,8 +97,7 @@ def test_a_host_load_brings_an_ssd_prefix_in_piece_by_piece(tmp_path):
         assert wait_for(lambda: client.stats().tiers["ssd"].num_blocks == 7)
 
     def acquires(daemon) -> int:
-        return int(daemon.metrics.registry.get_sample_value(
-            "kvstore_rpc_latency_seconds_count", {"method": "Acquire"}) or 0)
+        return rpc_calls(daemon, "Acquire")
 
     with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
         assert client.lookup(ns, tokens).tokens_per_tier == {"ssd": 112}

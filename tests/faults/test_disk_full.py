@@ -27,7 +27,7 @@ from kvstore.tiers.ssd.tier import SsdTier
 from tests.tiers.test_ssd import make_page
 
 from ..conftest import random_kv, random_tokens
-from ..server.helpers import REPO_ROOT, small_config
+from ..server.helpers import REPO_ROOT, sample_total, small_config
 from .helpers import fill
 from .ssd_compact_crash import PAGE_BYTES, tier_config
 
@@ -263,7 +263,7 @@ async def test_daemon_put_on_full_disk_is_resource_exhausted(root, mounts, spec)
             tokens, kv = random_tokens(64, seed=500), random_kv(spec, 64, seed=500)
             assert await client.put(ns, tokens, kv) == 64
             assert (await client.health()).status == "SERVING"
-        errors = daemon.metrics.rpc_errors.labels("Put", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-        assert errors._value.get() == 1
+        assert sample_total(daemon.metrics.registry, "kvstore_rpc_errors_total", method="Put",
+                            code=grpc.StatusCode.RESOURCE_EXHAUSTED.name) == 1
     finally:
         await daemon.stop(1.0)

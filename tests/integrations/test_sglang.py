@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.sglang import KVStoreHiCache
-from tests.server.helpers import DaemonThread, short_tmpdir, small_config
+from tests.server.helpers import DaemonThread, rpc_calls, short_tmpdir, small_config
 
 PAGE_SIZE = 16
 NUM_PAGES = 8
@@ -87,8 +87,7 @@ def address(daemon):
 
 def rpc_count(daemon, method: str) -> float:
     """Calls of ``method`` the daemon has handled (its own per-method RPC metric)."""
-    return daemon.metrics.registry.get_sample_value(
-        "kvstore_rpc_latency_seconds_count", {"method": method}) or 0.0
+    return float(rpc_calls(daemon, method))
 
 
 def backend(address: str, pool: HostPool, **extra: object) -> HiCacheStorage:

@@ -25,7 +25,7 @@ from kvstore.server.daemon import serve
 from kvstore.spec import KVSpec
 
 from ..conftest import random_kv, random_tokens
-from ..server.helpers import small_config
+from ..server.helpers import rpc_calls, small_config
 from ..server.hostile import (
     HEAVY_NS,
     SC,
@@ -225,8 +225,7 @@ async def test_token_count_over_the_cap_is_refused_before_the_store(capped_daemo
 
 
 def _calls_of(daemon, method_name: str) -> float:
-    return daemon.metrics.registry.get_sample_value(
-        "kvstore_rpc_latency_seconds_count", {"method": method_name}) or 0.0
+    return float(rpc_calls(daemon, method_name))
 
 
 async def test_zero_copy_grants_are_refused_over_tcp(capped_daemon, ns, spec):

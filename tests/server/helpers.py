@@ -25,6 +25,7 @@ __all__ = [
     "DaemonThread",
     "MiB",
     "rpc_calls",
+    "sample_total",
     "short_tmpdir",
     "small_config",
     "write_toml",
@@ -47,9 +48,16 @@ def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bo
 def rpc_calls(daemon, method: str) -> int:
     """How many ``method`` calls ``daemon`` (a DaemonThread or served Daemon) answered, from
     its per-method RPC latency counts (gRPC and call channels alike)."""
-    value = daemon.metrics.registry.get_sample_value(
-        "kvstore_rpc_latency_seconds_count", {"method": method})
-    return int(value or 0)
+    return int(sample_total(daemon.metrics.registry, "kvstore_rpc_latency_seconds_count",
+                            method=method))
+
+
+def sample_total(registry, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in ``registry`` whose labels include ``labels`` (a
+    method's calls over every tenant and model label)."""
+    return sum(sample.value for family in registry.collect() for sample in family.samples
+               if sample.name == name
+               and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 def short_tmpdir() -> Path:

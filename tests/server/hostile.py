@@ -56,9 +56,13 @@ def rpc_errors(metrics_port: int) -> dict[tuple[str, str], float]:
     """The daemon's ``kvstore_rpc_errors_total`` by (method, code), scraped from its port."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.labels["method"], s.labels["code"]): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "kvstore_rpc_errors_total"}
+    errors: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvstore_rpc_errors_total":  # summed over tenant and model labels
+                key = (s.labels["method"], s.labels["code"])
+                errors[key] = errors.get(key, 0.0) + s.value
+    return errors
 
 
 def num_sockets(pid: int) -> int:

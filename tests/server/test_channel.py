@@ -19,7 +19,9 @@ from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
 from kvstore.rpc.framing import (
     FRAME,
     MAX_FRAMES_IN_FLIGHT,
+    METADATA_FLAG,
     OPENED_ID,
+    encode_call,
     encode_frame,
     encode_hello,
     method_byte,
@@ -28,7 +30,7 @@ from kvstore.server.daemon import serve
 from kvstore.server.data_socket import MAX_CHANNELS_PER_TENANT
 from kvstore.spec import KVSpec
 
-from .helpers import DaemonThread, MiB, rpc_calls, small_config
+from .helpers import DaemonThread, MiB, rpc_calls, sample_total, small_config
 from .hostile import eventually
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
@@ -150,10 +152,9 @@ async def test_metrics_count_channel_calls_per_method(daemon):
         with pytest.raises(LeaseNotFound):
             await client.release("nope")
     registry = daemon.metrics.registry
-    assert registry.get_sample_value("kvstore_rpc_latency_seconds_count",
-                                     {"method": "Lookup"}) >= 3
-    assert registry.get_sample_value("kvstore_rpc_errors_total",
-                                     {"method": "Release", "code": "NOT_FOUND"}) == 1
+    assert sample_total(registry, "kvstore_rpc_latency_seconds_count", method="Lookup") >= 3
+    assert sample_total(registry, "kvstore_rpc_errors_total", method="Release",
+                        code="NOT_FOUND") == 1
 
 
 def test_blocking_client_uses_the_channel_and_its_off_switch(root):
@@ -322,6 +323,34 @@ async def test_a_body_that_does_not_parse_is_invalid_argument(daemon):
     writer.write(lookup_frame(4, list(range(16))))  # the channel serves on
     status, request_id, _ = await read_frame(reader)
     assert (status, request_id) == (0, 4)
+    writer.close()
+
+
+@pytest.mark.parametrize("prefix", [b"\x01", b"\xff\x00abc", b"\x03\x00\xff\xfe\xfd",
+                                    b"\x05\x00nokey"])
+async def test_malformed_call_metadata_is_invalid_argument(daemon, prefix):
+    """A frame flagged with metadata whose prefix is short, overlong, not ASCII or not
+    key=value is refused by name; the channel serves on."""
+    reader, writer, _ = await raw_channel(daemon)
+    writer.write(encode_frame(method_byte("Lookup") | METADATA_FLAG, 3, prefix))
+    status, request_id, body = await read_frame(reader)
+    assert (status, request_id) == (SC.INVALID_ARGUMENT.value[0], 3)
+    assert "metadata" in pb.CallError.FromString(body).details
+    writer.write(lookup_frame(4, list(range(16))))
+    status, request_id, _ = await read_frame(reader)
+    assert (status, request_id) == (0, 4)
+    writer.close()
+
+
+async def test_a_frame_with_metadata_is_answered_like_one_without(daemon):
+    reader, writer, _ = await raw_channel(daemon)
+    request = pb.LookupRequest(namespace=namespace_to_proto(NS),
+                               tokens=tokens_to_bytes(list(range(32))), packed=True)
+    writer.write(encode_call("Lookup", 5, request.SerializeToString(),
+                             (("x-kvstore-request-id", "req-1"),)))
+    status, request_id, body = await read_frame(reader)
+    assert (status, request_id) == (0, 5)
+    assert pb.LookupResponse.FromString(body).num_tokens == 32
     writer.close()
 
 

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import AsyncClient
 from kvstore.errors import LeaseNotFound
+from kvstore.keys import Namespace
 from kvstore.server.daemon import serve
 
 from ..conftest import random_kv, random_tokens
@@ -23,9 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+def samples(text: str, by_call: bool = False
+            ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples by (name, labels); the RPC metrics summed over tenant and model unless
+    ``by_call``."""
+    got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items()
+                      if by_call or k not in ("tenant", "model")}
+            key = (s.name, tuple(sorted(labels.items())))
+            got[key] = got.get(key, 0.0) + s.value
+    return got
 
 
 async def test_metrics_endpoint(root, ns, spec):
@@ -72,3 +82,22 @@ async def test_metrics_endpoint(root, ns, spec):
     assert got[("kvstore_rpc_latency_seconds_count", (("method", "Abort"),))] == 2
     assert got[("kvstore_rpc_errors_total", (("code", "NOT_FOUND"), ("method", "Abort")))] == 1
     assert ("kvstore_rpc_errors_total", (("code", "OK"), ("method", "Put"))) not in got
+
+
+async def test_rpc_metrics_are_labelled_by_tenant_and_model_up_to_a_cap(root, spec):
+    """Each of tenant and model keeps a label of its own for its first
+    ``server.metrics_max_label_values`` values; later ones are counted as "other"."""
+    d = await serve(small_config(root, metrics_max_label_values=2))
+    try:
+        async with AsyncClient(d.unix_address) as client:
+            for i in range(4):
+                ns = Namespace(model_id=f"model-{i}", spec=spec, tenant=f"tenant-{i}")
+                await client.lookup(ns, random_tokens(32))
+                await client.lookup(ns, random_tokens(32))
+    finally:
+        await d.stop(1.0)
+    counts = {(s.labels["tenant"], s.labels["model"]): s.value
+              for family in d.metrics.registry.collect() for s in family.samples
+              if s.name == "kvstore_rpc_latency_seconds_count" and s.labels["method"] == "Lookup"}
+    assert counts == {("tenant-0", "model-0"): 2, ("tenant-1", "model-1"): 2,
+                      ("other", "other"): 4}
