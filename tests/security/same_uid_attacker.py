@@ -6,7 +6,8 @@ Routes: reopening the daemon's memfds through ``/proc/PID/fd`` (and looking for 
 K/V bytes, ``MARKER``, in them; mapping them writable), ``/proc/PID/map_files``, reading and
 writing its memory through ``process_vm_readv``/``process_vm_writev`` (writing back what it
 read), writing ``FORGED`` over ``MARKER`` in its published memory through ``/proc/PID/mem``,
-and ``ptrace`` (``PTRACE_SEIZE``, which does not stop the daemon; detached at exit).
+reading ``/proc/PID/environ``, and ``ptrace`` (``PTRACE_SEIZE``, which does not stop the
+daemon; detached at exit).
 """
 
 from __future__ import annotations
@@ -154,6 +155,15 @@ def forge_through_mem(pid: int, marker: bytes, forged: bytes) -> dict:
     return result
 
 
+def read_environ(pid: int) -> dict:
+    """The daemon's environment: tokens given as KVSTORE_SERVER__* variables are in it."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return {"variables": environ.read().count(b"\0")}
+    except OSError as exc:
+        return _refused(exc)
+
+
 def seize(pid: int) -> dict:
     libc.ptrace.restype = ctypes.c_long
     libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -166,7 +176,7 @@ def main() -> None:
     pid, marker, forged = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
     report = {"fd": reopen_memfds(pid, marker), "map_files": list_map_files(pid),
               **vm_read_write(pid), "mem": forge_through_mem(pid, marker, forged),
-              "ptrace": seize(pid)}
+              "environ": read_environ(pid), "ptrace": seize(pid)}
     print(json.dumps(report))
 
 

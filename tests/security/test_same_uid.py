@@ -1,6 +1,6 @@
 """A process of the daemon's uid, without capabilities, gets nothing out of the daemon's
 process: it cannot reopen the memfds that hold every tenant's pages through /proc/<pid>/fd,
-list /proc/<pid>/map_files, read or write the daemon's memory (/proc/<pid>/mem,
+list /proc/<pid>/map_files, read /proc/<pid>/environ, read or write the daemon's memory (/proc/<pid>/mem,
 process_vm_readv/writev) or ptrace it, because the daemon makes itself non-dumpable before
 its first memfd exists.
 
@@ -94,7 +94,7 @@ def test_a_same_uid_process_gets_nothing_out_of_the_daemon(root, ns):
         fd = report["fd"]
         assert (fd["memfds"], fd["kv_found"], fd["mapped_writable"]) == (0, False, 0), report
         assert set(fd["errors"]) & REFUSED, report  # the descriptors exist, opening is refused
-        for route in ("map_files", "vm_readv", "vm_writev", "mem", "ptrace"):
+        for route in ("map_files", "vm_readv", "vm_writev", "mem", "environ", "ptrace"):
             assert report[route].get("refused") in REFUSED, (route, report)
         with Client(daemon.address) as victim:  # and the victim still gets its own K/V
             assert torch.equal(victim.get(ns, tokens, zero_copy=True), kv)
@@ -113,6 +113,7 @@ def test_a_dumpable_daemon_gives_itself_away(root, ns):
         assert fd["memfds"] >= 2 and fd["kv_found"], report  # another tenant's K/V, read
         assert fd["mapped_writable"] >= 1, report  # a staging region, writable
         assert report["map_files"]["entries"] > 0, report
+        assert report["environ"]["variables"] > 0, report
         if _yama_scope() == 0:
             assert report["vm_readv"]["bytes"] == report["vm_writev"]["bytes"] == 64, report
             assert report["ptrace"] == {"seized": True}, report
