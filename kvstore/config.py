@@ -356,6 +356,10 @@ class ServerConfig:
     # carry Lookup, Acquire/Release and Reserve/Commit/Abort in frames outside gRPC, with the
     # same checks. Needs data_socket; clients fall back to gRPC where it is off.
     call_channel: bool = True
+    # True lets processes of the daemon's uid read and write its memory and descriptors
+    # (/proc/<pid>/{fd,mem,maps}, ptrace: gdb, py-spy) and the kernel write core dumps: every
+    # tenant's pages with them. For debugging only; see kvstore/dumpable.py.
+    dumpable: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

@@ -21,6 +21,14 @@ class Target:
     grpc_target: str
     is_unix: bool
 
+    @property
+    def unix_path(self) -> str | None:
+        """The socket file of a ``unix:`` target (``unix:///abs`` or ``unix:path``), else None."""
+        if not self.is_unix:
+            return None
+        prefix = "unix://" if self.grpc_target.startswith("unix://") else "unix:"
+        return self.grpc_target[len(prefix):]
+
 
 def default_address() -> str:
     return f"unix://{ServerConfig().socket_path}"

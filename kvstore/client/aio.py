@@ -45,7 +45,9 @@ from kvstore.client.transport import (
     AsyncSession,
     AsyncTransport,
 )
+from kvstore.client.verified import verified_stub
 from kvstore.copies import resolve_copy_threads
+from kvstore.dumpable import protect_client_process
 from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import framing
@@ -72,12 +74,13 @@ class AsyncClient:
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
                  data_socket: bool = True, call_channel: bool = True,
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, protect_process: bool | None = None) -> None:
+        protect_client_process(protect_process)
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._copy_threads = resolve_copy_threads(copy_threads)
         self._channel = grpc.aio.insecure_channel(self._settings.target.grpc_target,
                                                   options=self._settings.channel_options)
-        self._stub = pbg.KVStoreStub(self._channel)
+        self._stub = verified_stub(pbg.KVStoreStub(self._channel), self._settings.target)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
         self._session = AsyncSession(self._stub, self._settings,
                                      self._zero_copy.maps.regions_retired)

@@ -27,6 +27,7 @@ from kvstore.rpc.framing import (
     connect,
 )
 from kvstore.rpc.status import ERROR_METADATA_KEY, RETRY_AFTER_METADATA_KEY, translate
+from kvstore.socket_paths import check_socket_path
 
 # ------------------------------------------------------------------------------ call channels
 
@@ -184,6 +185,7 @@ class AsyncChannel:
         ChannelStatus with the daemon's reason where it refuses."""
         async with asyncio.timeout(timeout_s):
             if address.family == socket.AF_UNIX:
+                check_socket_path(address.address)
                 reader, writer = await asyncio.open_unix_connection(address.address)
             else:
                 reader, writer = await asyncio.open_connection(*address.address)

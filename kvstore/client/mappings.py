@@ -77,6 +77,7 @@ from kvstore.rpc.descriptors import (
     encode_request,
     parse_reply,
 )
+from kvstore.socket_paths import check_socket_path
 
 log = logging.getLogger("kvstore.client")
 
@@ -161,7 +162,9 @@ def fetch_region_fd(channel: str, region: str, token: str | None,
                     timeout_s: float = EXCHANGE_TIMEOUT_S) -> int | None:
     """The descriptor of ``region`` from the daemon's descriptor socket ``channel`` (None for a
     probe, ``region=""``); the caller owns it. Raises the daemon's refusal (PermissionDenied,
-    Unauthenticated, NotFound, ...) or OSError when the socket does not answer."""
+    Unauthenticated, NotFound, ...) or OSError when the socket does not answer; ConfigError
+    where ``channel`` is not in a directory this client trusts (``check_socket_path``)."""
+    check_socket_path(channel)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(channel)

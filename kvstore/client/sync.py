@@ -39,7 +39,9 @@ from kvstore.client.releases import LateReleases
 from kvstore.client.requests import GetAssembler, PutStream, Tokens, Unary
 from kvstore.client.retry import RetryPolicy, retrying
 from kvstore.client.transport import ChannelTransport, GrpcTransport, Session, Transport
+from kvstore.client.verified import verified_stub
 from kvstore.copies import resolve_copy_threads
+from kvstore.dumpable import protect_client_process
 from kvstore.errors import CapacityError, KVStoreError, LeaseNotFound
 from kvstore.keys import BlockKey, Namespace
 from kvstore.rpc import framing
@@ -77,18 +79,24 @@ class Client:
             one, over gRPC otherwise or when it breaks; False: always over gRPC.
         copy_threads: threads (this client's own, 1 to 4) a get's copy into the result
             shares once it moves 4 MiB or more; None: the host's cores, at most 4.
+        protect_process: make this whole process non-dumpable (``kvstore.dumpable``), so
+            other processes of its uid cannot read its mappings of the tenant's arena, its
+            descriptors or its token through /proc or ptrace; it also ends core dumps and
+            same-uid debuggers, and the daemon then takes on trust that this process let go
+            of memory given back. None: ``KVSTORE_CLIENT_PROTECT_PROCESS=1`` turns it on.
     """
 
     def __init__(self, address: str | None = None, *, token: str | None = None,
                  retry: RetryPolicy | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 256 << 20, zero_copy: bool | None = None,
                  data_socket: bool = True, call_channel: bool = True,
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, protect_process: bool | None = None) -> None:
+        protect_client_process(protect_process)
         self._settings = ClientSettings.resolve(address, token, retry, timeout_s, max_message_bytes)
         self._copy_threads = resolve_copy_threads(copy_threads)
         self._channel = grpc.insecure_channel(self._settings.target.grpc_target,
                                               options=self._settings.channel_options)
-        self._stub = pbg.KVStoreStub(self._channel)
+        self._stub = verified_stub(pbg.KVStoreStub(self._channel), self._settings.target)
         self._zero_copy = ZeroCopy(zero_copy, self._settings.target.is_unix, token)
         self._session = Session(self._stub, self._settings, self._zero_copy.maps.regions_retired)
         self._transport: Transport = GrpcTransport(self._stub, self._settings, self._session)

@@ -97,8 +97,12 @@ class Session:
         if self.metadata is None:
             self.metadata = ()
             session_id = new_session_id()
-            call = self._stub.Hold(pb.HoldRequest(session=session_id),
-                                   metadata=self._settings.metadata)
+            try:
+                call = self._stub.Hold(pb.HoldRequest(session=session_id),
+                                       metadata=self._settings.metadata)
+            except grpc.RpcError:  # no socket directory yet: the next call asks again
+                self.metadata = None
+                return ()
             opened = threading.Event()
             threading.Thread(target=_drain_hold, args=(call, opened, self._regions_retired),
                              daemon=True, name="kvstore-session").start()
@@ -245,8 +249,12 @@ class AsyncSession:
         if self.metadata is None:
             self.metadata = ()
             session_id = new_session_id()
-            call = self._stub.Hold(pb.HoldRequest(session=session_id),
-                                   metadata=self._settings.metadata)
+            try:
+                call = self._stub.Hold(pb.HoldRequest(session=session_id),
+                                       metadata=self._settings.metadata)
+            except grpc.RpcError:  # no socket directory yet: the next call asks again
+                self.metadata = None
+                return ()
             try:
                 await asyncio.wait_for(call.read(), OPEN_TIMEOUT_S)
             except (grpc.RpcError, TimeoutError):

@@ -33,6 +33,7 @@ import struct
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
+from kvstore.socket_paths import check_socket_path
 
 DATA_SOCKET_SUFFIX = ".data"
 MAGIC = b"KVD1"
@@ -87,7 +88,10 @@ class DataAddress:
 
 
 def connect(address: DataAddress, timeout_s: float) -> socket.socket:
-    """A blocking connection whose every send and receive waits at most ``timeout_s``."""
+    """A blocking connection whose every send and receive waits at most ``timeout_s``; a Unix
+    socket's path is checked first (``check_socket_path``: ConfigError, Unavailable)."""
+    if address.family == socket.AF_UNIX:
+        check_socket_path(address.address)
     sock = socket.socket(address.family, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)

@@ -27,6 +27,7 @@ from typing import IO, Any, TypeVar
 import grpc
 
 from kvstore.config import KVStoreConfig, ServerConfig, load_config, parse_assignments
+from kvstore.dumpable import protect_process
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.rpc.framing import data_socket_path, max_frame_bytes
@@ -213,6 +214,10 @@ class Daemon:
 async def serve(config: KVStoreConfig) -> Daemon:
     """Open the store and start serving; the caller owns ``await daemon.stop()``."""
     server = config.server
+    # Before the first memfd exists: same-uid processes get no way into the tenants' pages.
+    if not server.dumpable and not protect_process():
+        _log.warning("could not make the daemon non-dumpable: processes of its uid can read "
+                     "and write its memory through /proc and ptrace")
     auth = Authenticator(server)
     if server.tcp_address and auth.tokens.empty:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from kvstore.errors import AlreadyRunning, ConfigError
+from kvstore.socket_paths import directory_fault
 
 _log = logging.getLogger("kvstore.server.sockets")
 _PROBE_TIMEOUT_S = 1.0  # how long a connect to an existing socket may take to count as live
@@ -94,8 +95,9 @@ def claim_socket_path(path: str) -> IO[str]:
 
 def check_socket_directory(directory: Path) -> None:
     """Create ``directory`` with mode 0700 if it is missing; else make sure only we can change
-    what is in it. Anyone else who can write there could replace the socket with their own
-    (clients would hand it their tokens) or plant a symlink at the lock file.
+    what is in it (``kvstore.socket_paths``, the clients' check too). Anyone else who can
+    write there could replace the socket with their own (clients would hand it their tokens)
+    or plant a symlink at the lock file.
 
     Raises:
         ConfigError: naming the directory and the fault: a symlink, not a directory, owned by
@@ -107,17 +109,9 @@ def check_socket_directory(directory: Path) -> None:
         with contextlib.suppress(FileExistsError):  # someone else's: the checks below decide
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # whatever the umask took away or left
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{what} is a symlink; refusing to follow it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{what} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ConfigError(f"{what} is owned by uid {st.st_uid}, not by this daemon's uid "
-                          f"{os.geteuid()}; refusing it")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(f"{what} is writable by group or others (mode "
-                          f"{stat.S_IMODE(st.st_mode):04o}); make it 0700")
+    fault = directory_fault(directory, (os.geteuid(),), f"this daemon's uid {os.geteuid()}")
+    if fault is not None:
+        raise ConfigError(f"{what} {fault}")
 
 
 def _open_lock(path: str) -> IO[str]:

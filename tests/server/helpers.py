@@ -100,7 +100,8 @@ def write_toml(config: KVStoreConfig, path: Path) -> Path:
 class DaemonProcess:
     """The daemon as a real subprocess; its log lines go to ``log_path``."""
 
-    def __init__(self, config: KVStoreConfig, root: Path) -> None:
+    def __init__(self, config: KVStoreConfig, root: Path, launcher: tuple[str, ...] = ()) -> None:
+        """``launcher``: a command the daemon's command line is handed to (it execs it)."""
         self.config = config
         self.address = f"unix://{config.server.socket_path}"
         self.log_path = root / f"daemon-{time.monotonic_ns()}.log"
@@ -108,7 +109,8 @@ class DaemonProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config_path)],
+                [*launcher, sys.executable, "-m", "kvstore.server.daemon", "--config",
+                 str(config_path)],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
 
