@@ -328,8 +328,10 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     # Distinct tenants (and models) a request metric keeps its own label for; later ones are
     # counted as "other", so clients naming new models cannot grow the registry without bound;
-    # 0: no tenant or model labels (the metrics then name no tenant or model).
-    metrics_max_label_values: int = 32
+    # 0: no tenant or model labels (the metrics then name no tenant or model); -1: 32 when
+    # tenant_tokens names at most one tenant, 0 when it names several (the endpoint has no
+    # token: any process that reaches it would read the tenants' and models' names).
+    metrics_max_label_values: int = -1
     tenant_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token
     admin_token: str = ""  # sees and manages every tenant
     require_auth_on_unix: bool = False  # also demand tokens on the Unix socket
@@ -361,14 +363,21 @@ class ServerConfig:
     # tenant's pages with them. For debugging only; see kvstore/dumpable.py.
     dumpable: bool = False
 
+    @property
+    def metric_label_values(self) -> int:
+        """``metrics_max_label_values`` resolved: -1 is 32 with at most one tenant, else 0."""
+        if self.metrics_max_label_values >= 0:
+            return self.metrics_max_label_values
+        return 32 if len(self.tenant_tokens) <= 1 else 0
+
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError("server.max_message_bytes must be >= 1 MiB")
-        if not 0 <= self.metrics_max_label_values <= 10_000:
-            raise ConfigError(f"server.metrics_max_label_values must be in [0, 10000] (0 = no "
-                              f"tenant or model labels), "
+        if not -1 <= self.metrics_max_label_values <= 10_000:
+            raise ConfigError(f"server.metrics_max_label_values must be in [-1, 10000] (0 = no "
+                              f"tenant or model labels, -1 = by the number of tenants), "
                               f"got {self.metrics_max_label_values!r}")
         if not 0 < self.stream_idle_timeout_s <= 3600:
             raise ConfigError(f"server.stream_idle_timeout_s must be in (0, 3600] seconds, "

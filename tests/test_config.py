@@ -68,3 +68,14 @@ def test_every_registered_tier_kind_names_a_tier_class_that_takes_its_settings()
         cls = getattr(importlib.import_module(module), name)
         assert issubclass(cls, Tier), kind
         assert list(inspect.signature(cls).parameters)[:2] == ["config", "name"], kind
+
+
+def test_metric_labels_name_tenants_only_where_one_tenant_or_the_operator_says_so():
+    """The metrics endpoint has no token: with several tenants their names stay off it."""
+    from kvstore.config import ServerConfig
+
+    assert ServerConfig().metric_label_values == 32
+    assert ServerConfig(tenant_tokens={"a": "x"}).metric_label_values == 32
+    assert ServerConfig(tenant_tokens={"a": "x", "b": "y"}).metric_label_values == 0
+    two = {"a": "x", "b": "y"}
+    assert ServerConfig(tenant_tokens=two, metrics_max_label_values=8).metric_label_values == 8

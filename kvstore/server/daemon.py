@@ -101,7 +101,7 @@ class Daemon:
                  auth: Authenticator, tracer: CallTracer | None = None) -> None:
         self.config = config
         self.store = store
-        self.metrics = Metrics(config.server.metrics_max_label_values)
+        self.metrics = Metrics(config.server.metric_label_values)
         self.tracer = tracer or CallTracer(config.tracing)  # spans only with tracing.enabled
         self.socket_path = config.server.socket_path
         self.tcp_port: int | None = None

@@ -162,17 +162,20 @@ class Metrics:
 
     def __init__(self, max_label_values: int = DEFAULT_MAX_LABEL_VALUES) -> None:
         self.registry = CollectorRegistry()
+        # 0: the RPC metrics carry no tenant or model label at all, not even an empty one.
+        self._by_tenant = max_label_values > 0
+        named = ["tenant", "model"] if self._by_tenant else []
         self.rpc_latency = Histogram(
             "kvstore_rpc_latency_seconds", "RPC handling time, by method, tenant and model.",
-            ["method", "tenant", "model"], registry=self.registry, buckets=LATENCY_BUCKETS_S,
+            ["method", *named], registry=self.registry, buckets=LATENCY_BUCKETS_S,
         )
         self.rpc_errors = Counter(
             "kvstore_rpc_errors",
             "RPCs that ended in a non-OK status, by method, code, tenant and model.",
-            ["method", "code", "tenant", "model"], registry=self.registry,
+            ["method", "code", *named], registry=self.registry,
         )
         self._tenants, self._models = LabelCap(max_label_values), LabelCap(max_label_values)
-        self._latency_by_labels: dict[tuple[str, str, str], Any] = {}
+        self._latency_by_labels: dict[tuple[str, ...], Any] = {}
         self._http: Any = None
         self._store_collector: StoreCollector | None = None
 
@@ -186,15 +189,17 @@ class Metrics:
     def observe(self, method: str, code: grpc.StatusCode, elapsed_s: float,
                 record: CallRecord | None = None) -> None:
         """Count one call of ``method``, labelled by its ``record``'s tenant and model."""
-        tenant = self._tenants(record.tenant) if record is not None else ""
-        model = self._models(record.model) if record is not None else ""
-        labels = (method, tenant, model)
+        named: tuple[str, ...] = ()
+        if self._by_tenant:
+            named = (self._tenants(record.tenant) if record is not None else "",
+                     self._models(record.model) if record is not None else "")
+        labels = (method, *named)
         latency = self._latency_by_labels.get(labels)
         if latency is None:  # labels() takes a lock; resolve each child once
             latency = self._latency_by_labels[labels] = self.rpc_latency.labels(*labels)
         latency.observe(elapsed_s)
         if code != grpc.StatusCode.OK:
-            self.rpc_errors.labels(method, code.name, tenant, model).inc()
+            self.rpc_errors.labels(method, code.name, *named).inc()
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0 picks a port); return the bound port."""
