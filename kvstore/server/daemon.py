@@ -194,7 +194,8 @@ class Daemon:
             if self.datapath is not None:  # after the drain: draining calls move bytes on it
                 await self.datapath.close()
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
-            await self.store.close()
+            # Blocks queued for write-through get what is left of the grace.
+            await self.store.close(max(0.0, grace - (time.monotonic() - started)))
         finally:
             if self.fd_server is not None:  # idempotent: removes the socket on any failure
                 await self.fd_server.close()
