@@ -19,6 +19,7 @@ from kvstore.config import (
     KVStoreConfig,
     RemoteConfig,
     SsdConfig,
+    TierConfig,
     load_config,
     parse_assignments,
 )
@@ -215,3 +216,21 @@ async def test_the_shared_byte_budget_holds(redis_url, key_prefix, tmp_path):
             remote = a.stats().tiers["remote"]
             assert remote.used_bytes <= MiB
         assert remote.num_blocks > 0 and write_through(a)["written"] >= 8
+
+
+async def test_blocks_the_shared_tier_holds_already_are_skipped(redis_url, key_prefix):
+    """A 1 MiB DRAM tier in front of the shared tier: a 40-block put fills DRAM with the 15 it
+    pins, and the rest go straight into the shared tier; the queue skips those instead of
+    sending them again, and copies the 15 (each block counted once)."""
+    config = KVStoreConfig(tiers=(
+        TierConfig("dram", "dram", DramConfig(capacity_bytes=MiB, chunk_bytes=MiB,
+                                              high_watermark=1.0, low_watermark=1.0)),
+        TierConfig("remote", "remote", RemoteConfig(url=redis_url, key_prefix=key_prefix))))
+    n = 16 * 40
+    tokens, kv = random_tokens(n, seed=4), random_kv(SPEC, n, seed=4)
+    async with Store(config) as store:
+        assert await store.put(NS, tokens, kv) == n
+        counts = await drained(store)
+        assert counts["skipped"] >= 25 and counts["written"] + counts["skipped"] == 40
+        assert store.stats().tiers["remote"].num_blocks == 40
+        assert torch.equal(await store.get(NS, tokens), kv)
