@@ -39,6 +39,7 @@ class _Backlog:
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # something is queued
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # nothing queued or in flight
     task: asyncio.Task[None] | None = None
+    is_dropping: bool = False  # the last block offered was dropped (logged once per spell)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` may join (one larger than the byte bound alone may)."""
@@ -127,7 +128,13 @@ class WriteThrough:
                 nbytes = max(entry.sizes.values(), default=0)
                 if not backlog.has_room(nbytes):
                     counts["dropped_full"] += 1
+                    if not backlog.is_dropping:
+                        log.warning("write-through to %s: queue full (%d blocks, %d bytes); "
+                                    "dropping new blocks until it drains", backlog.link.name,
+                                    backlog.num_blocks, backlog.nbytes)
+                    backlog.is_dropping = True
                     continue
+                backlog.is_dropping = False
                 backlog.items.append((entry, nbytes))
                 backlog.num_blocks += 1
                 backlog.nbytes += nbytes
