@@ -87,6 +87,13 @@ class TierSettings:
     read_fixed_s: float = 5e-6  # per read: submit, map, verify set-up
     eviction: str = "lru"  # which blocks go first: "lru", "arc" or "value" (cost model)
     write_through: bool = False  # new blocks are also copied here, in the background
+    # The write-through backlog (kvstore.store.write_through): blocks waiting to be copied here,
+    # bounded in bytes and in blocks; a new block that does not fit is dropped and counted
+    # (it can still arrive by demotion), so a slow or dead tier never holds a put back. 256 MiB
+    # is a quarter second of a 1 GB/s link to a shared store, which is also what draining it
+    # at shutdown costs.
+    write_through_queue_bytes: int = 256 << 20
+    write_through_queue_blocks: int = 4096
 
     def _check_common(self, section: str) -> None:
         if self.capacity_bytes < 0:
@@ -106,6 +113,11 @@ class TierSettings:
         if self.eviction not in EVICTION_ORDERS:
             raise ConfigError(f"{section}.eviction must be one of {EVICTION_ORDERS}, "
                               f"got {self.eviction!r}")
+        if self.write_through_queue_bytes < 1 or self.write_through_queue_blocks < 1:
+            raise ConfigError(f"{section}.write_through_queue_bytes and "
+                              f"{section}.write_through_queue_blocks must be >= 1, got "
+                              f"{self.write_through_queue_bytes} and "
+                              f"{self.write_through_queue_blocks}")
 
 
 # Codecs of device pools: those the engine kernels encode and decode
@@ -242,6 +254,11 @@ class RemoteConfig(TierSettings):
     mode: str = "auto"  # "standalone", "cluster", or "auto" (asks the server at open)
     capacity_bytes: int = 1 << 30  # byte budget of pages this host keeps in the shared store
     ttl_s: float = 3600.0  # pages expire this long after they were written
+    # Share by default: every new block is copied here in the background, so other hosts find
+    # it at once. This costs the shared store's bandwidth and memory (every block this host
+    # writes, within capacity_bytes and ttl_s); False: blocks arrive only when they are demoted
+    # off the bottom of the local tiers, and other hosts rarely see them.
+    write_through: bool = True
     key_prefix: str = "kvstore"  # every key starts with it (then the tenant's fingerprint)
     timeout_s: float = 0.25  # one attempt of one round trip, connect included
     retries: int = 1  # further attempts after a failed one

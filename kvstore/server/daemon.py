@@ -198,7 +198,8 @@ class Daemon:
                 await self.datapath.close()
             await asyncio.to_thread(self.metrics.stop_http)  # waits out the HTTP poll loop
             await asyncio.to_thread(self.tracer.shutdown)  # sends the spans still queued
-            await self.store.close()
+            # Blocks queued for write-through get what is left of the grace.
+            await self.store.close(max(0.0, grace - (time.monotonic() - started)))
         finally:
             if self.fd_server is not None:  # idempotent: removes the socket on any failure
                 await self.fd_server.close()

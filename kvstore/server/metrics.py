@@ -72,6 +72,27 @@ _PATH_GAUGES = {
     "read_fixed_s": ("read_fixed_seconds", "estimated fixed cost per read, seconds"),
 }
 
+# The background write-through's queue per tier (kvstore.store.write_through), in the tier
+# stats' extra: extra key -> (metric suffix, kind, help).
+_WRITE_THROUGH = {
+    "write_through_queued": ("write_through_queued", "counter",
+                             "new blocks queued to be copied into the tier"),
+    "write_through_written": ("write_through_written", "counter",
+                              "queued blocks the tier took"),
+    "write_through_skipped": ("write_through_skipped", "counter",
+                              "new blocks the tier held already, or evicted before their turn"),
+    "write_through_dropped_full": ("write_through_dropped_full", "counter",
+                                   "new blocks dropped because the queue was full"),
+    "write_through_failed": ("write_through_failed", "counter",
+                             "queued blocks the tier refused or could not be reached for"),
+    "write_through_dropped_closing": ("write_through_dropped_closing", "counter",
+                                      "queued blocks left when the grace ran out at shutdown"),
+    "write_through_queue_blocks": ("write_through_queue_blocks", "gauge",
+                                   "blocks waiting in the queue or being written"),
+    "write_through_queue_bytes": ("write_through_queue_bytes", "gauge",
+                                  "bytes waiting in the queue or being written"),
+}
+
 
 def _family(kind: str, name: str, doc: str, labels: list[str] | None = None) -> Metric:
     cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -96,6 +117,12 @@ class StoreCollector(Collector):
         for key, (name, doc) in _PATH_GAUGES.items():
             family = GaugeMetricFamily(f"kvstore_tier_{name}", f"Per tier: {doc}.",
                                        labels=["tier"])
+            for tier, tier_stats in stats.tiers.items():
+                if key in tier_stats.extra:
+                    family.add_metric([tier], float(tier_stats.extra[key]))
+            yield family
+        for key, (suffix, kind, doc) in _WRITE_THROUGH.items():
+            family = _family(kind, f"kvstore_tier_{suffix}", f"Per tier: {doc}.", ["tier"])
             for tier, tier_stats in stats.tiers.items():
                 if key in tier_stats.extra:
                     family.add_metric([tier], float(tier_stats.extra[key]))

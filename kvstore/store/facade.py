@@ -36,6 +36,7 @@ from kvstore.store.placement import Link, Placement
 from kvstore.store.reads import PinnedKV, Reads
 from kvstore.store.reservations import Reservations, page_bound
 from kvstore.store.shared import Shared, directory_observer
+from kvstore.store.write_through import WriteThrough
 from kvstore.store.writes import Writes
 from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, Tier
 
@@ -78,7 +79,8 @@ class Store:
     one of these.
 
     The verbs are here; the work is done by composed parts: ``Writes`` (puts), ``Reads``
-    (gets and advice), ``Shared`` (the shared tier), ``Placement`` (the chain's rules),
+    (gets and advice), ``Shared`` (the shared tier), ``WriteThrough`` (new blocks copied to
+    the tiers that take every one, by default the shared tier), ``Placement`` (the chain's rules),
     ``LeaseManager`` and ``Reservations`` over one ``HeldTable``, ``Hints``, ``Demoter`` and
     ``Inventory`` (counters, stats, listing, eviction). All methods run on one event loop;
     codec and copy work goes to threads.
@@ -104,6 +106,7 @@ class Store:
         self._reads = Reads(self._dir, self._placement)
         self._shared = Shared(self._dir, self._placement, self._count)
         self._demoter = Demoter(self._placement)
+        self._write_through = WriteThrough(self._dir, self._placement)
         self._background: set[asyncio.Task[Any]] = set()
         self._is_open = False
 
@@ -147,17 +150,25 @@ class Store:
                 if isinstance(tier, HostPinning):
                     self._spawn(tier.pin_cuda())
         self._demoter.open()
+        self._write_through.open()
         self._spawn(self._demoter.run())
         self._spawn(self._leases.reaper())
         self._spawn(self._reservations.reaper())
         self._is_open = True
         log.info("store open: %d blocks restored", len(self._dir))
 
-    async def close(self) -> None:
-        """Stop background work, persist memory-only blocks if configured, close the tiers."""
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop background work, persist memory-only blocks if configured, close the tiers.
+
+        Args:
+            grace_s: how long blocks still queued for write-through tiers may take to be
+                written (default ``server.shutdown_grace_s``); what is left is dropped.
+        """
         if not self._is_open:
             return
         self._is_open = False
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        await self._write_through.close(grace)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -273,7 +284,10 @@ class Store:
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         """Counters per tier and per request type; with ``tenant``, only that tenant's blocks."""
-        return self._inventory.stats(tenant)
+        stats = self._inventory.stats(tenant)
+        if tenant is None:
+            self._write_through.add_stats(stats.tiers)
+        return stats
 
     def list_blocks(self, *, tenant: str | None = None, model_id: str | None = None,
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:
@@ -373,10 +387,11 @@ class Store:
         return task
 
     def _stored(self, entries: list[BlockEntry]) -> None:
-        """New blocks were written: wake the demoter, copy them to write-through tiers."""
+        """New blocks were written: wake the demoter, queue them for write-through tiers
+        (never waits: a full queue drops and counts)."""
         self._demoter.wake()
-        if entries and self._placement.write_through_links():
-            self._spawn(self._placement.write_through(entries))
+        if entries:
+            self._write_through.offer(entries)
 
     async def _promote(self, entry: BlockEntry, target: Link) -> None:
         if await self._placement.promote(entry, target):

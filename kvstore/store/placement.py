@@ -16,7 +16,7 @@ watermarks. The rules:
 - A tier above its high watermark demotes its coldest blocks until it is below its low one.
 - Promotion copies a block into a faster tier (after a get served it from further down, for a
   lease, or for a hint); a tier with ``write_through`` set also gets a copy of every new block,
-  in the background. A put's copy of a block held only further down is written into a faster
+  in the background (``kvstore.store.write_through``: bounded queues that drop, not stall). A put's copy of a block held only further down is written into a faster
   tier whose admission ``lifts`` it (``lift``: the engine recomputed it instead of fetching it).
 - A shared tier (``SharedTier``, last in the chain) is written like any other, by demotion or
   write-through; blocks other hosts put there are found by the store's prefix probe, not the
@@ -315,16 +315,6 @@ class Placement:
         if ok:
             self._count(entry.meta.tenant, promotions=1)
         return ok
-
-    async def write_through(self, entries: Sequence[BlockEntry]) -> None:
-        """Copy new blocks into every tier that asks for them (``write_through``)."""
-        for link in self.write_through_links():
-            for entry in entries:
-                try:
-                    await self.copy(entry, link)
-                except KVStoreError as exc:
-                    log.warning("write-through of %s to %s failed: %s", entry.meta.key.hex(),
-                                link.name, exc)
 
     async def copy(self, entry: BlockEntry, target: Link) -> bool:
         """Copy a block into ``target`` from the fastest tier holding it; True if it is in

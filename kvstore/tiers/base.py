@@ -273,6 +273,12 @@ class SharedTier(Tier):
                          ) -> list[bool]:
         """Store each page (as ``write``); True where stored or already present."""
 
+    @property
+    def write_batch_bytes(self) -> int:
+        """About how many bytes of pages one ``write_many`` call should carry: what the tier
+        sends in one round trip (the store batches its background writes to this size)."""
+        return 16 << 20
+
     @abstractmethod
     def note_local(self, meta: PageMeta, tier: str, is_held: bool) -> None:
         """This host's local tier ``tier`` now holds (or no longer holds) the block (no I/O)."""

@@ -58,8 +58,12 @@ async def test_a_prefix_one_host_wrote_through_is_found_and_served_by_another(ur
 
 
 async def test_lookup_reports_what_other_hosts_hold_locally(url, key_prefix):
+    """With ``write_through = false`` (the switch that turns sharing by default off) the
+    blocks stay local: the other host learns only from the directory that host a holds them,
+    and matches nothing."""
     tokens, kv = random_tokens(16 * 6, seed=2), random_kv(SPEC, 16 * 6, seed=2)
-    async with Store(host(url, key_prefix, "a")) as a, Store(host(url, key_prefix, "b")) as b:
+    async with Store(host(url, key_prefix, "a", write_through=False)) as a, \
+            Store(host(url, key_prefix, "b", write_through=False)) as b:
         await a.put(NS, tokens, kv)
         for _ in range(100):
             hit = await b.lookup(NS, tokens)
@@ -68,6 +72,7 @@ async def test_lookup_reports_what_other_hosts_hold_locally(url, key_prefix):
             await asyncio.sleep(0.02)
         assert hit.matched_tokens == 0 and hit.cluster_tokens == {"a": 96}
         assert (await a.lookup(NS, tokens)).cluster_tokens == {}  # its own blocks are local
+        assert a.stats().tiers["remote"].num_blocks == 0
 
 
 async def test_demotion_fills_the_shared_tier_instead_of_dropping(redis_url, key_prefix):
@@ -75,7 +80,8 @@ async def test_demotion_fills_the_shared_tier_instead_of_dropping(redis_url, key
     every block reads back bit-exact."""
     prompts = [(random_tokens(16 * 10, seed=i), random_kv(SPEC, 16 * 10, seed=i))
                for i in range(4)]
-    async with Store(host(redis_url, key_prefix, "a", dram_bytes=MiB)) as store:
+    config = host(redis_url, key_prefix, "a", dram_bytes=MiB, write_through=False)
+    async with Store(config) as store:
         for tokens, kv in prompts:
             assert await store.put(NS, tokens, kv) == 160
         stats = store.stats()
@@ -85,7 +91,8 @@ async def test_demotion_fills_the_shared_tier_instead_of_dropping(redis_url, key
 
 
 async def test_demotion_into_the_shared_tier_respects_its_admission(redis_url, key_prefix):
-    config = host(redis_url, key_prefix, "a", dram_bytes=MiB, admit_after_accesses=3)
+    config = host(redis_url, key_prefix, "a", dram_bytes=MiB, admit_after_accesses=3,
+                  write_through=False)  # write-through copies every new block, unfiltered
     async with Store(config) as store:
         for i in range(3):
             await store.put(NS, random_tokens(16 * 10, seed=i), random_kv(SPEC, 16 * 10, seed=i))

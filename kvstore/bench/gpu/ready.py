@@ -123,7 +123,10 @@ def end_to_end_rows(tokens: int, prefill_ms: float, root: str, device: str = "cu
             # the SSD.
             ssd = TierConfig("ssd", "ssd", SsdConfig(
                 path=f"{root}/ssd{i}", capacity_bytes=3 * nbytes + (1 << 30), codec=codec,
-                write_through=True, admit_after_accesses=0, fsync="never"))
+                write_through=True, admit_after_accesses=0, fsync="never",
+                # every saved block must reach the SSD: a backlog as large as the tier
+                write_through_queue_bytes=3 * nbytes + (1 << 30),
+                write_through_queue_blocks=4 * blocks))
             one = blocks * (SPEC.block_bytes // 2 + (8 << 10))  # fp8 pages, slot slack
             small = TierConfig("dram", "dram", DramConfig(
                 capacity_bytes=one * 6 // 5, chunk_bytes=64 << 20, codec=codec))

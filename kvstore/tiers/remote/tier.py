@@ -98,6 +98,10 @@ class RemoteTier(SharedTier):
     def max_page_bytes(self) -> int:
         return min(self._config.capacity_bytes, MAX_VALUE_BYTES)
 
+    @property
+    def write_batch_bytes(self) -> int:
+        return self._config.pipeline_bytes
+
     def contains(self, key: BlockKey) -> bool:
         self._expire()
         return key in self._held
