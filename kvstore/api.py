@@ -270,6 +270,19 @@ class BlockInfo:
     parent: BlockKey | None
 
 
+@dataclass(frozen=True, slots=True)
+class PinInfo:
+    """A TTL pin: a tenant's stored prefix kept in the cache until ``expires_in_s`` runs out
+    (``kvstore.store.pins``)."""
+
+    tenant: str
+    model_id: str
+    key: BlockKey  # the prefix's last block: its key names the whole prefix
+    num_blocks: int  # blocks of the prefix that were stored when it was pinned
+    size_bytes: int  # bytes those blocks take in every tier holding them now
+    expires_in_s: float
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier; ``used_bytes`` and ``num_blocks`` are current values."""

@@ -320,12 +320,24 @@ class QuotaConfig:
     tier_share: float = 0.0  # fraction of each tier per tenant; 0 = 1 / number of tenants
     max_open_leases: int = 1024  # leases one tenant may hold at once
     max_open_reservations: int = 256  # reservations one tenant may hold at once
+    # Bytes of TTL-pinned blocks one tenant may hold (their pages in every tier holding them);
+    # 0: a quarter of the tenant's share of the fastest tier, so pins leave three quarters of
+    # it to the blocks that earn their place.
+    pin_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tier_share <= 1.0:
             raise ConfigError(f"quota.tier_share must be in [0, 1], got {self.tier_share!r}")
+        if self.pin_bytes < 0:
+            raise ConfigError(f"quota.pin_bytes must be >= 0, got {self.pin_bytes!r}")
         if self.max_open_leases < 1 or self.max_open_reservations < 1:
             raise ConfigError("quota.max_open_leases and quota.max_open_reservations must be >= 1")
+
+    def pin_budget_bytes(self, num_tenants: int, fastest_tier_bytes: int) -> int:
+        """Bytes of pinned blocks one tenant may hold (``pin_bytes`` or its default)."""
+        if self.pin_bytes:
+            return self.pin_bytes
+        return int(fastest_tier_bytes * (self.share(num_tenants) or 1.0) / 4)
 
     def share(self, num_tenants: int) -> float | None:
         """The fraction of a tier each tenant may fill, or None when quotas are off."""

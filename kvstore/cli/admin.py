@@ -153,12 +153,16 @@ def parse_key(text: str) -> bytes:
 
 
 def describe_selection(tenant: str | None, model: str | None, keys: list[bytes],
-                       everything: bool) -> str:
+                       everything: bool, revision: str | None = None,
+                       adapter: str | None = None, namespace: bool = False) -> str:
     """What an evict will remove, in words, for the confirmation prompt."""
     if everything:
         return "every block"
     parts = [f"tenant {tenant!r}" if tenant else "", f"model {model!r}" if model else "",
-             f"{len(keys)} listed key(s)" if keys else ""]
+             f"{len(keys)} listed key(s)" if keys else "",
+             f"revision {revision!r}" if revision is not None else "",
+             f"adapter {adapter!r}" if adapter is not None else "",
+             "the namespace in --namespace" if namespace else ""]
     return "the blocks of " + " and ".join(p for p in parts if p)
 
 
@@ -175,22 +179,41 @@ def evict(
         show_default=False, metavar="HEX", help="A block key (repeatable), as `ls` shows it.")
     ] = None,
     everything: Annotated[bool, typer.Option("--all", help="Every block.")] = False,
+    revision: Annotated[str | None, typer.Option(
+        show_default=False, help="Invalidate blocks of this weights revision (or epoch).")
+    ] = None,
+    adapter: Annotated[str | None, typer.Option(
+        show_default=False, help="Invalidate blocks of this adapter (\"\": the base model).")
+    ] = None,
+    namespace: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False, metavar="JSON", show_default=False,
+        help="Invalidate exactly this namespace's blocks (a Namespace as JSON).")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")
                    ] = False,
 ) -> None:
-    """Remove blocks from every tier; the filters combine (a block must match all given)."""
+    """Remove blocks from every tier; the filters combine (a block must match all given).
+
+    --revision, --adapter and --namespace invalidate: those blocks go even when pinned, and no
+    lookup after this returns sees them."""
+    from kvstore.cli.pins import read_namespace
+
     keys = [parse_key(k) for k in key or []]
-    if everything and (tenant or model or keys):
-        usage_error("--all cannot be combined with --tenant, --model or --key")
-    if not (everything or tenant or model or keys):
-        usage_error("say what to evict: --tenant, --model, --key or --all")
+    invalidates = revision is not None or adapter is not None or namespace is not None
+    if everything and (tenant or model or keys or invalidates):
+        usage_error("--all cannot be combined with other filters")
+    if not (everything or tenant or model or keys or invalidates):
+        usage_error("say what to evict: --tenant, --model, --key, --revision, --adapter, "
+                    "--namespace or --all")
+    ns = read_namespace(namespace) if namespace is not None else None
     target = address or default_address()
     if not yes:
-        what = describe_selection(tenant, model, keys, everything)
+        what = describe_selection(tenant, model, keys, everything, revision, adapter,
+                                  ns is not None)
         typer.confirm(f"Evict {what} from {target}?", abort=True)
     with connect(target, token) as client:
         removed = client.evict(tenant=tenant, model_id=model, keys=keys or None,
-                               everything=everything)
+                               everything=everything, revision=revision, adapter_id=adapter,
+                               namespace=ns)
     typer.echo(f"evicted {removed} block{'s' if removed != 1 else ''}")
 
 

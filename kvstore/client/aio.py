@@ -18,6 +18,7 @@ from kvstore.api import (
     LookupResult,
     Medium,
     ModelProfile,
+    PinInfo,
     Reservation,
     StoreStats,
 )
@@ -304,10 +305,27 @@ class AsyncClient:
         return await self._unary(requests.lookup(ns, tokens))
 
     async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
-                    keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
+                    keys: Sequence[BlockKey] | None = None, everything: bool = False,
+                    revision: str | None = None, adapter_id: str | None = None,
+                    namespace: Namespace | bytes | None = None) -> int:
         """See :meth:`kvstore.client.Client.evict` (this client's late Releases first)."""
         await self.flush_releases()
-        return await self._unary(requests.evict(tenant, model_id, keys, everything))
+        return await self._unary(requests.evict(tenant, model_id, keys, everything, revision,
+                                                adapter_id, namespace))
+
+    async def invalidate(self, ns: Namespace) -> int:
+        """See :meth:`kvstore.client.Client.invalidate`."""
+        return await self.evict(tenant=ns.tenant, model_id=ns.model_id, revision=ns.revision)
+
+    async def pin(self, ns: Namespace, tokens: Tokens, ttl_s: float) -> PinInfo:
+        """See :meth:`kvstore.client.Client.pin`."""
+        return await self._unary(requests.pin(ns, tokens, ttl_s))
+
+    async def unpin(self, ns: Namespace, tokens: Tokens) -> int:
+        return await self._unary(requests.unpin(ns, tokens))
+
+    async def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
+        return await self._unary(requests.list_pins(tenant))
 
     async def stats(self, tenant: str | None = None) -> StoreStats:
         return await self._unary(requests.stats(tenant))

@@ -20,6 +20,7 @@ from kvstore.api import (
     LookupResult,
     Medium,
     ModelProfile,
+    PinInfo,
     Reservation,
     StoreStats,
 )
@@ -33,6 +34,7 @@ from kvstore.rpc.convert import (
     lease_from_proto,
     lookup_from_proto,
     namespace_to_proto,
+    pin_info_from_proto,
     profile_to_proto,
     reservation_from_proto,
     stats_from_proto,
@@ -75,10 +77,31 @@ def lookup(ns: Namespace, tokens: Tokens) -> Unary[LookupResult]:
 
 
 def evict(tenant: str | None, model_id: str | None, keys: Sequence[BlockKey] | None,
-          everything: bool) -> Unary[int]:
+          everything: bool, revision: str | None = None, adapter_id: str | None = None,
+          namespace: Namespace | bytes | None = None) -> Unary[int]:
+    if isinstance(namespace, Namespace):
+        namespace = namespace.fingerprint
     request = pb.EvictRequest(tenant=tenant or "", model_id=model_id or "",
-                              keys=list(keys or ()), everything=everything)
+                              keys=list(keys or ()), everything=everything,
+                              revision=revision, adapter_id=adapter_id,
+                              namespace=namespace or b"")
     return Unary("Evict", request, attrgetter("num_blocks"))
+
+
+def pin(ns: Namespace, tokens: Tokens, ttl_s: float) -> Unary[PinInfo]:
+    request = pb.PinRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens),
+                            ttl_s=ttl_s)
+    return Unary("Pin", request, pin_info_from_proto)
+
+
+def unpin(ns: Namespace, tokens: Tokens) -> Unary[int]:
+    request = pb.UnpinRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+    return Unary("Unpin", request, attrgetter("num_pins"))
+
+
+def list_pins(tenant: str | None) -> Unary[list[PinInfo]]:
+    return Unary("ListPins", pb.ListPinsRequest(tenant=tenant or ""),
+                 lambda response: [pin_info_from_proto(p) for p in response.pins])
 
 
 def stats(tenant: str | None) -> Unary[StoreStats]:

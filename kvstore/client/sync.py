@@ -17,6 +17,7 @@ from kvstore.api import (
     LookupResult,
     Medium,
     ModelProfile,
+    PinInfo,
     Reservation,
     StoreStats,
 )
@@ -323,12 +324,39 @@ class Client:
         return self._unary(requests.lookup(ns, tokens))
 
     def evict(self, *, tenant: str | None = None, model_id: str | None = None,
-              keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
+              keys: Sequence[BlockKey] | None = None, everything: bool = False,
+              revision: str | None = None, adapter_id: str | None = None,
+              namespace: Namespace | bytes | None = None) -> int:
         """Remove blocks matching every given filter; returns how many were removed. Waits
         for this client's late Releases first (``flush_releases``), so a block this client
-        just read is not held back by its own lease."""
+        just read is not held back by its own lease.
+
+        ``revision`` (also the weights epoch), ``adapter_id`` ("" is the base model) and
+        ``namespace`` (a Namespace or its fingerprint) invalidate: those blocks go even when
+        pinned, and no lookup started after this returns sees them."""
         self._late.flush()
-        return self._unary(requests.evict(tenant, model_id, keys, everything))
+        return self._unary(requests.evict(tenant, model_id, keys, everything, revision,
+                                          adapter_id, namespace))
+
+    def invalidate(self, ns: Namespace) -> int:
+        """Drop every block ``ns``'s model weights made: its tenant, model and revision,
+        under any adapter, salt, layout or shard. What an engine's reset-cache hook calls
+        after its weights changed; returns how many blocks went."""
+        return self.evict(tenant=ns.tenant, model_id=ns.model_id, revision=ns.revision)
+
+    def pin(self, ns: Namespace, tokens: Tokens, ttl_s: float) -> PinInfo:
+        """Keep the stored prefix of ``tokens`` in the cache for ``ttl_s`` seconds (where it
+        lies: neither demoted nor dropped; across daemon restarts), within the tenant's pin
+        budget (CapacityError naming the bytes asked, pinned and the budget)."""
+        return self._unary(requests.pin(ns, tokens, ttl_s))
+
+    def unpin(self, ns: Namespace, tokens: Tokens) -> int:
+        """End this tenant's pins of every prefix of ``tokens``; returns how many ended."""
+        return self._unary(requests.unpin(ns, tokens))
+
+    def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
+        """Pins (a tenant caller: its own), soonest to expire first."""
+        return self._unary(requests.list_pins(tenant))
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         return self._unary(requests.stats(tenant))

@@ -226,7 +226,10 @@ class KVStoreHiCache(HiCacheStorage):
         raise _pre_v1("batch_set")
 
     def clear(self) -> None:
-        """Drop every page of this model and tenant."""
+        """Drop every page of this model and tenant (SGLang's cache flush, as after a weight
+        update): the current revision's even when pinned (``Client.invalidate``), earlier
+        revisions' unless pinned."""
+        self._client.invalidate(self._ns())
         self._client.evict(tenant=self._ns().tenant, model_id=self._ns().model_id)
 
     def close(self) -> None:

@@ -379,5 +379,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the external prefix cache (``/reset_prefix_cache?reset_external=
+        true``, as after a weight update): invalidate every block of this engine's model and
+        revision in kvstore, under any salt, adapter or shard (``Client.invalidate``); no
+        lookup after this sees them. False, logged, when the daemon cannot be reached."""
+        try:
+            removed = self._client.invalidate(self._namespace(None))
+        except KVStoreError as exc:
+            logger.warning("kvstore: resetting the cache failed: %s", exc)
+            return False
+        logger.info("kvstore: reset the cache, %d blocks invalidated", removed)
+        return True
+
     def shutdown(self) -> None:
         self._client.close()

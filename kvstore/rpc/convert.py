@@ -28,6 +28,7 @@ from kvstore.api import (
     LookupResult,
     Medium,
     ModelProfile,
+    PinInfo,
     Reservation,
     SlotGrant,
     SlotGrants,
@@ -183,6 +184,18 @@ def block_info_from_proto(msg: pb.BlockInfo) -> BlockInfo:
                      tiers=tuple(msg.tiers), size_bytes=msg.size_bytes, age_s=msg.age_s,
                      hits=msg.hits, block_index=msg.block_index,
                      parent=BlockKey(msg.parent) if msg.parent else None)
+
+
+def pin_info_to_proto(info: PinInfo) -> pb.PinInfo:
+    return pb.PinInfo(tenant=info.tenant, model_id=info.model_id, key=info.key,
+                      num_blocks=info.num_blocks, size_bytes=info.size_bytes,
+                      expires_in_s=info.expires_in_s)
+
+
+def pin_info_from_proto(msg: pb.PinInfo) -> PinInfo:
+    return PinInfo(tenant=msg.tenant, model_id=msg.model_id, key=BlockKey(msg.key),
+                   num_blocks=msg.num_blocks, size_bytes=msg.size_bytes,
+                   expires_in_s=msg.expires_in_s)
 
 
 def stats_to_proto(stats: StoreStats) -> pb.StatsResponse:

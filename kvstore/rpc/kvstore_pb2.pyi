@@ -167,16 +167,22 @@ class GetResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("tenant", "model_id", "keys", "everything")
+    __slots__ = ("tenant", "model_id", "keys", "everything", "revision", "adapter_id", "namespace")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     everything: bool
-    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., everything: _Optional[bool] = ...) -> None: ...
+    revision: str
+    adapter_id: str
+    namespace: bytes
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., everything: _Optional[bool] = ..., revision: _Optional[str] = ..., adapter_id: _Optional[str] = ..., namespace: _Optional[bytes] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("num_blocks",)
@@ -568,3 +574,55 @@ class HoldEvent(_message.Message):
     server_time: float
     regions_retired: bool
     def __init__(self, server_time: _Optional[float] = ..., regions_retired: _Optional[bool] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PinInfo(_message.Message):
+    __slots__ = ("tenant", "model_id", "key", "num_blocks", "size_bytes", "expires_in_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    key: bytes
+    num_blocks: int
+    size_bytes: int
+    expires_in_s: float
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., key: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., size_bytes: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("namespace", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    tokens: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("num_pins",)
+    NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    num_pins: int
+    def __init__(self, num_pins: _Optional[int] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...

@@ -124,6 +124,21 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.OpenChannelRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.DataTicket.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Pin',
+                request_serializer=kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Unpin',
+                request_serializer=kvstore__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.UnpinResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/kvstore.v1.KVStore/ListPins',
+                request_serializer=kvstore__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -259,6 +274,28 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """TTL pins: keep the stored prefix of tokens in the cache (where it lies: neither demoted
+        nor dropped) until ttl_s runs out, within the tenant's pin budget (RESOURCE_EXHAUSTED
+        naming the bytes asked, pinned and the budget); pins survive a restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """End the caller's pins of every prefix of tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -351,6 +388,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.OpenChannel,
                     request_deserializer=kvstore__pb2.OpenChannelRequest.FromString,
                     response_serializer=kvstore__pb2.DataTicket.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore__pb2.PinInfo.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kvstore__pb2.UnpinRequest.FromString,
+                    response_serializer=kvstore__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=kvstore__pb2.ListPinsRequest.FromString,
+                    response_serializer=kvstore__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -839,6 +891,87 @@ class KVStore:
             '/kvstore.v1.KVStore/OpenChannel',
             kvstore__pb2.OpenChannelRequest.SerializeToString,
             kvstore__pb2.DataTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Pin',
+            kvstore__pb2.PinRequest.SerializeToString,
+            kvstore__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Unpin',
+            kvstore__pb2.UnpinRequest.SerializeToString,
+            kvstore__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ListPins',
+            kvstore__pb2.ListPinsRequest.SerializeToString,
+            kvstore__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ from kvstore.errors import (
     InvalidArgument,
     LeaseNotFound,
 )
-from kvstore.keys import Namespace
+from kvstore.keys import MAX_NAME_CHARS, Namespace
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import (
@@ -37,6 +37,7 @@ from kvstore.rpc.convert import (
     lookup_to_proto,
     medium_from_proto,
     namespace_from_proto,
+    pin_info_to_proto,
     profile_from_proto,
     reservation_to_proto,
     stats_to_proto,
@@ -342,12 +343,39 @@ class KVStoreService(pbg.KVStoreServicer):
             raise InvalidArgument(f"Evict names {len(request.keys)} keys; at most "
                                   f"{MAX_LIST_LIMIT} per call")
         keys = [key_from_bytes(k) for k in request.keys] or None
-        if not (request.everything or request.tenant or request.model_id or keys):
-            raise InvalidArgument("Evict needs tenant, model_id, keys or everything")
+        revision = request.revision if request.HasField("revision") else None
+        adapter_id = request.adapter_id if request.HasField("adapter_id") else None
+        namespace = (key_from_bytes(request.namespace, "namespace fingerprint")
+                     if request.namespace else None)
+        for name, value in (("revision", revision), ("adapter_id", adapter_id)):
+            if value is not None and len(value) > MAX_NAME_CHARS:
+                raise InvalidArgument(f"Evict {name} has {len(value)} characters; a namespace's "
+                                      f"has at most {MAX_NAME_CHARS}")
+        invalidates = revision is not None or adapter_id is not None or namespace is not None
+        if not (request.everything or request.tenant or request.model_id or keys
+                or invalidates):
+            raise InvalidArgument("Evict needs tenant, model_id, keys, revision, adapter_id, "
+                                  "namespace or everything")
         everything = request.everything and tenant is None  # a tenant's "everything" is its own
+        # A tenant caller's evict, invalidations included, is always scoped to its own blocks.
         removed = await self._store.evict(tenant=tenant, model_id=request.model_id or None,
-                                          keys=keys, everything=everything)
+                                          keys=keys, everything=everything, revision=revision,
+                                          adapter_id=adapter_id, namespace=namespace)
         return pb.EvictResponse(num_blocks=removed)
+
+    async def Pin(self, request: pb.PinRequest, context) -> pb.PinInfo:
+        ns = self._namespace(request.namespace, "pin")
+        info = await self._store.pin(ns, self._tokens(request.tokens), request.ttl_s)
+        return pin_info_to_proto(info)
+
+    async def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
+        ns = self._namespace(request.namespace, "unpin")
+        return pb.UnpinResponse(num_pins=await self._store.unpin(ns, self._tokens(request.tokens)))
+
+    async def ListPins(self, request: pb.ListPinsRequest, context) -> pb.ListPinsResponse:
+        tenant = current_caller().scope(request.tenant, "list pins")
+        return pb.ListPinsResponse(pins=[pin_info_to_proto(p)
+                                         for p in self._store.list_pins(tenant)])
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         tenant = current_caller().scope(request.tenant, "read stats")

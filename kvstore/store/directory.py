@@ -154,10 +154,14 @@ class BlockDirectory:
             return list(takewhile(bool, map(self._entries.get, keys)))
         return list(takewhile(_LIVE, map(self._entries.get, keys, repeat(_NOT_STORED))))
 
-    def take_for_eviction(self, entry: BlockEntry) -> bool:
+    def take_for_eviction(self, entry: BlockEntry, pinned_ok: bool = False) -> bool:
         """Mark an unpinned, stored ``entry`` as being evicted (``BlockEntry.live``); False,
-        with nothing marked, if it is pinned, already taken or no longer stored."""
-        if entry.pins or not entry.live or self._entries.get(entry.meta.key) is not entry:
+        with nothing marked, if it is pinned, already taken or no longer stored.
+
+        ``pinned_ok``: take it even while pinned (an invalidation: no new reader may see it;
+        those holding it finish, and it is deleted once they let go)."""
+        if (entry.pins and not pinned_ok) or not entry.live \
+                or self._entries.get(entry.meta.key) is not entry:
             return False
         entry.live = False
         self._evicting += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
@@ -16,6 +17,7 @@ from kvstore.api import (
     LookupResult,
     Medium,
     ModelProfile,
+    PinInfo,
     Reservation,
     StoreStats,
 )
@@ -31,7 +33,9 @@ from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.held import HeldTable
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.inventory import Inventory
-from kvstore.store.leases import LeaseManager
+from kvstore.store.leases import REAPER_INTERVAL_S, LeaseManager
+from kvstore.store.namespaces import NAMESPACES_FILE, NamespaceRecords
+from kvstore.store.pins import PINS_FILE, PinTable
 from kvstore.store.placement import Link, Placement
 from kvstore.store.reads import PinnedKV, Reads
 from kvstore.store.reservations import Reservations, page_bound
@@ -57,6 +61,16 @@ async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
     if tokens.size > INLINE_HASH_TOKENS:
         return await asyncio.to_thread(block_keys, ns, tokens)
     return block_keys(ns, tokens)
+
+
+def _state_dir(links: Sequence[Link]) -> Path | None:
+    """Where the store keeps its own small state (pins, namespace records): the directory of
+    the first persistent tier, so it lives and goes with the blocks it describes."""
+    for link in links:
+        path = getattr(link.settings, "path", "")
+        if link.tier.is_persistent and path:
+            return Path(path)
+    return None
 
 
 def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> EvictionOrder:
@@ -107,6 +121,11 @@ class Store:
         self._shared = Shared(self._dir, self._placement, self._count)
         self._demoter = Demoter(self._placement)
         self._write_through = WriteThrough(self._dir, self._placement)
+        state = _state_dir(links)
+        budget = self.config.quota.pin_budget_bytes(len(self.config.server.tenant_tokens),
+                                                    links[0].tier.capacity_bytes)
+        self._pins = PinTable(self._dir, budget, state and state / PINS_FILE)
+        self._namespaces = NamespaceRecords(state and state / NAMESPACES_FILE)
         self._background: set[asyncio.Task[Any]] = set()
         self._is_open = False
 
@@ -149,9 +168,15 @@ class Store:
             for tier in self.tiers.values():
                 if isinstance(tier, HostPinning):
                     self._spawn(tier.pin_cuda())
+        await self._namespaces.load()
+        self._namespaces.prune(e.meta.namespace for e in self._dir.entries())
+        if await self._pins.load():
+            log.info("restored %d pins", len(self._pins.list()))
         self._demoter.open()
         self._write_through.open()
         self._spawn(self._demoter.run())
+        self._spawn(self._pins.run())
+        self._spawn(self._housekeeping())
         self._spawn(self._leases.reaper())
         self._spawn(self._reservations.reaper())
         self._is_open = True
@@ -172,6 +197,8 @@ class Store:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self._pins.save()
+        await self._namespaces.save()
         saved = await self._placement.persist()
         if saved:
             log.info("persisted %d memory-only blocks on close", saved)
@@ -195,6 +222,7 @@ class Store:
         arr = token_array(tokens)
         kv = ns.spec.check_kv(kv, num_tokens=arr.size)
         keys = await _keys(ns, arr)
+        self._namespaces.note(ns)
         self._placement.note(keys)
         self._count(ns.tenant, puts=1)
         stored = await self._writes.put(ns, keys, kv)
@@ -247,6 +275,7 @@ class Store:
         arr = token_array(tokens)
         front = None if out is None else ns.spec.check_out(out, arr.size)
         keys = await _keys(ns, arr)
+        self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
         got = await self._reads.get(ns, keys, front)
         if got is None:
@@ -269,6 +298,7 @@ class Store:
         """
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
+        self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
         pinned = await self._reads.in_place(ns, keys)
         if pinned is not None:
@@ -276,11 +306,49 @@ class Store:
         return pinned
 
     async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
-                    keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
-        """Remove matching unpinned blocks from every tier, children first; return the count."""
+                    keys: Sequence[BlockKey] | None = None, everything: bool = False,
+                    revision: str | None = None, adapter_id: str | None = None,
+                    namespace: Namespace | bytes | None = None) -> int:
+        """Remove matching blocks from every tier, children first; return the count. Every
+        given filter must match.
+
+        ``revision`` (also the weights epoch: an engine that updates weights in place names the
+        epoch in its namespace's revision, e.g. ``"main+e3"``, so new blocks get new keys),
+        ``adapter_id`` and ``namespace`` (a Namespace or its fingerprint) make it an
+        invalidation: matching blocks go even when pinned (their TTL pins end), and none is
+        seen by a lookup, get or lease started after this returns (a block a lease holds is
+        deleted once released). Revision and adapter are matched through the namespaces this
+        store wrote blocks in (``kvstore.store.namespaces``). Otherwise pinned blocks stay.
+        """
         self._check_open()
+        fingerprints = None
+        if revision is not None or adapter_id is not None:
+            fingerprints = self._namespaces.matching(revision=revision, adapter_id=adapter_id)
+        if namespace is not None:
+            fp = namespace.fingerprint if isinstance(namespace, Namespace) else bytes(namespace)
+            fingerprints = {fp} if fingerprints is None else fingerprints & {fp}
         return await self._inventory.evict(tenant=tenant, model_id=model_id, keys=keys,
-                                           everything=everything)
+                                           everything=everything, namespaces=fingerprints,
+                                           unpin=self._pins.forget)
+
+    async def pin(self, ns: Namespace, tokens: Tokens, ttl_s: float) -> PinInfo:
+        """Keep the stored prefix of ``tokens`` in the cache for ``ttl_s`` seconds, where it
+        lies (``kvstore.store.pins``: neither demoted nor dropped), across restarts.
+
+        CapacityError naming the bytes asked, pinned and the budget (``quota.pin_bytes``)
+        when the tenant's pins would exceed it. A prefix with nothing stored pins nothing
+        (``num_blocks`` 0)."""
+        self._check_open()
+        return self._pins.pin(ns, await _keys(ns, token_array(tokens)), ttl_s)
+
+    async def unpin(self, ns: Namespace, tokens: Tokens) -> int:
+        """End ``ns``'s tenant's pins of every prefix of ``tokens``; return how many ended."""
+        self._check_open()
+        return self._pins.unpin(ns.tenant, await _keys(ns, token_array(tokens)))
+
+    def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
+        """TTL pins of ``tenant`` (None: all), soonest to expire first."""
+        return self._pins.list(tenant)
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         """Counters per tier and per request type; with ``tenant``, only that tenant's blocks."""
@@ -312,6 +380,7 @@ class Store:
         self._check_open()
         keys = await _keys(ns, token_array(tokens))
         self._hints.arrived(ns.tenant, keys)
+        self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
         return await self._leases.acquire(ns, keys, lease_s, Medium(medium), first_block,
                                           device)
@@ -325,6 +394,7 @@ class Store:
         """Slots of ``medium`` for the blocks of ``tokens`` not stored yet (``device``: the
         writer's GPU, as for ``acquire``); publish them with ``commit``."""
         self._check_open()
+        self._namespaces.note(ns)
         return await self._reservations.reserve(ns, await _keys(ns, token_array(tokens)),
                                                 lease_s, Medium(medium), device)
 
@@ -392,6 +462,20 @@ class Store:
         self._demoter.wake()
         if entries:
             self._write_through.offer(entries)
+
+    async def _housekeeping(self) -> None:
+        """Background: delete invalidated blocks once released, bound and save the
+        namespace records."""
+        while True:
+            await asyncio.sleep(REAPER_INTERVAL_S)
+            try:
+                await self._inventory.sweep()
+                if self._namespaces.needs_prune():
+                    self._namespaces.prune(e.meta.namespace for e in self._dir.entries())
+                if self._namespaces.dirty:
+                    await self._namespaces.save()
+            except (KVStoreError, OSError):
+                log.exception("store housekeeping failed; retrying")
 
     async def _promote(self, entry: BlockEntry, target: Link) -> None:
         if await self._placement.promote(entry, target):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.api import BlockInfo, Counters, StoreStats, TierStats
 from kvstore.errors import InvalidArgument, shown
 from kvstore.keys import BlockKey
-from kvstore.store.directory import BlockDirectory
+from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.held import HeldTable, LeaseHold, ReservationHold
 from kvstore.store.placement import Link
 
@@ -32,6 +32,7 @@ class Inventory:
         self._held = held
         self._totals = Counters()
         self._by_tenant: dict[str, Counters] = {}
+        self._doomed: list[BlockEntry] = []  # invalidated, hidden, deleted once unpinned
 
     def count(self, tenant: str, **deltas: int) -> None:
         """Add ``deltas`` to the store's counters and ``tenant``'s."""
@@ -39,33 +40,62 @@ class Inventory:
         self._by_tenant.setdefault(tenant, Counters()).add(**deltas)
 
     async def evict(self, *, tenant: str | None = None, model_id: str | None = None,
-                    keys: Sequence[BlockKey] | None = None, everything: bool = False) -> int:
-        """Remove matching unpinned blocks from every tier, children first; return the count."""
-        if not (everything or tenant or model_id or keys):
-            raise InvalidArgument("evict needs tenant, model_id, keys or everything=True")
+                    keys: Sequence[BlockKey] | None = None, everything: bool = False,
+                    namespaces: set[bytes] | None = None,
+                    unpin: Callable[[list[BlockEntry]], object] | None = None) -> int:
+        """Remove matching unpinned blocks from every tier, children first; return the count.
+
+        ``namespaces`` (fingerprints) makes it an invalidation: the matching blocks go even
+        when pinned. ``unpin`` ends their TTL pins first; a block a lease or read still holds
+        is hidden at once (no lookup, get or lease sees it once this returns) and deleted when
+        released (``sweep``); it is counted as removed.
+        """
+        if not (everything or tenant or model_id or keys or namespaces is not None):
+            raise InvalidArgument("evict needs tenant, model_id, keys, a namespace filter or "
+                                  "everything=True")
+        invalidate = namespaces is not None
         wanted = set(keys) if keys is not None else None
         chosen = [
             e for e in self._dir.entries()
-            if e.pins == 0
+            if (e.pins == 0 or invalidate)
             and (tenant is None or e.meta.tenant == tenant)
             and (model_id is None or e.meta.model_id == model_id)
             and (wanted is None or e.meta.key in wanted)
+            and (namespaces is None or e.meta.namespace in namespaces)
         ]
         chosen.sort(key=lambda e: -e.meta.block_index)
+        if invalidate and unpin is not None:
+            unpin(chosen)
         removed = 0
         for entry in chosen:
             # Earlier deletes awaited: a lease, read or promotion may have pinned it since.
             # Once taken, nobody starts reading it (BlockEntry.live) while its copies go.
             if not self._dir.take_for_eviction(entry):
+                if invalidate and self._dir.take_for_eviction(entry, pinned_ok=True):
+                    self._doomed.append(entry)
+                    removed += 1
                 continue
-            try:
-                for name in list(entry.sizes):
-                    await self._tiers[name].delete(entry.meta.key)
-                    self._dir.unplace(entry.meta.key, name)
-            finally:
-                gone = self._dir.end_eviction(entry)
-            removed += gone
+            removed += await self._delete_taken(entry)
         return removed
+
+    async def _delete_taken(self, entry: BlockEntry) -> bool:
+        """Delete every copy of an entry taken for eviction; True if it is gone."""
+        try:
+            for name in list(entry.sizes):
+                await self._tiers[name].delete(entry.meta.key)
+                self._dir.unplace(entry.meta.key, name)
+        finally:
+            gone = self._dir.end_eviction(entry)
+        return gone
+
+    async def sweep(self) -> None:
+        """Delete the invalidated blocks whose last lease or read has ended."""
+        if not self._doomed:
+            return
+        ready = [e for e in self._doomed if e.pins == 0]
+        self._doomed = [e for e in self._doomed if e.pins]
+        for entry in ready:
+            await self._delete_taken(entry)
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         """Counters per tier and per request type; with ``tenant``, only that tenant's blocks."""

@@ -37,7 +37,7 @@ def test_help_lists_the_commands_in_order() -> None:
     """The command modules register on import; `kvstore --help` keeps serve first."""
     group = typer.main.get_command(app)
     assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version", "health",
-                                    "bench", "deploy"]
+                                    "bench", "deploy", "pin"]
     assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "gpu",
                                                       "policy", "remote", "lmcache", "scale"]
 
