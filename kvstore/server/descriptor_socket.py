@@ -35,6 +35,7 @@ _log = logging.getLogger("kvstore.server.descriptor_socket")
 
 REQUEST_TIMEOUT_S = 2.0  # a client that has not sent its whole request by then is dropped
 MAX_CONNECTIONS = 64  # exchanges in flight; one more drops the oldest waiting
+LISTEN_BACKLOG = 128
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -68,7 +69,8 @@ class DescriptorServer:
     async def start(self) -> None:
         """Bind and listen (replacing a stale socket file of a daemon that died)."""
         listener = bind_unix(self.path, self._mode, "descriptor socket")
-        listener.listen(self.pending.max_pending)
+        # a burst queues in the kernel (no descriptor of ours) rather than failing to connect
+        listener.listen(max(LISTEN_BACKLOG, self.pending.max_pending))
         listener.setblocking(False)
         self._listener = listener
         self._accepting = asyncio.get_running_loop().create_task(self._accept())

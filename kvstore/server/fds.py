@@ -82,10 +82,12 @@ class ConnectionBudget:
                   "descriptor": DESCRIPTOR_CONNECTIONS,
                   "metrics": METRICS_CONNECTIONS if server.metrics_port else 0}
         counts = {"grpc": num_grpc, "data": num_data, "descriptor": 1, "metrics": 1}
-        total = sum(wanted[k] * counts[k] for k in wanted)
-        room = max(0, soft_limit - reserved)
-        scale = min(1.0, room / total) if total else 1.0
-        caps = {k: max(MIN_LISTENER_CONNECTIONS, int(v * scale)) for k, v in wanted.items()}
+        # each listener keeps a floor; what is above it is scaled down alike to fit the room
+        floor = MIN_LISTENER_CONNECTIONS
+        above = sum(max(0, wanted[k] - floor) * counts[k] for k in wanted)
+        room = soft_limit - reserved - sum(floor * counts[k] for k in wanted if wanted[k])
+        scale = min(1.0, max(0, room) / above) if above else 1.0
+        caps = {k: floor + int(max(0, v - floor) * scale) for k, v in wanted.items()}
         budget = cls(soft_limit=soft_limit, reserved_fds=reserved,
                      grpc_connections=caps["grpc"], data_connections=caps["data"],
                      descriptor_connections=caps["descriptor"],

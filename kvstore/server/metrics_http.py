@@ -32,6 +32,9 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
     """A thread per connection, at most ``max_connections`` at once."""
 
     daemon_threads = True
+    # socketserver's default backlog of 5 drops a burst's SYNs (each then waits a second to
+    # retry): a scraper arriving during a flood would wait too
+    request_queue_size = 128
     max_connections = 8  # set per instance by ``start_metrics_http``
     num_refused = 0
 

@@ -13,6 +13,7 @@ import sys
 import time
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+MAX_FAILURES = 20  # connections in a row that fail to open: the flood has what it can get
 SENDS = {"raw": b"", "preface": PREFACE, "http": b"GET /metr"}
 
 
@@ -23,7 +24,7 @@ def _open(kind: str, address: str, payload: bytes) -> socket.socket | None:
     else:
         host, port = address.rsplit(":", 1)
         sock, target = socket.socket(), (host, int(port))
-    sock.settimeout(1.0)
+    sock.settimeout(0.5)
     try:
         sock.connect(target)
         if payload:
@@ -38,9 +39,13 @@ def _open(kind: str, address: str, payload: bytes) -> socket.socket | None:
 def main(kind: str, address: str, count: int, mode: str, renew: bool) -> None:
     payload = SENDS[mode]
     selector = selectors.DefaultSelector()
+    failures = 0
     for _ in range(count):
         if (sock := _open(kind, address, payload)) is not None:
             selector.register(sock, selectors.EVENT_READ)
+            failures = 0
+        elif (failures := failures + 1) == MAX_FAILURES:  # the daemon takes no more
+            break
     print(f"ready {len(selector.get_map())}", flush=True)
     while True:
         for key, _ in selector.select(0.05):
