@@ -373,6 +373,9 @@ class ServerConfig:
     stream_idle_timeout_s: float = 10.0  # a request stream without progress this long ends
     max_request_tokens: int = 1 << 20  # tokens in one request (1 Mi: a 4 MiB tokens field)
     max_connections: int = 1024  # open connections per listening socket (Unix, TCP)
+    # A connection that has not authenticated by then is closed: on TCP gRPC, no call with a
+    # valid token yet; on the data and descriptor sockets, no hello or request.
+    unauthenticated_timeout_s: float = 5.0
     max_streams_per_connection: int = 256  # concurrent calls on one connection; more queue
     max_concurrent_rpcs: int = 4096  # calls in progress at once; more get RESOURCE_EXHAUSTED
     rate_limit_rps: float = 0.0  # calls per second per caller (tenant, else peer host); 0 = off
@@ -416,6 +419,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not 1 <= value < 1 << 31:  # gRPC takes these as C ints
                 raise ConfigError(f"server.{name} must be in [1, 2**31), got {value!r}")
+        if not 0 < self.unauthenticated_timeout_s <= 3600:
+            raise ConfigError(f"server.unauthenticated_timeout_s must be in (0, 3600] seconds, "
+                              f"got {self.unauthenticated_timeout_s!r}")
         if not 0 <= self.rate_limit_rps <= 1e9:
             raise ConfigError(f"server.rate_limit_rps must be in [0, 1e9] (0 = off), "
                               f"got {self.rate_limit_rps!r}")

@@ -24,7 +24,7 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.channels import DataSocket, open_put_refused
+from kvstore.client.channels import DataSocket, is_transfer_failure, open_put_refused
 from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
@@ -172,9 +172,12 @@ class AsyncClient:
         sock = None if ticket is None else await asyncio.to_thread(self._data.connect, ticket)
         if sock is None:
             return None
-        with contextlib.suppress(OSError):  # the Put call below says what went wrong
+        try:
             await asyncio.to_thread(framing.send_put, sock, ticket.ticket, self._data.token,
                                     stream.view())
+        except OSError as exc:  # dropped (a full data socket): the ticket lapses there
+            self._data.fell_back("Put", exc)
+            return None
 
         async def message() -> AsyncIterator[pb.PutRequest]:
             yield requests.ticket_put(ticket)
@@ -183,7 +186,11 @@ class AsyncClient:
             return stream.parse(await self._stub.Put(
                 message(), timeout=self._settings.timeout_s, metadata=self._settings.metadata))
         except grpc.RpcError as err:
-            raise translate(err) from None
+            exc = translate(err)
+        if not is_transfer_failure(exc):
+            raise exc
+        self._data.fell_back("Put", exc)
+        return None
 
     async def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                           first_block: int = 0) -> int:
@@ -248,9 +255,13 @@ class AsyncClient:
                 if sock is None:
                     call.cancel()
                     return _NO_DATA_SOCKET
-                with contextlib.suppress(OSError):  # the stream's status says why
+                try:
                     await asyncio.to_thread(framing.receive_get, sock, assembler.ticket.ticket,
                                             self._data.token, assembler.target)
+                except OSError as exc:  # dropped (a full data socket): stream this Get
+                    call.cancel()
+                    self._data.fell_back("Get", exc)
+                    return _NO_DATA_SOCKET
                 assembler.target = None
         return assembler.result()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from google.protobuf.message import Message
 
 from kvstore.client.address import Target
 from kvstore.client.tracing import request_metadata
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, DeadlineExceeded, LeaseNotFound, Unavailable
 from kvstore.rpc import framing
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.framing import (
@@ -28,6 +29,8 @@ from kvstore.rpc.framing import (
 )
 from kvstore.rpc.status import ERROR_METADATA_KEY, RETRY_AFTER_METADATA_KEY, translate
 from kvstore.socket_paths import check_socket_path
+
+_log = logging.getLogger("kvstore.client.channels")
 
 # ------------------------------------------------------------------------------ call channels
 
@@ -258,7 +261,9 @@ class DataSocket:
 
     On by default: a daemon that offers none says so (OpenPut refused, a Get header without a
     ticket) and the client streams chunks; a data socket it cannot connect to makes it stream
-    for ``RETRY_S`` before it tries again.
+    for ``RETRY_S`` before it tries again. A transfer that fails once connected (the daemon
+    dropped the connection: a full data socket under a flood) makes that one call stream
+    (``fell_back``).
     """
 
     RETRY_S = 30.0
@@ -270,10 +275,19 @@ class DataSocket:
         self._target = target
         self._timeout_s = timeout_s
         self._retry_at = 0.0
+        self.num_fallbacks = 0  # calls that streamed after their data transfer failed
 
     @property
     def usable(self) -> bool:
         return self._enabled and time.monotonic() >= self._retry_at
+
+    def fell_back(self, what: str, exc: BaseException) -> None:
+        """``what``'s transfer failed before the daemon took its bytes: it streams instead."""
+        self.num_fallbacks += 1
+        level = logging.WARNING if self.num_fallbacks in (1, 10, 100) \
+            or self.num_fallbacks % 1000 == 0 else logging.DEBUG
+        _log.log(level, "%s over the data socket failed (%s); streamed over gRPC instead "
+                 "(%d calls so far)", what, exc, self.num_fallbacks)
 
     def refused(self) -> None:
         """The daemon offers no data socket to this client: stream for a while."""
@@ -292,6 +306,12 @@ class DataSocket:
 
     def _address(self, ticket: pb.DataTicket) -> DataAddress | None:
         return data_address(self._target, ticket)
+
+
+def is_transfer_failure(exc: BaseException) -> bool:
+    """Whether a data-socket Put's ``exc`` says its bytes never reached the store (the
+    connection was dropped, or its ticket lapsed), so streaming the Put is safe."""
+    return isinstance(exc, (DeadlineExceeded, Unavailable, LeaseNotFound))
 
 
 def data_address(target: Target, ticket: pb.DataTicket) -> DataAddress | None:

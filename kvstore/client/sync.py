@@ -23,7 +23,7 @@ from kvstore.api import (
 )
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
-from kvstore.client.channels import DataSocket, open_put_refused
+from kvstore.client.channels import DataSocket, is_transfer_failure, open_put_refused
 from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
@@ -178,15 +178,22 @@ class Client:
         sock = None if ticket is None else self._data.connect(ticket)
         if sock is None:
             return None
-        with contextlib.suppress(OSError):  # the Put call below says what went wrong
+        try:
             framing.send_put(sock, ticket.ticket, self._data.token, stream.view())
+        except OSError as exc:  # dropped (a full data socket): the ticket lapses there
+            self._data.fell_back("Put", exc)
+            return None
         # Not retried: the ticket is spent whatever the outcome.
         try:
             return stream.parse(self._stub.Put(
                 iter((requests.ticket_put(ticket),)), timeout=self._settings.timeout_s,
                 metadata=self._settings.metadata))
         except grpc.RpcError as err:
-            raise translate(err) from None
+            exc = translate(err)
+        if not is_transfer_failure(exc):
+            raise exc
+        self._data.fell_back("Put", exc)
+        return None
 
     def _put_shared(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor,
                     first_block: int = 0) -> int:
@@ -256,9 +263,13 @@ class Client:
                 if sock is None:
                     call.cancel()
                     return _NO_DATA_SOCKET
-                with contextlib.suppress(OSError):  # the stream's status says why it stopped
+                try:
                     framing.receive_get(sock, assembler.ticket.ticket, self._data.token,
-                                         assembler.target)
+                                        assembler.target)
+                except OSError as exc:  # dropped (a full data socket): stream this Get
+                    call.cancel()
+                    self._data.fell_back("Get", exc)
+                    return _NO_DATA_SOCKET
                 assembler.target = None  # received: what follows is the stream's end
         return assembler.result()
 

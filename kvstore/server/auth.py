@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -167,6 +168,8 @@ class AuthInterceptor(HandlerInterceptor):
         self._auth = auth
         self._limiter = limiter
         self._idle_s = config.stream_idle_timeout_s
+        # told the peer of every call that showed a valid token (``gate.TcpGate.vouch``)
+        self.on_authenticated: Callable[[str], None] | None = None
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in UNAUTHENTICATED_METHODS:  # health probes carry none
@@ -182,6 +185,8 @@ class AuthInterceptor(HandlerInterceptor):
                                     else f"peer {peer_host(peer)}")
         except KVStoreError as exc:  # Unauthenticated, RateLimited
             await abort_with(context, exc)
+        if self.on_authenticated is not None and not caller.local_trust:
+            self.on_authenticated(peer)
         # each call runs in its own task, hence its own copy of the context
         _current_caller.set(caller)
 

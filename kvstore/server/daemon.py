@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -35,6 +36,8 @@ from kvstore.server.auth import Authenticator, AuthInterceptor
 from kvstore.server.channel import ChannelCalls
 from kvstore.server.data_socket import DataSocketServer
 from kvstore.server.descriptor_socket import DescriptorServer
+from kvstore.server.fds import ConnectionBudget, raise_nofile_limit
+from kvstore.server.gate import TcpGate
 from kvstore.server.health import DaemonHealth
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.limits import RateLimiter
@@ -76,14 +79,16 @@ def configure_logging(log_level: str, log_json: bool, stream: IO[str] | None = N
     logger.propagate = False
 
 
-def server_options(server: ServerConfig) -> list[tuple[str, int]]:
-    """The gRPC core options that bound what connections can make the daemon hold."""
+def server_options(server: ServerConfig, max_connections: int | None = None
+                   ) -> list[tuple[str, int]]:
+    """The gRPC core options that bound what connections can make the daemon hold
+    (``max_connections``: per listener, ``server.max_connections`` if None)."""
     return [
         ("grpc.max_receive_message_length", server.max_message_bytes),
         ("grpc.max_send_message_length", server.max_message_bytes),
         ("grpc.so_reuseport", 0),
         # per listening socket: connections past it are closed as soon as they are accepted
-        ("grpc.max_allowed_incoming_connections", server.max_connections),
+        ("grpc.max_allowed_incoming_connections", max_connections or server.max_connections),
         ("grpc.max_concurrent_streams", server.max_streams_per_connection),
         # a connection that has not finished its HTTP/2 handshake by then is closed
         ("grpc.server_handshake_timeout_ms", max(1, int(server.stream_idle_timeout_s * 1000))),
@@ -98,8 +103,13 @@ class Daemon:
     """
 
     def __init__(self, config: KVStoreConfig, store: Store, lock: IO[str],
-                 auth: Authenticator, tracer: CallTracer | None = None) -> None:
+                 auth: Authenticator, tracer: CallTracer | None = None,
+                 budget: ConnectionBudget | None = None) -> None:
         self.config = config
+        # each listener's share of the descriptors (fds.py); serve() raised the limit first
+        self.budget = budget or ConnectionBudget.split(_soft_nofile(), config.server)
+        self.gate: TcpGate | None = None  # the TCP gRPC port's, once bound
+        self._gate_task: asyncio.Task | None = None
         self.store = store
         self.metrics = Metrics(config.server.metric_label_values)
         self.tracer = tracer or CallTracer(config.tracing)  # spans only with tracing.enabled
@@ -112,16 +122,18 @@ class Daemon:
         server = config.server
         limiter = (RateLimiter(server.rate_limit_rps, server.rate_limit_burst)
                    if server.rate_limit_rps else None)
+        self._auth_interceptor = AuthInterceptor(server, auth, limiter)
         self.server = grpc.aio.server(
             interceptors=[TracingInterceptor(self.tracer), MetricsInterceptor(self.metrics),
-                          AuthInterceptor(server, auth, limiter), ErrorInterceptor()],
-            options=server_options(server),
+                          self._auth_interceptor, ErrorInterceptor()],
+            options=server_options(server, self.budget.grpc_connections),
             maximum_concurrent_rpcs=server.max_concurrent_rpcs,
         )
         # Put/Get tensor bytes beside gRPC under one-time tickets (the socket data path). The
         # daemon has no TLS: were gRPC ever served over TLS, this plain socket must not be.
         self.datapath = DataSocketServer(server, auth, data_socket_path(self.socket_path),
-                                         max_put_bytes(config)) if server.data_socket else None
+                                         max_put_bytes(config), self.budget.data_connections
+                                         ) if server.data_socket else None
         service = KVStoreService(store, config, lambda: self.draining, self.datapath)
         add_to_server(service, self.server)
         self.health = DaemonHealth(self.server)  # NOT_SERVING until start() has finished
@@ -134,7 +146,8 @@ class Daemon:
         # Same-host clients get their tenant's arena descriptor here (gRPC cannot carry one).
         regions = store.host_regions
         self.fd_server = None if regions is None else DescriptorServer(
-            fd_socket_path(self.socket_path), config.server, auth, regions)
+            fd_socket_path(self.socket_path), config.server, auth, regions,
+            self.budget.descriptor_connections)
 
     @property
     def unix_address(self) -> str:
@@ -166,6 +179,11 @@ class Daemon:
     async def start(self) -> None:
         self._bind()
         await self.server.start()
+        if self.tcp_port is not None:  # strangers' connections: a deadline and a share
+            self.gate = TcpGate(self.tcp_port, self.config.server.unauthenticated_timeout_s,
+                                self.budget.unauthenticated_share)
+            self._auth_interceptor.on_authenticated = self.gate.vouch
+            self._gate_task = asyncio.get_running_loop().create_task(self.gate.run())
         if self.fd_server is not None:
             await self.fd_server.start()
         server = self.config.server
@@ -174,7 +192,9 @@ class Daemon:
             await self.datapath.start(host, server.data_port, server.socket_mode)
         if server.metrics_port:
             self.metrics.watch_store(loop_snapshot(self.store.stats, asyncio.get_running_loop()))
-            self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port)
+            self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port,
+                                                        self.budget.metrics_connections,
+                                                        server.unauthenticated_timeout_s)
         await self.health.serving()
         _log.info("serving", extra={"socket": self.socket_path, "tcp_port": self.tcp_port,
                                     "data_port": self.datapath and self.datapath.tcp_port,
@@ -188,6 +208,8 @@ class Daemon:
         await self.health.draining()
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         started = time.monotonic()
+        if self._gate_task is not None:
+            self._gate_task.cancel()
         try:
             await self.server.stop(grace)
             # After the drain (a draining put may still ask for its arena), before the store
@@ -220,6 +242,7 @@ async def serve(config: KVStoreConfig) -> Daemon:
         _log.warning("could not make the daemon non-dumpable: processes of its uid can read "
                      "and write its memory through /proc and ptrace")
     auth = Authenticator(server)
+    budget = ConnectionBudget.split(raise_nofile_limit(), server)
     if server.tcp_address and auth.tokens.empty:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
                           "server.admin_token: TCP is never served without tokens")
@@ -231,13 +254,18 @@ async def serve(config: KVStoreConfig) -> Daemon:
     except BaseException:
         lock.close()
         raise
-    daemon = Daemon(config, store, lock, auth, tracer)
+    daemon = Daemon(config, store, lock, auth, tracer, budget)
     try:
         await daemon.start()
     except BaseException:
         await daemon.stop(0)
         raise
     return daemon
+
+
+def _soft_nofile() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def freeze_startup_heap() -> int:

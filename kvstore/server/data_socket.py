@@ -6,10 +6,12 @@ buffer set aside, a Get's from the pieces the store returned); the gRPC call tha
 ticket waits for that and answers.
 
 What a hostile client can make the daemon hold here is bounded: a connection must send its
-hello within ``server.stream_idle_timeout_s`` and keep moving at least ``MIN_PROGRESS_BYTES``
-per that interval; a connection that ends early or sends more than declared fails its
-transfer; connections beyond what tickets can exist are closed at once. Nothing blocks the
-event loop.
+hello within ``server.unauthenticated_timeout_s`` and keep moving at least
+``MIN_PROGRESS_BYTES`` per ``server.stream_idle_timeout_s``; a connection that ends early or
+sends more than declared fails its transfer. Connections still waiting for their hello hold a
+quarter of the listeners' connections at most, a full share dropping the oldest of the peer
+holding the most (``pending.py``), so a flood of silent connections cannot keep a client's
+hello out. Nothing blocks the event loop.
 
 A ticket from OpenChannel turns its data connection into a call channel instead
 (``server/channel.py``): long-lived, bound to the caller and session the ticket went to, at
@@ -50,6 +52,7 @@ from kvstore.server.channel import (
     serve_channel,
 )
 from kvstore.server.limits import MIN_PROGRESS_BYTES
+from kvstore.server.pending import PendingConnections, accept, unix_peer
 from kvstore.server.sessions import Session
 from kvstore.server.sockets import bind_unix
 from kvstore.server.transfers import ChannelTicket, Transfer, Transfers, peer_of
@@ -77,15 +80,22 @@ class DataSocketServer:
         auth: the daemon's one token table, shared with its gRPC calls.
         unix_path: the data socket beside the gRPC one (``rpc.framing.data_socket_path``).
         max_pending_bytes: the most bytes all live tickets may hold together.
+        max_connections: the most connections one listener holds (``fds.ConnectionBudget``);
+            0: ``server.max_connections``.
     """
 
     def __init__(self, config: ServerConfig, auth: Authenticator, unix_path: str,
-                 max_pending_bytes: int) -> None:
+                 max_pending_bytes: int, max_connections: int = 0) -> None:
         self.unix_path = unix_path
         self.tcp_port: int | None = None
         self._auth = auth
         self._idle_s = config.stream_idle_timeout_s
         self._max_transfers = config.max_data_transfers
+        self._hello_s = min(self._idle_s, config.unauthenticated_timeout_s)
+        self._max_connections = max_connections or config.max_connections
+        # Waiting hellos share a quarter of one listener's connections (both listeners' waits
+        # count together: a peer floods whichever it reaches).
+        self.pending = PendingConnections(max(2, self._max_connections // 4), "data socket")
         self.transfers = Transfers(self._idle_s, self._max_transfers, max_pending_bytes)
         self.bytes_moved = 0  # by transfers that completed, either way
         self._listeners: list[socket.socket] = []
@@ -178,10 +188,11 @@ class DataSocketServer:
         self._listeners.append(listener)
         self._spawn(self._accept(listener, kind))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         """Stop listening, end transfers in flight, remove the socket file. Idempotent."""
@@ -198,14 +209,27 @@ class DataSocketServer:
         self.transfers.discard_all()
 
     async def _accept(self, listener: socket.socket, kind: str) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            conn, address = await loop.sock_accept(listener)
-            if len(self._tasks) - self.num_channels > self._max_transfers + len(self._listeners):
-                conn.close()  # more connections than tickets can exist: someone is flooding
+            conn, address = await accept(listener, self.pending)
+            if not self._make_room():
+                conn.close()  # every connection has shown a ticket: none of them is a stranger's
                 continue
             transport = "unix" if kind == "unix" else address[0].removeprefix("::ffff:")
-            self._spawn(self._serve(conn, transport))
+            peer = unix_peer(conn) if kind == "unix" else transport
+            self.pending.admit(peer, self._spawn(self._serve(conn, transport)))
+
+    def _make_room(self) -> bool:
+        """Whether one more connection fits: within the listeners' connections, and within
+        what tickets can exist (not counting channels); a waiting connection is dropped where
+        that makes it fit."""
+        num_listeners = len(self._listeners)
+        while True:
+            num_conns = len(self._tasks) - num_listeners
+            if (num_conns < self._max_connections * num_listeners
+                    and num_conns - self.num_channels <= self._max_transfers):
+                return True
+            if not self.pending.drop_one():
+                return False
 
     # ---------------------------------------------------------------------------- transfers
 
@@ -213,11 +237,16 @@ class DataSocketServer:
         with conn:
             conn.setblocking(False)
             try:
-                transfer = await asyncio.wait_for(self._hello(conn, transport), self._idle_s)
-            except (TimeoutError, KVStoreError, OSError) as exc:
-                _log.warning("refused a data connection over %s: %s", transport,
-                             str(exc) or "no hello in time")
+                transfer = await asyncio.wait_for(self._hello(conn, transport), self._hello_s)
+            except TimeoutError:  # a stranger's silence is common under a flood: not a warning
+                _log.debug("dropped a data connection over %s: no hello within %g s "
+                           "(server.unauthenticated_timeout_s)", transport, self._hello_s)
                 return
+            except (KVStoreError, OSError) as exc:
+                _log.warning("refused a data connection over %s: %s", transport, exc)
+                return
+            finally:
+                self.pending.settle(asyncio.current_task())
             if transfer is None:
                 return
             transfer.task = asyncio.current_task()

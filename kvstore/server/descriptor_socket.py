@@ -5,6 +5,8 @@ is told a region by a lease or reservation; here it proves who it is with its be
 (the daemon's one ``kvstore.server.auth.Authenticator``, as for a gRPC call) and gets that
 region's descriptor only if the region belongs to its tenant. Every read of a request is
 bounded in size and time, connections are bounded in number, and nothing blocks the event loop.
+A flood of connections that send nothing cannot keep a client out: a full socket drops the
+oldest waiting connection of the process holding the most (``pending.py``), never the newest.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from kvstore.rpc.descriptors import (
     parse_request,
 )
 from kvstore.server.auth import UNIX_PEER_PREFIX, Authenticator
+from kvstore.server.pending import PendingConnections, accept
 from kvstore.server.sockets import bind_unix
 from kvstore.tiers.base import FdRegions
 
 _log = logging.getLogger("kvstore.server.descriptor_socket")
 
 REQUEST_TIMEOUT_S = 2.0  # a client that has not sent its whole request by then is dropped
-MAX_CONNECTIONS = 64  # exchanges in flight; more are closed at once, unanswered
+MAX_CONNECTIONS = 64  # exchanges in flight; one more drops the oldest waiting
+LISTEN_BACKLOG = 128
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -46,10 +50,11 @@ class DescriptorServer:
         config: the daemon's server config (``socket_mode``).
         auth: the daemon's one token table, shared with its gRPC calls.
         regions: the slot tier whose regions it hands out.
+        max_connections: exchanges in flight at once (``fds.ConnectionBudget``).
     """
 
     def __init__(self, path: str, config: ServerConfig, auth: Authenticator,
-                 regions: FdRegions) -> None:
+                 regions: FdRegions, max_connections: int = MAX_CONNECTIONS) -> None:
         self.path = path
         self._auth = auth
         self._mode = config.socket_mode
@@ -57,11 +62,15 @@ class DescriptorServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._exchanges: set[asyncio.Task[None]] = set()
+        # Every exchange waits for its request until answered: all of them are pending.
+        self.pending = PendingConnections(max_connections, "descriptor socket")
+        self._timeout_s = min(REQUEST_TIMEOUT_S, config.unauthenticated_timeout_s)
 
     async def start(self) -> None:
         """Bind and listen (replacing a stale socket file of a daemon that died)."""
         listener = bind_unix(self.path, self._mode, "descriptor socket")
-        listener.listen(MAX_CONNECTIONS)
+        # a burst queues in the kernel (no descriptor of ours) rather than failing to connect
+        listener.listen(max(LISTEN_BACKLOG, self.pending.max_pending))
         listener.setblocking(False)
         self._listener = listener
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
@@ -82,23 +91,22 @@ class DescriptorServer:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            if len(self._exchanges) >= MAX_CONNECTIONS:
-                conn.close()  # the client sees EOF and streams instead
-                continue
+            conn, _ = await accept(self._listener, self.pending)
             task = loop.create_task(self._exchange(conn))
             self._exchanges.add(task)
             task.add_done_callback(self._exchanges.discard)
+            # a full socket drops its oldest waiting exchange (that client streams instead)
+            self.pending.admit(f"pid:{_peer(conn)[0]}", task)
 
     async def _exchange(self, conn: socket.socket) -> None:
         with conn:
             conn.setblocking(False)
             pid, uid = _peer(conn)
             try:
-                line = await asyncio.wait_for(_read_line(conn), REQUEST_TIMEOUT_S)
+                line = await asyncio.wait_for(_read_line(conn), self._timeout_s)
                 reply, fds = self._answer(line, pid, uid)
-            except TimeoutError:
-                _log.warning("descriptor request from pid %d timed out", pid)
+            except TimeoutError:  # common under a flood: not a warning
+                _log.debug("descriptor request from pid %d timed out", pid)
                 return
             except KVStoreError as exc:
                 _log.warning("refused an arena descriptor to pid %d (uid %d): %s", pid, uid, exc)

@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.server.calls import CallRecord, current
 from kvstore.server.interceptors import Behavior, HandlerInterceptor
+from kvstore.server.metrics_http import start_metrics_http
 
 _log = logging.getLogger("kvstore.server.metrics")
 # From 100 us (a Lookup on a warm loop) to 30 s (a multi-GiB streamed Get).
@@ -228,9 +229,11 @@ class Metrics:
         if code != grpc.StatusCode.OK:
             self.rpc_errors.labels(method, code.name, *named).inc()
 
-    def start_http(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0 picks a port); return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def start_http(self, host: str, port: int, max_connections: int = 8,
+                   timeout_s: float = 5.0) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 picks a port), at most ``max_connections``
+        at once, each request within ``timeout_s`` (``metrics_http.py``); the bound port."""
+        server = start_metrics_http(host, port, self.registry, max_connections, timeout_s)
         self._http = server
         return int(server.server_port)
 

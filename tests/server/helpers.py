@@ -100,18 +100,24 @@ def write_toml(config: KVStoreConfig, path: Path) -> Path:
 class DaemonProcess:
     """The daemon as a real subprocess; its log lines go to ``log_path``."""
 
-    def __init__(self, config: KVStoreConfig, root: Path, launcher: tuple[str, ...] = ()) -> None:
-        """``launcher``: a command the daemon's command line is handed to (it execs it)."""
+    def __init__(self, config: KVStoreConfig, root: Path, launcher: tuple[str, ...] = (),
+                 nofile: tuple[int, int] | None = None) -> None:
+        """``launcher``: a command the daemon's command line is handed to (it execs it);
+        ``nofile``: a lowered descriptor limit (soft, hard)."""
         self.config = config
         self.address = f"unix://{config.server.socket_path}"
         self.log_path = root / f"daemon-{time.monotonic_ns()}.log"
         config_path = write_toml(config, root / "kvstore.toml")
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        command = [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config_path)]
+        if nofile is not None:  # a lowered descriptor limit (soft, hard): floods reach it soon
+            command[1:3] = ["-c", ("import resource, runpy, sys; "
+                            f"resource.setrlimit(resource.RLIMIT_NOFILE, {tuple(nofile)}); "
+                            "sys.argv[0] = 'kvstore.server.daemon'; "
+                            "runpy.run_module('kvstore.server.daemon', run_name='__main__')")]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [*launcher, sys.executable, "-m", "kvstore.server.daemon", "--config",
-                 str(config_path)],
-                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [*launcher, *command], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

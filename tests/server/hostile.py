@@ -89,10 +89,12 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float,
 @contextlib.contextmanager
 def daemon_process(root: Path, **server: Any) -> Iterator[DaemonProcess]:
     """A ready daemon subprocess with ``small_config(root, **server)`` logging at INFO (its
-    "serving" line names the TCP port); killed afterwards."""
+    "serving" line names the TCP port); killed afterwards. ``nofile=(soft, hard)`` lowers its
+    descriptor limit."""
     dram = server.pop("dram_bytes", 16 * MiB)
+    nofile = server.pop("nofile", None)
     server.setdefault("log_level", "INFO")
-    proc = DaemonProcess(small_config(root, dram_bytes=dram, **server), root)
+    proc = DaemonProcess(small_config(root, dram_bytes=dram, **server), root, nofile)
     try:
         proc.wait_ready()
         yield proc
