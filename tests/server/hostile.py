@@ -94,7 +94,7 @@ def daemon_process(root: Path, **server: Any) -> Iterator[DaemonProcess]:
     dram = server.pop("dram_bytes", 16 * MiB)
     nofile = server.pop("nofile", None)
     server.setdefault("log_level", "INFO")
-    proc = DaemonProcess(small_config(root, dram_bytes=dram, **server), root, nofile)
+    proc = DaemonProcess(small_config(root, dram_bytes=dram, **server), root, nofile=nofile)
     try:
         proc.wait_ready()
         yield proc
