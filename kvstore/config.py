@@ -385,6 +385,59 @@ class ServerConfig:
                               f"got {self.log_level!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events (``kvstore.server.kv_events``): every block a tier stores or drops, published
+    in vLLM's KV-event format on a ZMQ PUB socket for KV-aware routers, and as the
+    tenant-filtered ``SubscribeEvents`` gRPC stream. Off by default.
+
+    The ZMQ sockets have no authentication: they show every tenant's block hashes to whoever
+    connects, so bind them to localhost or an ``ipc://`` path, or use them with one tenant.
+    """
+
+    enabled: bool = False  # collect events; serve SubscribeEvents; publish on zmq_endpoint
+    # PUB endpoint ("" = gRPC stream only). zmq_mode "bind" binds it; "connect" connects to a
+    # subscriber that binds (llm-d's indexer does); "auto" follows vLLM: bind when the
+    # endpoint has a wildcard ("*", "::") or is ipc:// or inproc://, else connect.
+    zmq_endpoint: str = "tcp://127.0.0.1:5557"
+    zmq_mode: str = "bind"
+    replay_endpoint: str = ""  # ROUTER socket answering replay requests ("" = none); binds
+    topic: str = ""  # the first frame of every message; "{host}" is replaced by host
+    host: str = ""  # this daemon's name in events; "" = the machine's host name
+    block_hash: str = "int"  # "int": a key's low 64 bits (vLLM's int hashes); "bytes": all 16
+    data_parallel_rank: int = 0  # sent in every batch, as vLLM's publishers do
+    # Bounds, so a slow or dead subscriber never holds the daemon up (drops are counted):
+    queue_events: int = 65536  # events collected and not yet published
+    max_batch_events: int = 1024  # events in one published batch
+    send_queue_batches: int = 10_000  # batches waiting for the ZMQ thread
+    replay_batches: int = 10_000  # past batches a replay can return (vLLM's buffer_steps)
+    zmq_hwm: int = 100_000  # messages ZMQ queues per subscriber (vLLM's default)
+    subscriber_queue_batches: int = 1024  # batches a gRPC subscriber may fall behind by
+    max_subscribers: int = 64  # SubscribeEvents streams open at once
+    media: dict[str, str] = field(default_factory=dict)  # tier name -> medium, overriding
+    # the kind's: hbm "GPU", dram "CPU", ssd "STORAGE" (vLLM's names), remote "REMOTE"
+
+    def __post_init__(self) -> None:
+        if self.zmq_mode not in ("bind", "connect", "auto"):
+            raise ConfigError(f"events.zmq_mode must be bind, connect or auto, "
+                              f"got {self.zmq_mode!r}")
+        if self.block_hash not in ("int", "bytes"):
+            raise ConfigError(f"events.block_hash must be int or bytes, got {self.block_hash!r}")
+        for name in ("zmq_endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ConfigError(f"events.{name} must be a ZMQ endpoint such as "
+                                  f"tcp://127.0.0.1:5557 or ipc:///path, got {value!r}")
+        if self.data_parallel_rank < 0:
+            raise ConfigError(f"events.data_parallel_rank must be >= 0, "
+                              f"got {self.data_parallel_rank!r}")
+        for name in ("queue_events", "max_batch_events", "send_queue_batches", "replay_batches",
+                     "zmq_hwm", "subscriber_queue_batches", "max_subscribers"):
+            if not 1 <= getattr(self, name) <= 1 << 24:
+                raise ConfigError(f"events.{name} must be in [1, {1 << 24}], "
+                                  f"got {getattr(self, name)!r}")
+
+
 TIER_KINDS: dict[str, type[TierSettings]] = {"hbm": HbmConfig, "dram": DramConfig,
                                              "ssd": SsdConfig, "remote": RemoteConfig}
 
@@ -418,6 +471,7 @@ class KVStoreConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     # The chain, fastest first; empty: [dram], then [ssd] if enabled, then [remote] if it has a url.
     tiers: tuple[TierConfig, ...] = ()
 
@@ -439,7 +493,7 @@ class KVStoreConfig:
 
 
 _SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig,
-             "quota": QuotaConfig, "remote": RemoteConfig}
+             "quota": QuotaConfig, "remote": RemoteConfig, "events": EventsConfig}
 
 
 def _coerce(section: str, name: str, value: Any, current: Any) -> Any:
