@@ -414,6 +414,7 @@ class EventsConfig:
     zmq_hwm: int = 100_000  # messages ZMQ queues per subscriber (vLLM's default)
     subscriber_queue_batches: int = 1024  # batches a gRPC subscriber may fall behind by
     max_subscribers: int = 64  # SubscribeEvents streams open at once
+    max_subscribers_per_tenant: int = 8  # of those, one tenant's (the admin counts as one)
     media: dict[str, str] = field(default_factory=dict)  # tier name -> medium, overriding
     # the kind's: hbm "GPU", dram "CPU", ssd "STORAGE" (vLLM's names), remote "REMOTE"
 
@@ -432,7 +433,8 @@ class EventsConfig:
             raise ConfigError(f"events.data_parallel_rank must be >= 0, "
                               f"got {self.data_parallel_rank!r}")
         for name in ("queue_events", "max_batch_events", "send_queue_batches", "replay_batches",
-                     "zmq_hwm", "subscriber_queue_batches", "max_subscribers"):
+                     "zmq_hwm", "subscriber_queue_batches", "max_subscribers",
+                     "max_subscribers_per_tenant"):
             if not 1 <= getattr(self, name) <= 1 << 24:
                 raise ConfigError(f"events.{name} must be in [1, {1 << 24}], "
                                   f"got {getattr(self, name)!r}")

@@ -56,7 +56,9 @@ class EventRun:
 
     first: BlockEvent
     keys: list[BlockKey] = field(default_factory=list)
-    tokens: list[np.ndarray] = field(default_factory=list)  # each block's, when all have them
+    # Where the blocks' tokens are, when all have them: [array, start, end] stretches (a put's
+    # blocks lie one after another in one array: one stretch for all of them).
+    spans: list[list[Any]] = field(default_factory=list)
 
     def continues(self, event: BlockEvent) -> bool:
         """Whether ``event`` extends this run."""
@@ -68,21 +70,28 @@ class EventRun:
         if event.kind is EventKind.REMOVED:
             return True
         return (event.parent == self.keys[-1] and event.block_tokens == first.block_tokens
-                and (event.tokens is None) == (not self.tokens))
+                and (event.tokens is None) == (first.tokens is None))
 
 
 def event_runs(events: Sequence[BlockEvent]) -> list[EventRun]:
     """``events`` grouped into runs, in order."""
     runs: list[EventRun] = []
+    run: EventRun | None = None
     for event in events:
-        run = runs[-1] if runs else None
         if run is None or not run.continues(event):
             run = EventRun(event)
             runs.append(run)
-        if event.key is not None:
-            run.keys.append(event.key)
-        if event.tokens is not None:
-            run.tokens.append(event.tokens)
+        if event.meta is not None:
+            run.keys.append(event.meta.key)
+        tokens = event.tokens
+        if tokens is None:
+            continue
+        start = event.token_start
+        last = run.spans[-1] if run.spans else None
+        if last is not None and last[0] is tokens and last[2] == start:
+            last[2] = start + event.block_tokens
+        else:
+            run.spans.append([tokens, start, start + event.block_tokens])
     return runs
 
 
@@ -94,18 +103,24 @@ def hash_format(name: str) -> Callable[[bytes], int | bytes]:
 
 
 def run_tokens(run: EventRun) -> np.ndarray | None:
-    return np.concatenate(run.tokens) if run.tokens else None
+    """The token ids of a run's blocks in order (None when they are not known)."""
+    if not run.spans:
+        return None
+    parts = [array[start:end] for array, start, end in run.spans]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def run_to_proto(run: EventRun) -> pb.KVEvent:
-    first = run.first
+    first, meta = run.first, run.first.meta
+    if meta is None:
+        return pb.KVEvent(kind=_PB_KINDS[first.kind])
     tokens = run_tokens(run)
     return pb.KVEvent(
-        kind=_PB_KINDS[first.kind], keys=run.keys, parent=first.parent or b"",
+        kind=_PB_KINDS[first.kind], keys=run.keys, parent=meta.parent or b"",
         tokens=b"" if tokens is None else tokens.astype("<u4").tobytes(),
-        block_tokens=first.block_tokens, first_block_index=first.block_index,
-        tier=first.tier, medium=first.medium, tenant=first.tenant or "",
-        model_id=first.model_id, namespace=first.namespace)
+        block_tokens=first.block_tokens, first_block_index=meta.block_index,
+        tier=first.tier, medium=first.medium, tenant=meta.tenant, model_id=meta.model_id,
+        namespace=meta.namespace)
 
 
 class Subscription:
@@ -188,11 +203,18 @@ class EventHub:
         """A subscription to ``tenant``'s events (None: every tenant's) while in the block.
 
         Raises:
-            CapacityError: ``events.max_subscribers`` streams are open already.
+            CapacityError: ``events.max_subscribers`` streams are open already, or
+                ``events.max_subscribers_per_tenant`` of ``tenant``'s.
         """
-        if len(self._subs) >= self._config.max_subscribers:
+        config = self._config
+        if len(self._subs) >= config.max_subscribers:
             raise CapacityError(f"{len(self._subs)} event subscriptions are open, the most "
                                 f"this daemon serves (events.max_subscribers)")
+        # One tenant cannot take every subscription from the others.
+        if sum(s.tenant == tenant for s in self._subs) >= config.max_subscribers_per_tenant:
+            raise CapacityError(f"{config.max_subscribers_per_tenant} event subscriptions of "
+                                f"this tenant are open, the most one tenant may hold "
+                                f"(events.max_subscribers_per_tenant)")
         sub = Subscription(tenant, self._config.subscriber_queue_batches)
         self._subs.add(sub)
         try:

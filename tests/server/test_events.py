@@ -136,7 +136,19 @@ def test_zmq_subscriber_sees_puts_and_evicts_in_vllm_format(root, ns, spec):
             assert event.token_ids == tokens and event.block_size == 16
             assert event.medium == "CPU" and event.lora_id is None
 
-            assert client.evict(keys=keys) == 3
+            # the prompt grows by two blocks: only those are stored, chained to what was there
+            longer = tokens + random_tokens(32, seed=7)
+            more = [vllm_hash(k) for k in block_keys(ns, longer)[3:]]
+            assert client.put(ns, longer, random_kv(spec, 80)) == 32
+            assert sub.wait_for(lambda events: any(
+                isinstance(e, BlockStored) and e.block_hashes == more for e in events))
+            [grown] = [e for e in sub.events()
+                       if isinstance(e, BlockStored) and e.block_hashes == more]
+            assert grown.parent_block_hash == hashes[-1] and grown.token_ids == longer[48:]
+            keys = block_keys(ns, longer)
+            hashes += more
+
+            assert client.evict(keys=keys) == 5
             assert sub.wait_for(lambda events: {
                 h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes
             } >= set(hashes))
@@ -144,6 +156,9 @@ def test_zmq_subscriber_sees_puts_and_evicts_in_vllm_format(root, ns, spec):
             assert {e.medium for e in removed} == {"CPU"}
             assert all(batch.data_parallel_rank == 0 for _, batch in sub.received)
             assert sub.topics == {b"kv@node-a@test/model"}
+
+            client.evict(everything=True)  # the store is empty: vLLM's reset of its cache
+            assert sub.wait_for(lambda events: isinstance(events[-1], AllBlocksCleared))
             seqs = [seq for seq, _ in sub.received]
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     finally:
@@ -232,7 +247,8 @@ async def tcp_daemon(root):
     config = dataclasses.replace(
         small_config(root, tcp_address="127.0.0.1:0", tenant_tokens=TOKENS,
                      admin_token="tok-admin"),
-        events=EventsConfig(enabled=True, zmq_endpoint="", subscriber_queue_batches=8))
+        events=EventsConfig(enabled=True, zmq_endpoint="", subscriber_queue_batches=8,
+                            max_subscribers_per_tenant=1))
     d = await serve(config)
     yield d
     await d.stop(1.0)
@@ -274,6 +290,11 @@ async def test_grpc_subscriber_sees_only_its_tenants_blocks(tcp_daemon, ns, spec
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         mine, admin = subscribe(channel, "tok-acme"), subscribe(channel, "tok-admin")
         assert await until(lambda: subscribers(tcp_daemon) == 2)
+        second = subscribe(channel, "tok-acme")  # past acme's share of the subscriptions
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await second.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_subscribers_per_tenant" in info.value.details()
 
         await zeta.put(zeta_ns, tokens, random_kv(spec, 48))  # first: acme must not see it
         await acme.put(ns, tokens, random_kv(spec, 48))
@@ -343,3 +364,20 @@ async def test_subscribing_without_events_is_refused(daemon):
             await call.read()
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "events.enabled" in info.value.details()
+
+
+def test_events_config_names_what_is_wrong():
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+    from kvstore.store.events import tier_media
+
+    config = load_config(environ={}, overrides={"events": {
+        "enabled": "true", "media": "ssd=DISK", "zmq_endpoint": "ipc:///tmp/x.pub"}})
+    assert config.events.enabled and config.events.media == {"ssd": "DISK"}
+    chain = [(t.name, t.kind) for t in config.tier_chain()]
+    assert tier_media(chain + [("hbm", "hbm")], config.events.media) == {
+        "dram": "CPU", "ssd": "DISK", "hbm": "GPU"}
+    for field, value in (("zmq_mode", "both"), ("block_hash", "str"),
+                         ("zmq_endpoint", "localhost:5557"), ("max_subscribers", "0")):
+        with pytest.raises(ConfigError, match=f"events.{field}"):
+            load_config(environ={}, overrides={"events": {field: value}})
