@@ -16,8 +16,8 @@ its kvstore key: by default the key's low 64 bits as an unsigned int (vLLM's int
 what llm-d makes of a bytes hash), or its 16 bytes (``events.block_hash = "bytes"``).
 ``token_ids`` are the block's tokens where the store had them (a put or a reservation's
 commit: the tier a block is first written to), else empty, as vLLM's offloading connector
-sends for blocks it moves; ``block_size`` is the namespace's tokens per block (0 if this daemon
-has not seen a put of it since it started).
+sends for blocks it moves; ``block_size`` is the namespace's tokens per block with them, 0
+without (so ``len(token_ids) == len(block_hashes) * block_size`` always holds).
 
 Nothing blocks the loop: ZMQ batches go to a bounded queue for the publisher's thread
 (``zmq_publisher.py``); each subscriber has a bounded queue of batches; a full queue drops the

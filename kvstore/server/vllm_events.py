@@ -65,10 +65,13 @@ def run_to_vllm(run: EventRun, to_hash: Callable[[bytes], ExternalBlockHash]) ->
     if first.kind is EventKind.REMOVED:
         return BlockRemoved(block_hashes=hashes, medium=first.medium)
     tokens = run_tokens(run)
+    # Without tokens, block_size 0, as vLLM's placeholder events for blocks it moved: what a
+    # consumer may check, len(token_ids) == len(block_hashes) * block_size, always holds.
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if first.parent is None else to_hash(first.parent),
-        token_ids=[] if tokens is None else tokens.tolist(), block_size=first.block_tokens,
+        token_ids=[] if tokens is None else tokens.tolist(),
+        block_size=0 if tokens is None else first.block_tokens,
         lora_id=None, medium=first.medium, lora_name=None)
 
 

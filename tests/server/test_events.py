@@ -190,7 +190,8 @@ def test_demotion_is_a_stored_event_below_and_a_removed_one_above(root, ns, spec
             assert isinstance(key, bytes) and len(key) == 16  # block_hash = "bytes": whole keys
             below = [e for e in sub.events() if isinstance(e, BlockStored)
                      and e.medium == "STORAGE" and key in e.block_hashes]
-            assert below and below[0].token_ids == []
+            assert below and below[0].token_ids == [] and below[0].block_size == 0
+            assert below[0].parent_block_hash is None or len(below[0].parent_block_hash) == 16
     finally:
         ctx.destroy(linger=0)
 
