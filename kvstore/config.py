@@ -481,6 +481,62 @@ class TracingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events (``kvstore.server.kv_events``): every block a tier stores or drops, published
+    in vLLM's KV-event format on a ZMQ PUB socket for KV-aware routers, and as the
+    tenant-filtered ``SubscribeEvents`` gRPC stream. Off by default.
+
+    The ZMQ sockets have no authentication: they show every tenant's block hashes to whoever
+    connects, so bind them to localhost or an ``ipc://`` path, or use them with one tenant.
+    """
+
+    enabled: bool = False  # collect events; serve SubscribeEvents; publish on zmq_endpoint
+    # PUB endpoint ("" = gRPC stream only). zmq_mode "bind" binds it; "connect" connects to a
+    # subscriber that binds (llm-d's indexer does); "auto" follows vLLM: bind when the
+    # endpoint has a wildcard ("*", "::") or is ipc:// or inproc://, else connect.
+    zmq_endpoint: str = "tcp://127.0.0.1:5557"
+    zmq_mode: str = "bind"
+    replay_endpoint: str = ""  # ROUTER socket answering replay requests ("" = none); binds
+    topic: str = ""  # the first frame of every message; "{host}" is replaced by host
+    host: str = ""  # this daemon's name in events; "" = the machine's host name
+    block_hash: str = "int"  # "int": a key's low 64 bits (vLLM's int hashes); "bytes": all 16
+    data_parallel_rank: int = 0  # sent in every batch, as vLLM's publishers do
+    # Bounds, so a slow or dead subscriber never holds the daemon up (drops are counted):
+    queue_events: int = 65536  # events collected and not yet published
+    max_batch_events: int = 1024  # events in one published batch
+    send_queue_batches: int = 10_000  # batches waiting for the ZMQ thread
+    replay_batches: int = 10_000  # past batches a replay can return (vLLM's buffer_steps)
+    zmq_hwm: int = 100_000  # messages ZMQ queues per subscriber (vLLM's default)
+    subscriber_queue_batches: int = 1024  # batches a gRPC subscriber may fall behind by
+    max_subscribers: int = 64  # SubscribeEvents streams open at once
+    max_subscribers_per_tenant: int = 8  # of those, one tenant's (the admin counts as one)
+    media: dict[str, str] = field(default_factory=dict)  # tier name -> medium, overriding
+    # the kind's: hbm "GPU", dram "CPU", ssd "STORAGE" (vLLM's names), remote "REMOTE"
+
+    def __post_init__(self) -> None:
+        if self.zmq_mode not in ("bind", "connect", "auto"):
+            raise ConfigError(f"events.zmq_mode must be bind, connect or auto, "
+                              f"got {self.zmq_mode!r}")
+        if self.block_hash not in ("int", "bytes"):
+            raise ConfigError(f"events.block_hash must be int or bytes, got {self.block_hash!r}")
+        for name in ("zmq_endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ConfigError(f"events.{name} must be a ZMQ endpoint such as "
+                                  f"tcp://127.0.0.1:5557 or ipc:///path, got {value!r}")
+        if self.data_parallel_rank < 0:
+            raise ConfigError(f"events.data_parallel_rank must be >= 0, "
+                              f"got {self.data_parallel_rank!r}")
+        for name in ("queue_events", "max_batch_events", "send_queue_batches", "replay_batches",
+                     "zmq_hwm", "subscriber_queue_batches", "max_subscribers",
+                     "max_subscribers_per_tenant"):
+            if not 1 <= getattr(self, name) <= 1 << 24:
+                raise ConfigError(f"events.{name} must be in [1, {1 << 24}], "
+                                  f"got {getattr(self, name)!r}")
+
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     """One link of the tier chain: its name (in stats, listings, ``tokens_per_tier``), its kind
     (which tier implementation; a key of ``TIER_KINDS``) and that kind's settings."""
@@ -511,6 +567,7 @@ class KVStoreConfig:
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     # The chain, fastest first; empty: [dram], then [ssd] if enabled, then [remote] if it has a url.
     tiers: tuple[TierConfig, ...] = ()
 
@@ -532,7 +589,8 @@ class KVStoreConfig:
 
 
 _SECTIONS = {"dram": DramConfig, "ssd": SsdConfig, "server": ServerConfig,
-             "quota": QuotaConfig, "remote": RemoteConfig, "tracing": TracingConfig}
+             "quota": QuotaConfig, "remote": RemoteConfig, "tracing": TracingConfig,
+             "events": EventsConfig}
 
 
 def _coerce(section: str, name: str, value: Any, current: Any) -> Any:

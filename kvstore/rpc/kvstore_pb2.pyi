@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_REMOVED: _ClassVar[KVEventKind]
+    KV_EVENT_ALL_CLEARED: _ClassVar[KVEventKind]
+KV_EVENT_STORED: KVEventKind
+KV_EVENT_REMOVED: KVEventKind
+KV_EVENT_ALL_CLEARED: KVEventKind
 
 class KVSpec(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "dtype", "position_scheme")
@@ -626,3 +636,49 @@ class ListPinsResponse(_message.Message):
     PINS_FIELD_NUMBER: _ClassVar[int]
     pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
     def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
+
+class SubscribeEventsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "keys", "parent", "tokens", "block_tokens", "first_block_index", "tier", "medium", "tenant", "model_id", "namespace")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEventKind
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    tokens: bytes
+    block_tokens: int
+    first_block_index: int
+    tier: str
+    medium: str
+    tenant: str
+    model_id: str
+    namespace: bytes
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., first_block_index: _Optional[int] = ..., tier: _Optional[str] = ..., medium: _Optional[str] = ..., tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("ts", "seq", "events", "num_dropped", "host")
+    TS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ts: float
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    num_dropped: int
+    host: str
+    def __init__(self, ts: _Optional[float] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., num_dropped: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...

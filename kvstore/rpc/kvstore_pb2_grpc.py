@@ -139,6 +139,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.ListPinsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ListPinsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvstore.v1.KVStore/SubscribeEvents',
+                request_serializer=kvstore__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -296,6 +301,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """KV events (needs events.enabled): a batch whenever tiers stored or dropped blocks of the
+        caller's tenant (an admin: every tenant's, or the one it names). A subscriber that falls
+        behind loses batches, never holds the daemon up; num_dropped says how many events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -403,6 +417,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ListPins,
                     request_deserializer=kvstore__pb2.ListPinsRequest.FromString,
                     response_serializer=kvstore__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvstore__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=kvstore__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -972,6 +991,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ListPins',
             kvstore__pb2.ListPinsRequest.SerializeToString,
             kvstore__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/SubscribeEvents',
+            kvstore__pb2.SubscribeEventsRequest.SerializeToString,
+            kvstore__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,7 @@ from kvstore.server.fds import ConnectionBudget, raise_nofile_limit
 from kvstore.server.gate import TcpGate
 from kvstore.server.health import DaemonHealth
 from kvstore.server.interceptors import ErrorInterceptor
+from kvstore.server.kv_events import EventHub, EventsCollector
 from kvstore.server.limits import RateLimiter
 from kvstore.server.metrics import Metrics, MetricsInterceptor, loop_snapshot
 from kvstore.server.registration import add_to_server
@@ -134,7 +135,10 @@ class Daemon:
         self.datapath = DataSocketServer(server, auth, data_socket_path(self.socket_path),
                                          max_put_bytes(config), self.budget.data_connections
                                          ) if server.data_socket else None
-        service = KVStoreService(store, config, lambda: self.draining, self.datapath)
+        # KV events (server/kv_events.py): None when off; published once start() has run.
+        self.events = None if store.events is None else EventHub(store.events, config.events)
+        service = KVStoreService(store, config, lambda: self.draining, self.datapath,
+                                 self.events)
         add_to_server(service, self.server)
         self.health = DaemonHealth(self.server)  # NOT_SERVING until start() has finished
         if self.datapath is not None and server.call_channel:
@@ -195,6 +199,9 @@ class Daemon:
             self.metrics_port = self.metrics.start_http(server.metrics_host, server.metrics_port,
                                                         self.budget.metrics_connections,
                                                         server.unauthenticated_timeout_s)
+        if self.events is not None:
+            self.events.start()
+            self.metrics.registry.register(EventsCollector(self.events, self.store.events))
         await self.health.serving()
         _log.info("serving", extra={"socket": self.socket_path, "tcp_port": self.tcp_port,
                                     "data_port": self.datapath and self.datapath.tcp_port,
@@ -222,11 +229,15 @@ class Daemon:
             await asyncio.to_thread(self.tracer.shutdown)  # sends the spans still queued
             # Blocks queued for write-through get what is left of the grace.
             await self.store.close(max(0.0, grace - (time.monotonic() - started)))
+            if self.events is not None:  # after the store: its last events are sent too
+                await self.events.aclose()
         finally:
             if self.fd_server is not None:  # idempotent: removes the socket on any failure
                 await self.fd_server.close()
             if self.datapath is not None:
                 await self.datapath.close()
+            if self.events is not None:  # idempotent: a failed stop still closes the sockets
+                await self.events.aclose()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             self._lock.close()

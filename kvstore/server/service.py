@@ -58,6 +58,7 @@ from kvstore.server import calls
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.channel import CallScope, Core
 from kvstore.server.data_socket import DataSocketServer
+from kvstore.server.kv_events import EventHub
 from kvstore.server.limits import StreamClock
 from kvstore.server.sessions import HEARTBEAT_S, Session, Sessions
 from kvstore.server.transfers import Transfer
@@ -109,8 +110,10 @@ class KVStoreService(pbg.KVStoreServicer):
 
     def __init__(self, store: Store, config: KVStoreConfig,
                  is_draining: Callable[[], bool] = lambda: False,
-                 datapath: DataSocketServer | None = None) -> None:
+                 datapath: DataSocketServer | None = None,
+                 events: EventHub | None = None) -> None:
         self._store = store
+        self._events = events  # KV events (server/kv_events.py); None: events are off
         self._datapath = datapath  # the socket data path; None: tensors stream in chunks
         self._config = config
         self._is_draining = is_draining
@@ -555,3 +558,15 @@ class KVStoreService(pbg.KVStoreServicer):
             self._store.report_prefill(ns, request.new_tokens, request.cached_tokens, seconds)
         return pb.ReportPrefillResponse()
 
+    async def SubscribeEvents(self, request: pb.SubscribeEventsRequest, context
+                              ) -> AsyncIterator[pb.KVEventBatch]:
+        """KV events of the caller's tenant (an admin's: every tenant's, or the one it names),
+        until the client goes away or the daemon drains."""
+        if self._events is None:
+            raise FailedPrecondition("KV events are off on this daemon (events.enabled)")
+        tenant = current_caller().scope(request.tenant, "subscribe to the events")
+        with self._events.subscribe(tenant) as subscription:
+            while not self._is_draining():
+                batch = await subscription.next(HOLD_POLL_S)
+                if batch is not None:
+                    yield batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -24,12 +24,14 @@ from kvstore.api import (
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_keys, token_array
+from kvstore.page import PageMeta
 from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder
 from kvstore.room import Footprint
 from kvstore.spec import KVSpec
 from kvstore.store.demotion import Demoter
 from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.events import EventSink, tier_media
 from kvstore.store.held import HeldTable
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.inventory import Inventory
@@ -73,6 +75,20 @@ def _state_dir(links: Sequence[Link]) -> Path | None:
     return None
 
 
+def _observers(*observers: Callable[[PageMeta, str, bool], None] | None
+               ) -> Callable[[PageMeta, str, bool], None] | None:
+    """One directory observer that tells each of ``observers`` (None where none is given)."""
+    chosen = [o for o in observers if o is not None]
+    if len(chosen) < 2:
+        return chosen[0] if chosen else None
+
+    def observe(meta: PageMeta, tier: str, is_held: bool) -> None:
+        for observer in chosen:
+            observer(meta, tier, is_held)
+
+    return observe
+
+
 def _eviction_order(links: Sequence[Link], index: int, history: UseHistory) -> EvictionOrder:
     """The order ``links[index]``'s settings name. The value order scores a hit by the read time
     it saves against the next tier down; in the last tier by its own read time (recompute is
@@ -106,8 +122,15 @@ class Store:
         self.tiers: dict[str, Tier] = {link.name: link.tier for link in links}
         history = UseHistory()
         orders = {link.name: _eviction_order(links, link.index, history) for link in links}
+        events = self.config.events
+        # The store's KV events (store/events.py), when a publisher is configured to read them.
+        self.events: EventSink | None = EventSink(
+            tier_media([(t.name, t.kind) for t in self.config.tier_chain()], events.media),
+            events.queue_events) if events.enabled else None
         self._dir = BlockDirectory(list(orders), orders.__getitem__,
-                                   observer=directory_observer(links))
+                                   observer=_observers(
+                                       directory_observer(links),
+                                       None if self.events is None else self.events.observe))
         self._held = HeldTable(self.config.quota, self.config.server.lease_timeout_s)
         self._inventory = Inventory(links, self._dir, self._held)
         self._count = self._inventory.count
@@ -225,7 +248,13 @@ class Store:
         self._namespaces.note(ns)
         self._placement.note(keys)
         self._count(ns.tenant, puts=1)
-        stored = await self._writes.put(ns, keys, kv)
+        if self.events is not None:
+            self.events.expect(ns, keys, arr)
+        try:
+            stored = await self._writes.put(ns, keys, kv)
+        finally:
+            if self.events is not None:
+                self.events.forget(keys)
         self._stored(stored)
         self._count(ns.tenant, put_tokens=len(stored) * ns.spec.block_tokens)
         return len(stored) * ns.spec.block_tokens
@@ -327,9 +356,12 @@ class Store:
         if namespace is not None:
             fp = namespace.fingerprint if isinstance(namespace, Namespace) else bytes(namespace)
             fingerprints = {fp} if fingerprints is None else fingerprints & {fp}
-        return await self._inventory.evict(tenant=tenant, model_id=model_id, keys=keys,
-                                           everything=everything, namespaces=fingerprints,
-                                           unpin=self._pins.forget)
+        removed = await self._inventory.evict(tenant=tenant, model_id=model_id, keys=keys,
+                                              everything=everything, namespaces=fingerprints,
+                                              unpin=self._pins.forget)
+        if everything and self.events is not None and not len(self._dir):
+            self.events.cleared()
+        return removed
 
     async def pin(self, ns: Namespace, tokens: Tokens, ttl_s: float) -> PinInfo:
         """Keep the stored prefix of ``tokens`` in the cache for ``ttl_s`` seconds, where it
@@ -395,21 +427,39 @@ class Store:
         writer's GPU, as for ``acquire``); publish them with ``commit``."""
         self._check_open()
         self._namespaces.note(ns)
-        return await self._reservations.reserve(ns, await _keys(ns, token_array(tokens)),
-                                                lease_s, Medium(medium), device)
+        arr = token_array(tokens)
+        keys = await _keys(ns, arr)
+        if self.events is None:
+            return await self._reservations.reserve(ns, keys, lease_s, Medium(medium), device)
+        self.events.expect(ns, keys, arr)  # the commit's stored events carry these tokens
+        try:
+            reservation = await self._reservations.reserve(ns, keys, lease_s, Medium(medium),
+                                                           device)
+        except BaseException:
+            self.events.forget(keys)
+            raise
+        reserved = set(self._reservations.reserved_keys(reservation.reservation_id))
+        self.events.forget([key for key in keys if key not in reserved])
+        return reservation
 
     async def commit(self, reservation_id: str, ready_event: bytes = b"") -> int:
         """Publish what a writer put into a reservation's slots; ``ready_event`` is the IPC
         handle of a CUDA event it recorded after writing device slots."""
         self._check_open()
         keys = self._reservations.reserved_keys(reservation_id)
-        written = await self._reservations.commit(reservation_id, ready_event)
+        try:
+            written = await self._reservations.commit(reservation_id, ready_event)
+        finally:
+            if self.events is not None:
+                self.events.forget(keys)
         self._stored([e for e in map(self._dir.get, keys) if e is not None] if written else [])
         return written
 
     async def abort(self, reservation_id: str) -> None:
         """Free a reservation's slots (a writer that gave up); LeaseNotFound if unknown."""
         self._check_open()
+        if self.events is not None:
+            self.events.forget(self._reservations.reserved_keys(reservation_id))
         self._reservations.abort(reservation_id)
 
     async def hint(self, ns: Namespace, tokens: Tokens, deadline_s: float,
