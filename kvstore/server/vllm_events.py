@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from kvstore.config import EventsConfig
-from kvstore.server.kv_events import EventRun, run_tokens
+from kvstore.server.event_runs import EventRun, run_tokens
 from kvstore.store.events import EventKind
 
 ExternalBlockHash = bytes | int  # vLLM's name: an int, or the hash's bytes
