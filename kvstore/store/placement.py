@@ -191,14 +191,18 @@ class Placement:
         """
         quota = self.quota_bytes(link)
         is_protected = self._dir.is_protected
+        # Memory a tenant's clients keep after the tier gave it back is the tenant's: charged
+        # to its share, it cannot grow past it again and leave others less. (Asked at every
+        # room-making, also without quotas: the tier looks whether they let go since.)
+        outside = await link.tier.held_outside()
         if quota is not None:
             if nbytes > quota:
                 return False
-            over = self._dir.usage(link.name, tenant) + nbytes - quota
+            over = self._dir.usage(link.name, tenant) + outside.get(tenant, 0) + nbytes - quota
             own = self._not_owned_by(tenant)
             if over > 0 and not await self._evict(link, RoomNeed(over), own):
                 return False
-            is_protected = self._fair_game_for(tenant, link.name, quota)
+            is_protected = self._fair_game_for(tenant, link.name, quota, outside)
         room = link.tier.room_for_slot if for_slot else link.tier.room_for_tenant
         need = room(nbytes, tenant, is_protected)
         if need is not None and not await self._evict(link, need, is_protected):
@@ -234,12 +238,14 @@ class Placement:
 
         return is_protected
 
-    def _fair_game_for(self, tenant: str, tier: str, quota: int) -> Callable[[BlockKey], bool]:
+    def _fair_game_for(self, tenant: str, tier: str, quota: int, outside: dict[str, int]
+                       ) -> Callable[[BlockKey], bool]:
         def is_protected(key: BlockKey) -> bool:
             if self._dir.is_protected(key):
                 return True
             owner = self._dir.owner(key)
-            return owner != tenant and self._dir.usage(tier, owner) <= quota
+            return (owner != tenant
+                    and self._dir.usage(tier, owner) + outside.get(owner, 0) <= quota)
 
         return is_protected
 
