@@ -81,6 +81,10 @@ class AdmissionPolicy(ABC):
     def admits(self, key: BlockKey) -> bool:
         """Whether ``key`` may enter the tier now."""
 
+    def admits_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """``admits`` of each key (a filter may answer them in one pass)."""
+        return [self.admits(key) for key in keys]
+
     def lifts(self, key: BlockKey) -> bool:
         """Whether a put's copy of ``key``, a block only slower tiers hold, may be written into
         this tier (the engine recomputed it rather than fetch it from below). Default: no, a

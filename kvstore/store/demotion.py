@@ -15,10 +15,18 @@ class Demoter:
     def __init__(self, placement: Placement) -> None:
         self._placement = placement
         self._wakeup: asyncio.Event | None = None
+        self._passing: asyncio.Lock | None = None  # one pass at a time
 
     def open(self) -> None:
         """Ready for ``wake`` and ``run`` (on the loop the store opens on)."""
         self._wakeup = asyncio.Event()
+        self._passing = asyncio.Lock()
+
+    async def settle(self) -> None:
+        """Return after the pass running now, if any, and one more have ended: what a write
+        woke has been done."""
+        async with self._passing:
+            await self._placement.demote_above_watermarks()
 
     def wake(self) -> None:
         """Start demoting if some tier but the last passed its high watermark."""
@@ -30,4 +38,5 @@ class Demoter:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            await self._placement.demote_above_watermarks()
+            async with self._passing:
+                await self._placement.demote_above_watermarks()

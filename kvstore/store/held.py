@@ -46,9 +46,15 @@ class ReservationHold:
     deadline: float
     ns: Namespace
     slots: list[ReservedSlot]
-    # The prompt's keys up to its last reserved block: what was stored of them when the
-    # commit makes room stays (a put in pieces never evicts its own head).
-    prefix: tuple[BlockKey, ...] = ()
+    # The prompt's keys: what was stored of them up to its last reserved block stays while
+    # the commit makes room (a put in pieces never evicts its own head), and the commit
+    # records them as sightings, as a streamed put does.
+    keys: tuple[BlockKey, ...] = ()
+
+    @property
+    def head(self) -> tuple[BlockKey, ...]:
+        """The prompt's keys before its last reserved block."""
+        return self.keys[:self.slots[-1].block_index] if self.slots else ()
 
     @property
     def tenant(self) -> str:

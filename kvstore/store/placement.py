@@ -13,7 +13,8 @@ watermarks. The rules:
   room for it, unless a faster tier still holds the block or the walk down reaches a tier that
   does (a copy further down does not serve as fast as the tier in between); a block that no
   lower tier takes is dropped.
-- A tier above its high watermark demotes its coldest blocks until it is below its low one.
+- A tier above its high watermark demotes its coldest blocks until it is below its low one;
+  a block no lower tier takes stays until room is needed (dropping it early gains nothing).
 - Promotion copies a block into a faster tier (after a get served it from further down, for a
   lease, or for a hint); a tier with ``write_through`` set also gets a copy of every new block,
   in the background (``kvstore.store.write_through``: bounded queues that drop, not stall). A put's copy of a block held only further down is written into a faster
@@ -194,14 +195,18 @@ class Placement:
         """
         quota = self.quota_bytes(link)
         is_protected = self._dir.is_protected
+        # Memory a tenant's clients keep after the tier gave it back is the tenant's: charged
+        # to its share, it cannot grow past it again and leave others less. (Asked at every
+        # room-making, also without quotas: the tier looks whether they let go since.)
+        outside = await link.tier.held_outside()
         if quota is not None:
             if nbytes > quota:
                 return False
-            over = self._dir.usage(link.name, tenant) + nbytes - quota
+            over = self._dir.usage(link.name, tenant) + outside.get(tenant, 0) + nbytes - quota
             own = self._not_owned_by(tenant)
             if over > 0 and not await self._evict(link, RoomNeed(over), own):
                 return False
-            is_protected = self._fair_game_for(tenant, link.name, quota)
+            is_protected = self._fair_game_for(tenant, link.name, quota, outside)
         room = link.tier.room_for_slot if for_slot else link.tier.room_for_tenant
         need = room(nbytes, tenant, is_protected)
         if need is not None and not await self._evict(link, need, is_protected):
@@ -237,17 +242,20 @@ class Placement:
 
         return is_protected
 
-    def _fair_game_for(self, tenant: str, tier: str, quota: int) -> Callable[[BlockKey], bool]:
+    def _fair_game_for(self, tenant: str, tier: str, quota: int, outside: dict[str, int]
+                       ) -> Callable[[BlockKey], bool]:
         def is_protected(key: BlockKey) -> bool:
             if self._dir.is_protected(key):
                 return True
             owner = self._dir.owner(key)
-            return owner != tenant and self._dir.usage(tier, owner) <= quota
+            return (owner != tenant
+                    and self._dir.usage(tier, owner) + outside.get(owner, 0) <= quota)
 
         return is_protected
 
-    async def give_up(self, link: Link, key: BlockKey) -> None:
-        """Remove ``key`` from ``link``'s tier, demoting it first if no other tier holds it."""
+    async def give_up(self, link: Link, key: BlockKey, may_drop: bool = True) -> None:
+        """Remove ``key`` from ``link``'s tier, demoting it first if no other tier holds it
+        (``may_drop`` False: keep it where it is if no lower tier takes it)."""
         entry = self._dir.get(key)
         if entry is None or entry.pins or link.name not in entry.sizes:
             return
@@ -255,12 +263,13 @@ class Placement:
                                   for faster in self.links[:link.index]):
             self._dir.pin([entry])  # the page must outlive its copy down the chain
             try:
-                if await self.demote(link, entry):
+                demoted = await self.demote(link, entry)
+                if demoted:
                     self._count(entry.meta.tenant, demotions=1)
             finally:
                 self._dir.unpin([entry])
-            if entry.pins:  # a reader arrived while it was copied: keep this copy too
-                return
+            if entry.pins or not (demoted or may_drop):
+                return  # a reader arrived while it was copied, or it stays: keep this copy
         if self._dir.get(key) is not entry or link.name not in entry.sizes:
             return
         await link.tier.delete(key)
@@ -387,19 +396,39 @@ class Placement:
     # ------------------------------------------------------------------------------ background
 
     async def demote_above_watermarks(self) -> None:
-        """Every tier above its high watermark gives up its coldest blocks down to its low one."""
+        """Every tier above its high watermark moves its coldest blocks down the chain until it
+        is below its low one.
+
+        Only blocks a lower tier takes move; the rest stay until room is needed. Dropping a
+        block frees room at once, so doing it ahead of need gains no headroom and only loses
+        hits: it dropped the tail of a put that had just filled the tier (the filter below
+        refuses blocks seen once), leaving its lookup short of what the put reported and the
+        put's blocks further down unreachable (issue 28).
+        """
         for link in self.links[:-1]:
             if not link.is_above_high_watermark():
                 continue
             target = link.settings.low_watermark * link.tier.capacity_bytes
             excess = int(link.tier.used_bytes - target)
             try:
-                for key in self._dir.coldest(link.name, excess):
+                for key in self._movable(link, self._dir.coldest(link.name, excess)):
                     if link.tier.used_bytes <= target:
                         break
-                    await self.give_up(link, key)
+                    await self.give_up(link, key, may_drop=False)
             except KVStoreError:
                 log.exception("demotion from %s failed; will retry on the next write", link.name)
+
+    def _movable(self, link: Link, keys: list[BlockKey]) -> list[BlockKey]:
+        """The blocks of ``keys`` that a tier below ``link`` holds or admits (one pass of each
+        lower tier's filter: a tier that stays above its watermark asks again at every write)."""
+        movable = [False] * len(keys)
+        for lower in self.links[link.index + 1:]:
+            admitted = lower.admission.admits_many(keys)
+            for i, key in enumerate(keys):
+                entry = self._dir.get(key)
+                movable[i] = movable[i] or admitted[i] or (
+                    entry is not None and lower.name in entry.sizes)
+        return [key for key, ok in zip(keys, movable) if ok]
 
     async def persist(self) -> int:
         """Write every block held only by non-persistent tiers to the first persistent tier

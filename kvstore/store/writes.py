@@ -108,8 +108,12 @@ class Writes:
             self._dir.unpin(held)
         if in_flight:  # another put is storing some of these blocks: return once it has
             await asyncio.gather(*(asyncio.shield(f) for f in in_flight))
-        self._dir.touch(self._dir.match_prefix(keys), hit=False)
-        return held[len(held) - written:]
+        reachable = self._dir.match_prefix(keys)
+        self._dir.touch(reachable, hit=False)
+        # Only what a lookup reaches counts: a block behind one that another put failed to
+        # store is stored but unreachable.
+        return [entry for entry in held[len(held) - written:]
+                if entry.meta.block_index < len(reachable)]
 
     def _claim_writes(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """Mark blocks as being written so concurrent puts wait instead of writing twice."""

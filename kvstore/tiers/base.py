@@ -111,6 +111,12 @@ class Tier(ABC):
         says must stay (pinned by a lease or a copy in flight) where it has a choice."""
         return self.room_for(nbytes)
 
+    async def held_outside(self) -> dict[str, int]:
+        """Bytes of the tier's capacity that each tenant's clients still hold after the tier
+        gave them back (memory they keep mapped), charged to that tenant's share; tenants
+        holding none are left out. Default: none."""
+        return {}
+
     def can_write(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without evicting anything."""
         return self.room_for(nbytes) is None

@@ -115,6 +115,19 @@ def test_frequency_admission_admits_blocks_seen_twice():
         FrequencyAdmission(threshold=0, expected_keys=16)
 
 
+def test_admits_many_answers_as_admits_key_by_key():
+    """The demotion pass asks for its candidates in one pass; the answers are admits' own."""
+    policy = FrequencyAdmission(threshold=2, expected_keys=1024)
+    batch = keys(300, seed=9)
+    policy.note(batch)
+    policy.note(batch[::3])
+    assert policy.admits_many(batch) == [policy.admits(key) for key in batch]
+    assert all(policy.admits_many(batch[::3]))  # collisions may admit a few more, never fewer
+    assert policy.admits_many([]) == [] and AdmitAll().admits_many(batch[:2]) == [True, True]
+    with pytest.raises(InvalidArgument):
+        policy.admits_many(["not bytes"])
+
+
 def test_value_admission_takes_every_block_down_and_the_puts_copy_up():
     """Under the value order a tier takes what moves down (its order gives up the least
     valuable block for it) and a put's copy of a block held only further down; the baselines'

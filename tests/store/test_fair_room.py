@@ -3,14 +3,20 @@ a tenant never deletes another's blocks it does not have to, and quotas give eac
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import mmap
+import os
 
+import pytest
 import torch
 
 from kvstore import codecs
 from kvstore.config import KVStoreConfig, QuotaConfig, ServerConfig, TierConfig
+from kvstore.errors import CapacityError
 from kvstore.page import PageMeta, encode_page
 from kvstore.store import Store
+from kvstore.tiers.dram import growth
 
 from ..conftest import random_kv, random_tokens
 from .test_chain import BLOCKS_PER_MIB, SPEC, MiB, dram, namespace
@@ -160,3 +166,57 @@ async def test_a_pinned_block_does_not_stop_a_full_tier_lending_staging_slots(tm
             await store.abort(reservation.reservation_id)
         finally:
             await store.release(lease.lease_id)
+
+
+async def _put_if_room(store: Store, ns, seed: int) -> None:
+    with contextlib.suppress(CapacityError):  # no room: the put stores nothing
+        await store.put(ns, random_tokens(160, seed=seed), random_kv(SPEC, 160, seed=seed))
+
+
+@pytest.mark.parametrize("quotas", [True, False])
+async def test_steps_a_tenants_client_keeps_mapped_are_charged_to_it(monkeypatch, quotas):
+    """acme's client maps every step acme is given and never lets go; each round acme fills
+    3/4 of DRAM, then globex, and each empties its memory again. Regression: acme's emptied
+    steps, given back to globex's growth, lingered (its client held them), and acme grew again
+    into what globex let go, to hoard that too: by the second round all 8 MiB lingered and
+    globex could store nothing. Now what acme's clients keep is charged to acme: to its share
+    with quotas, and without them acme grows no more into memory others let go. acme hurts
+    only itself; globex keeps the rest."""
+    monkeypatch.setattr(growth, "LINGER_WAIT_S", 0.0)  # it never lets go: do not wait for it
+    acme, globex = namespace(1, "acme"), namespace(2, "globex")
+    capacity, share = 8 * MiB, 0.75  # shares that overlap: emptied steps go to the other
+    config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(capacity)),))
+    if quotas:
+        config = dataclasses.replace(
+            config, server=ServerConfig(tenant_tokens={"acme": "a", "globex": "g"}),
+            quota=QuotaConfig(tier_share=share))
+    kept: dict[str, tuple[int, mmap.mmap]] = {}
+    async with Store(config) as store:
+        tier = store.tiers["mem"]
+
+        def hoard() -> None:  # what acme's client does with every step it is given
+            for region in tier.published_regions("acme"):
+                if region not in kept:
+                    fd = os.dup(tier.region_fd(region)[1])
+                    tier.sent_to(region, os.getpid())
+                    kept[region] = (fd, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+
+        globex_blocks = []
+        try:
+            for i in range(6):
+                for j in range(9):  # acme fills 3/4
+                    await _put_if_room(store, acme, 100 * i + j)
+                hoard()
+                await store.evict(tenant="acme")  # its steps empty, still mapped by its client
+                for j in range(9):  # globex too, taking acme's empty steps
+                    await _put_if_room(store, globex, 1000 + 100 * i + j)
+                globex_blocks.append(store.stats(tenant="globex").num_blocks)
+                await store.evict(tenant="globex")  # its steps empty: anyone may take them
+            held = tier.stats().extra["lingering_bytes"]
+            print(f"lingering {held / MiB:.1f} MiB; globex's blocks by round {globex_blocks}")
+            assert min(globex_blocks[1:]) >= globex_blocks[0]
+            assert held + store.stats(tenant="acme").tiers["mem"].used_bytes <= share * capacity
+        finally:
+            for fd, mapped in kept.values():
+                mapped.close()
+                os.close(fd)

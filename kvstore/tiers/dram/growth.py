@@ -163,8 +163,17 @@ class Growth:
         zero-copy put would empty a whole step of its blocks every few puts."""
         spare = self.budget.room_bytes
         for other in self.arenas.values():
-            spare += other.steps.releasable_bytes if other is arena else other.releasable_bytes
+            if other is arena:
+                spare += other.steps.releasable_bytes
+            elif self.may_take_from_others(arena):
+                spare += other.releasable_bytes
         return spare
+
+    def may_take_from_others(self, arena: TenantMemory | None) -> bool:
+        """Whether ``arena`` may grow into memory other tenants let go: not while its clients
+        keep given-back steps of its own mapped, since what it takes would likely end the
+        same way, unusable to all (issue 28)."""
+        return arena is None or not self.lingering.nbytes_of(arena.tenant)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when
@@ -252,7 +261,8 @@ class Growth:
         short = need_bytes - self.budget.room_bytes
         if short <= 0 or self.spare_bytes(arena) < need_bytes:
             return False
-        donors = sorted(self.arenas.values(),
+        donors = sorted((a for a in self.arenas.values()
+                         if a is arena or self.may_take_from_others(arena)),
                         key=lambda a: (a is arena, -a.releasable_bytes))
         lingering = False
         for donor in donors:

@@ -55,6 +55,18 @@ class LingeringSteps:
     def nbytes(self) -> int:
         return sum(step.nbytes for step in self._steps.values())
 
+    def nbytes_of(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s steps still held (its clients keep that memory: it is the
+        tenant's, charged to its share, and the tenant takes no other tenant's memory)."""
+        return sum(step.nbytes for step in self._steps.values() if step.tenant == tenant)
+
+    def nbytes_by_tenant(self) -> dict[str, int]:
+        """``nbytes_of`` every tenant holding some."""
+        held: dict[str, int] = {}
+        for step in self._steps.values():
+            held[step.tenant] = held.get(step.tenant, 0) + step.nbytes
+        return held
+
     def add(self, region: str, nbytes: int, tenant: str, pids: set[int]) -> None:
         self._steps[region] = Lingering(region, nbytes, tenant, set(pids))
 

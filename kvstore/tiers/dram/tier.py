@@ -233,10 +233,11 @@ class DramTier(SlotTier):
                         ) -> RoomNeed | None:
         """None if ``tenant``'s page of ``nbytes`` fits now in its published memory (in a free
         slot, by growing a step, or by taking free memory back from anyone); else whose blocks
-        to delete: one slot of the page's class from ``tenant``'s own blocks while its memory is
-        at least as large as every other tenant's, else every block of the emptiest step of the
-        largest other one (larger by more than one slot, so two tenants do not take a step back
-        and forth). The step is one with no block ``protected`` where there is one."""
+        to delete: one slot of the page's class from ``tenant``'s own blocks while its memory
+        is at least as large as every other tenant's (or it may not take theirs:
+        ``Growth.may_take_from_others``), else every block of the emptiest step of the largest
+        other one (larger by more than one slot, so two tenants do not take a step back and
+        forth). The step is one with no block ``protected`` where there is one."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         own_need = RoomNeed(nbytes=slot_bytes, size_class=slot_bytes, tenant=tenant)
         if not self._is_open or slot_bytes > self.max_page_bytes:
@@ -247,7 +248,8 @@ class DramTier(SlotTier):
         own_bytes = arena.backed_bytes if arena is not None else 0
         donor = max((a for a in self._arenas.values() if a is not arena and a.keys_by_step),
                     key=lambda a: a.backed_bytes, default=None)
-        if donor is not None and donor.backed_bytes > own_bytes + slot_bytes:
+        if (donor is not None and donor.backed_bytes > own_bytes + slot_bytes
+                and self._growth.may_take_from_others(arena)):
             return self._step_need(donor, protected)
         # Its own blocks of other classes are not emptied for it: the page goes down the chain.
         return own_need
@@ -256,9 +258,10 @@ class DramTier(SlotTier):
                       protected: Callable[[BlockKey], bool] | None = None) -> RoomNeed | None:
         """None if a staging slot of ``nbytes`` for ``tenant`` can be had now (free staging
         memory, growth within the budget, free memory taken back); else every block of the
-        emptiest step of the largest tenant's memory (its own too) that holds no block
-        ``protected`` (where there is one): the step then goes back to the budget and staging
-        grows into it."""
+        emptiest step of the largest tenant's memory (its own too; only its own when it may
+        not take others': ``Growth.may_take_from_others``) that holds no block ``protected``
+        (where there is one): the step then goes back to the budget and staging grows into
+        it."""
         slot_bytes = SlabAllocator.slot_bytes_for(nbytes)
         any_need = RoomNeed(nbytes=slot_bytes, tenant=tenant)
         if not self._is_open or slot_bytes > self.capacity_bytes:
@@ -268,9 +271,19 @@ class DramTier(SlotTier):
             return None
         if self._growth.spare_bytes(arena) >= slot_bytes:
             return None
-        donor = max((a for a in self._arenas.values() if a.keys_by_step),
+        may_take = self._growth.may_take_from_others(arena)
+        donor = max((a for a in self._arenas.values()
+                     if a.keys_by_step and (a is arena or may_take)),
                     key=lambda a: a.backed_bytes, default=None)
         return any_need if donor is None else self._step_need(donor, protected)
+
+    async def held_outside(self) -> dict[str, int]:
+        """Given-back steps client processes still map, by tenant (``lingering``; looked at
+        again at most every ``LINGER_CHECK_S``, so a tenant whose clients let go is neither
+        charged for them nor kept from others' memory for long)."""
+        if self._growth.lingering:
+            await self._growth.settle_lingering(wait=False)
+        return self._growth.lingering.nbytes_by_tenant()
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
