@@ -18,6 +18,7 @@ from collections.abc import Callable
 _log = logging.getLogger("kvstore.server.heap")
 TRIM_AFTER_BYTES = 64 << 20  # bodies ended since the last trim before one is worth it
 QUIET_S = 1.0  # no body ended for this long: the burst is over
+SECOND_PASS_S = 5.0  # then once more, for what was still referenced at the first trim
 
 
 def _libc_trim() -> Callable[[int], int] | None:
@@ -52,12 +53,15 @@ class HeapTrimmer:
         if self._freed_bytes >= TRIM_AFTER_BYTES:
             self._timer = asyncio.get_running_loop().call_later(QUIET_S, self._trim)
 
-    def _trim(self) -> None:
+    def _trim(self, again: bool = True) -> None:
         self._timer = None
         self._freed_bytes = 0
         self.num_trims += 1
+        loop = asyncio.get_running_loop()
         # a task nobody awaits: a trim that overlaps another only finds less to give back
-        asyncio.get_running_loop().run_in_executor(None, _trim_now)
+        loop.run_in_executor(None, _trim_now)
+        if again:  # buffers a call's last references (gRPC's, a thread's) let go after it
+            self._timer = loop.call_later(SECOND_PASS_S, self._trim, False)
 
 
 def _trim_now() -> None:

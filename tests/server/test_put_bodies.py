@@ -61,6 +61,7 @@ def test_streamed_puts_beyond_the_tenant_budget_wait_and_memory_comes_back(root)
                 assert grpc.StatusCode.OK in codes, codes
                 assert most[0] < 2 * BUDGET_BYTES, most[0] // MiB
                 assert await eventually(
-                    lambda: status_line(pid, "RssAnon") < base + RETAINED_BYTES, 60.0, 0.2)
+                    lambda: status_line(pid, "RssAnon") < base + RETAINED_BYTES, 60.0, 0.2), \
+                    f"{(status_line(pid, 'RssAnon') - base) // MiB} MiB above the start"
 
         asyncio.run(run())

@@ -136,7 +136,8 @@ def test_stalled_get_readers_are_ended_and_their_memory_freed(root):
                     calls.append(call)
                 assert socks  # some by data socket (the rest stream: its budget is shared)
                 assert await eventually(
-                    lambda: status_line(pid, "VmRSS") < base + RETAINED_BYTES, 60.0, 0.2)
+                    lambda: status_line(pid, "VmRSS") < base + RETAINED_BYTES, 60.0, 0.2), \
+                    f"{(status_line(pid, 'VmRSS') - base) // MiB} MiB above the start"
                 for call in calls:  # reading now, each finds its stream ended
                     try:
                         while (await asyncio.wait_for(call.read(), 30)) is not \
