@@ -49,6 +49,7 @@ from kvstore.server.channel import (
     error_reply,
     serve_channel,
 )
+from kvstore.server.heap import HEAP
 from kvstore.server.limits import MIN_PROGRESS_BYTES
 from kvstore.server.sessions import Session
 from kvstore.server.slow_readers import ReplyBudget, ReplyQueue
@@ -332,6 +333,7 @@ class DataSocketServer:
     def _closed_unread(self, dropped_bytes: int) -> None:
         self.num_channels_closed_unread += 1
         self.reply_bytes_dropped += dropped_bytes
+        HEAP.note_freed(dropped_bytes)
 
     async def _receive(self, conn: socket.socket, transfer: Transfer) -> None:
         """Read exactly the transfer's bytes into its buffer, then the client's end."""
