@@ -390,6 +390,11 @@ class ServerConfig:
     # carry Lookup, Acquire/Release and Reserve/Commit/Abort in frames outside gRPC, with the
     # same checks. Needs data_socket; clients fall back to gRPC where it is off.
     call_channel: bool = True
+    # What readers that stop reading and writers that declare much may make the daemon hold
+    # (server/slow_readers.py, server/put_bodies.py).
+    max_channel_reply_bytes: int = 64 << 20  # unsent replies one call channel may queue
+    max_tenant_reply_bytes: int = 256 << 20  # unsent replies of one tenant's channels together
+    max_tenant_put_bytes: int = 512 << 20  # Put bodies one tenant may have in flight at once
     # True lets processes of the daemon's uid read and write its memory and descriptors
     # (/proc/<pid>/{fd,mem,maps}, ptrace: gdb, py-spy) and the kernel write core dumps: every
     # tenant's pages with them. For debugging only; see kvstore/dumpable.py.
@@ -434,6 +439,11 @@ class ServerConfig:
         if not 1 <= self.max_data_transfers <= 1 << 20:
             raise ConfigError(f"server.max_data_transfers must be in [1, 2**20], "
                               f"got {self.max_data_transfers!r}")
+        for name in ("max_channel_reply_bytes", "max_tenant_reply_bytes",
+                     "max_tenant_put_bytes"):
+            value = getattr(self, name)
+            if not 1 << 20 <= value <= 1 << 40:
+                raise ConfigError(f"server.{name} must be in [1 MiB, 1 TiB] bytes, got {value!r}")
         if self.lease_timeout_s <= 0:
             raise ConfigError("server.lease_timeout_s must be > 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -16,8 +16,9 @@ closed), ``MAX_FRAMES_IN_FLIGHT`` calls at once (the daemon reads no further fra
 answered), the bodies of a tenant's frames in flight on all its channels together by a
 ``FrameBudget`` (a body that does not fit waits, unread, until earlier calls of that tenant
 were answered: a tenant flooding its channels slows only itself), a frame begun must arrive
-whole within ``server.stream_idle_timeout_s``, and a reply must leave within it; a frame naming
-no method closes the channel. Each channel is its own task: a silent or half-sent one never
+whole within ``server.stream_idle_timeout_s``, and replies not read are bounded per channel and
+per tenant, and must be read within it (``server/slow_readers.py``); a frame naming no method
+closes the channel. Each channel is its own task: a silent or half-sent one never
 blocks the loop or another channel.
 """
 
@@ -51,6 +52,7 @@ from kvstore.server.auth import Caller
 from kvstore.server.calls import note_tenant
 from kvstore.server.limits import RateLimiter, peer_host
 from kvstore.server.sessions import Session
+from kvstore.server.slow_readers import ReplyQueue
 from kvstore.server.tracing import CallTracer
 
 _log = logging.getLogger("kvstore.server.channel")
@@ -169,10 +171,10 @@ def error_reply(code: grpc.StatusCode, exc: KVStoreError) -> tuple[int, bytes]:
 
 async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         calls: ChannelCalls, scope: CallScope, max_frame_bytes: int,
-                        idle_s: float, budget: FrameBudget) -> None:
+                        idle_s: float, budget: FrameBudget, replies: ReplyQueue) -> None:
     """Answer the frames of one open channel until the client closes it or breaks a bound;
     returns once the calls in flight have ended. ``budget``: the caller's tenant's, shared by
-    its channels. The caller closes ``writer``."""
+    its channels; ``replies``: this channel's, on ``writer``. The caller closes ``writer``."""
     slots = _InFlight(MAX_FRAMES_IN_FLIGHT)
     running: set[asyncio.Task] = set()
     writer.write(encode_frame(_OK, OPENED_ID, b""))
@@ -185,7 +187,7 @@ async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
             method, request_id, body, has_metadata = frame
             task = asyncio.get_running_loop().create_task(
                 _answer(writer, calls, scope, (method, request_id, body, has_metadata), slots,
-                        idle_s, budget))
+                        budget, replies))
             running.add(task)
             task.add_done_callback(running.discard)
             calls.most_in_flight = max(calls.most_in_flight, slots.count)
@@ -194,6 +196,7 @@ async def serve_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         # before the channel goes; their replies go nowhere once the connection is closed.
         if running:
             await asyncio.gather(*running, return_exceptions=True)
+        replies.close()
 
 
 class FrameBudget:
@@ -282,26 +285,18 @@ async def _next_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 async def _answer(writer: asyncio.StreamWriter, calls: ChannelCalls, scope: CallScope,
                   frame: tuple[str, int, bytes, bool], slots: _InFlight,
-                  idle_s: float, budget: FrameBudget) -> None:
+                  budget: FrameBudget, replies: ReplyQueue) -> None:
     method, request_id, body, has_metadata = frame
     try:
         try:
             code, reply = await calls.call(method, body, scope, has_metadata)
         finally:
             budget.give(len(body))
-        if writer.is_closing():
-            return
-        writer.write(encode_frame(code, request_id, reply))
-        if not writer.transport.get_write_buffer_size():
-            return  # the socket took it all (a small reply, a reading client): nothing to wait
-        try:
-            async with asyncio.timeout(idle_s):  # a client that stops reading is dropped
-                await writer.drain()
-        except TimeoutError:
-            _log.warning("closed a call channel: its client read no reply for %g s "
-                         "(server.stream_idle_timeout_s)", idle_s)
-            writer.close()
-        except OSError:
-            writer.close()
+        if not replies.send(encode_frame(code, request_id, reply)) or not replies.unsent_bytes:
+            return  # closed, or the socket took it all (a small reply, a reading client)
+        # The slot stays taken while the client catches up, so a slow reader sends no more
+        # frames; one that reads nothing is closed by its ReplyQueue, which ends this wait.
+        with contextlib.suppress(OSError):
+            await writer.drain()
     finally:
         slots.release()

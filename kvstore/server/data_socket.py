@@ -51,9 +51,11 @@ from kvstore.server.channel import (
     error_reply,
     serve_channel,
 )
+from kvstore.server.heap import HEAP
 from kvstore.server.limits import MIN_PROGRESS_BYTES
 from kvstore.server.pending import PendingConnections, accept, unix_peer
 from kvstore.server.sessions import Session
+from kvstore.server.slow_readers import ReplyBudget, ReplyQueue
 from kvstore.server.sockets import bind_unix
 from kvstore.server.transfers import ChannelTicket, Transfer, Transfers, peer_of
 
@@ -104,6 +106,16 @@ class DataSocketServer:
         self._max_frame_bytes = 0
         self._channels: dict[str | None, int] = {}  # tenant -> call channels open
         self._budgets: dict[str | None, FrameBudget] = {}  # tenant -> its frames' bytes
+        self._max_channel_reply_bytes = config.max_channel_reply_bytes
+        self._max_tenant_reply_bytes = config.max_tenant_reply_bytes
+        self._replies: dict[str | None, ReplyBudget] = {}  # tenant -> its unsent replies
+        self.num_channels_closed_unread = 0  # channels closed for replies not read
+        self.reply_bytes_dropped = 0  # unsent replies those held
+
+    @property
+    def unsent_reply_bytes(self) -> int:
+        """Reply bytes queued on call channels and not yet read, all tenants together."""
+        return sum(budget.unsent_bytes for budget in self._replies.values())
 
     @property
     def num_transfers(self) -> int:
@@ -318,13 +330,18 @@ class DataSocketServer:
         if budget is None:
             budget = self._budgets[tenant] = FrameBudget(
                 CHANNEL_FRAMES_PER_TENANT * self._max_frame_bytes)
+        replies = self._replies.get(tenant)
+        if replies is None:
+            replies = self._replies[tenant] = ReplyBudget(self._max_tenant_reply_bytes)
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
             scope = CallScope(transfer.caller, peer_of(transport),
                               session=transfer.context.session)
+            queue = ReplyQueue(writer, replies, self._max_channel_reply_bytes, self._idle_s,
+                               self._closed_unread)
             try:
                 await serve_channel(reader, writer, calls, scope, self._max_frame_bytes,
-                                    self._idle_s, budget)
+                                    self._idle_s, budget, queue)
             finally:
                 writer.close()
                 try:
@@ -340,6 +357,12 @@ class DataSocketServer:
             else:  # its last channel's calls have ended: nothing of its budget is held
                 del self._channels[tenant]
                 self._budgets.pop(tenant, None)
+                self._replies.pop(tenant, None)
+
+    def _closed_unread(self, dropped_bytes: int) -> None:
+        self.num_channels_closed_unread += 1
+        self.reply_bytes_dropped += dropped_bytes
+        HEAP.note_freed(dropped_bytes)
 
     async def _receive(self, conn: socket.socket, transfer: Transfer) -> None:
         """Read exactly the transfer's bytes into its buffer, then the client's end."""

@@ -58,9 +58,12 @@ from kvstore.server import calls
 from kvstore.server.auth import UNIX_PEER_PREFIX, Caller, current_caller
 from kvstore.server.channel import CallScope, Core
 from kvstore.server.data_socket import DataSocketServer
+from kvstore.server.heap import HEAP
 from kvstore.server.kv_events import EventHub
 from kvstore.server.limits import StreamClock
+from kvstore.server.put_bodies import PutBodies
 from kvstore.server.sessions import HEARTBEAT_S, Session, Sessions
+from kvstore.server.slow_readers import paced
 from kvstore.server.transfers import Transfer
 from kvstore.store import Store
 
@@ -126,6 +129,7 @@ class KVStoreService(pbg.KVStoreServicer):
         self._started = time.monotonic()
         self._max_tokens = config.server.max_request_tokens
         self._idle_s = config.server.stream_idle_timeout_s
+        self.put_bodies = PutBodies(config.server.max_tenant_put_bytes, self._idle_s)
         self._fd_socket_path = fd_socket_path(config.server.socket_path)  # Health tells clients
 
     def _namespace(self, msg: pb.Namespace, action: str, caller: Caller | None = None
@@ -253,8 +257,14 @@ class KVStoreService(pbg.KVStoreServicer):
             return await self._put_from_ticket(header, clock, stream)
         ns, tokens, nbytes = self._checked_put(header)
         assembler = ChunkAssembler(nbytes, self._max_put_bytes)
-        clock.advance()
-        calls.note(path="stream")
+        async with self.put_bodies.hold(current_caller().tenant, nbytes):  # before any chunk
+            clock.advance()  # waiting for the budget was the daemon's time, not the client's
+            calls.note(path="stream")
+            return await self._put_streamed(stream, clock, assembler, ns, tokens, header)
+
+    async def _put_streamed(self, stream: AsyncIterator[pb.PutRequest], clock: StreamClock,
+                            assembler: ChunkAssembler, ns: Namespace, tokens: np.ndarray,
+                            header: pb.PutHeader) -> pb.PutResponse:
         try:
             with calls.phase("receive"):
                 while (message := await clock.next(stream, "Put")) is not None:
@@ -276,6 +286,12 @@ class KVStoreService(pbg.KVStoreServicer):
         return pb.PutResponse(tokens_written=written)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
+        # A reader that stops taking messages is ended after stream_idle_timeout_s and what
+        # its Get held (the result, pinned pages, a data ticket) is let go at once.
+        async for message in paced(self._get(request, context), context, self._idle_s, "Get"):
+            yield message
+
+    async def _get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
         ns = self._namespace(request.namespace, "read")
         tokens = self._tokens(request.tokens)
         datapath = self._datapath_for(context) if request.data_socket else None
@@ -310,6 +326,14 @@ class KVStoreService(pbg.KVStoreServicer):
             yield pb.GetResponse(header=pb.GetHeader(found=False))
             return
         calls.note(matched_tokens=kv.shape[2], bytes=kv.nbytes)
+        try:
+            async for message in self._send_result(kv, request, context, datapath):
+                yield message
+        finally:
+            HEAP.note_freed(kv.nbytes)  # a burst of results goes back once it is over
+
+    async def _send_result(self, kv, request: pb.GetRequest, context,
+                           datapath: DataSocketServer | None) -> AsyncIterator[pb.GetResponse]:
         header = pb.GetHeader(found=True, matched_tokens=kv.shape[2], tensor=tensor_header(kv))
         transfer = None if datapath is None else datapath.transfers.open_get(
             current_caller(), context.peer(), [tensor_view(kv)])
