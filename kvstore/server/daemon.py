@@ -253,12 +253,13 @@ async def serve(config: KVStoreConfig) -> Daemon:
         _log.warning("could not make the daemon non-dumpable: processes of its uid can read "
                      "and write its memory through /proc and ptrace")
     auth = Authenticator(server)
-    budget = ConnectionBudget.split(raise_nofile_limit(), server)
     if server.tcp_address and auth.tokens.empty:
         raise ConfigError("server.tcp_address is set but no server.tenant_tokens or "
                           "server.admin_token: TCP is never served without tokens")
     tracer = CallTracer(config.tracing)  # before anything opens: a missing extra fails first
     lock = claim_socket_path(server.socket_path)
+    # After the socket is ours: a daemon refused there says only why, and changes no limit.
+    budget = ConnectionBudget.split(raise_nofile_limit(), server)
     try:
         store = Store(config)
         await store.open()
