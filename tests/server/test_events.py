@@ -382,3 +382,31 @@ def test_events_config_names_what_is_wrong():
                          ("zmq_endpoint", "localhost:5557"), ("max_subscribers", "0")):
         with pytest.raises(ConfigError, match=f"events.{field}"):
             load_config(environ={}, overrides={"events": {field: value}})
+
+
+def test_the_example_router_learns_where_a_prompt_is_held(root, ns, spec):
+    """examples/kv_event_router.py, driven by a real daemon: it replays what it missed while
+    joining and then scores the stored prompt as held whole by this host."""
+    import importlib.util
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "kv_event_router.py"
+    module_spec = importlib.util.spec_from_file_location("kv_event_router", path)
+    router = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(router)
+    events = events_config(root, topic="kv@{host}@test/model", host="node-a")
+    config = dataclasses.replace(small_config(root), events=events)
+    tokens = random_tokens(48)
+    with DaemonThread(config) as daemon, Client(daemon.unix_address) as client:
+        assert client.put(ns, tokens, random_kv(spec, 48)) == 48  # before the router joins
+        threading.Thread(target=router.follow, args=(events.zmq_endpoint, events.replay_endpoint),
+                         daemon=True).start()
+        for seed in range(300, 400):  # live batches, so the router sees its gap and replays
+            if router.cached_blocks("node-a", ns, tokens) == 3:
+                break
+            client.put(dataclasses.replace(ns, model_id="other"), random_tokens(16, seed),
+                       random_kv(spec, 16))
+            wait_for(lambda: router.cached_blocks("node-a", ns, tokens) == 3, 0.2)
+        assert router.cached_blocks("node-a", ns, tokens) == 3
+        assert router.cached_blocks("node-b", ns, tokens) == 0
