@@ -22,7 +22,9 @@ connector copies those rows verbatim into kvstore's canonical ``[L, 2, T, H, D]`
 backend and layout are part of the namespace, so CPU pages never meet another backend's.
 
 Who calls what: the scheduler side (engine core process) answers matched tokens with one
-Lookup, and plans loads and saves per step in ``build_connector_meta``; the worker side (each
+Lookup, run on a thread and waited for at most ``lookup_deadline_ms`` (extra config, default 5;
+past it vLLM is told to ask again next step, and past ``lookup_give_up_ms`` it is a miss:
+``vllm_lookups``), and plans loads and saves per step in ``build_connector_meta``; the worker side (each
 worker process) loads in ``start_load_kv`` before the forward pass and saves the blocks the
 step completed in ``wait_for_save``, both synchronously, so no block stays referenced after a
 step and ``request_finished`` never holds blocks. Each byte moves once between vLLM's cache
@@ -57,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, NotFound
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
+from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -205,6 +208,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._client = _client(vllm_config)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
+        self._lookups: DeadlineLookups | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = DeadlineLookups(self._client.lookup, LookupDeadlines.from_extra_config(
+                self._kv_transfer_config.kv_connector_extra_config or {}))
         self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
         if role == KVConnectorRole.SCHEDULER and \
                 self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -262,7 +269,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         """Tokens kvstore holds beyond the ``num_computed_tokens`` vLLM has locally. One full
         block less than the prompt at most: the last prompt token must be computed for its
-        logits."""
+        logits. ``None`` while the lookup runs past its deadline (``vllm_lookups``): vLLM
+        asks again next step, and the scheduler never waits on a slow tier."""
         usable = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
         tracked = self._track(request)
         if usable <= num_computed_tokens:
@@ -271,9 +279,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         if ids is None:
             return 0, False
         try:
-            hit = self._client.lookup(self._request_namespace(tracked), ids)
-        except KVStoreError as exc:  # the daemon is down: compute everything, serve on
-            logger.warning("kvstore lookup failed, computing the prompt: %s", exc)
+            ns = self._request_namespace(tracked)
+        except KVStoreError as exc:
+            logger.warning("kvstore: no namespace for %s: %s", request.request_id, exc)
+            return 0, False
+        hit = self._lookups.ask(request.request_id, ns, ids)  # type: ignore[union-attr]
+        if hit is Pending.PENDING:
+            return None, False
+        if hit is None:
             return 0, False
         num_new = max(0, hit.tokens_to_fetch - num_computed_tokens)
         tracked.load = (num_computed_tokens, num_new) if num_new else None
@@ -347,6 +360,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within their step, so vLLM may free the blocks at once."""
         self._tracked.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------------- worker side
@@ -444,4 +459,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         self._client.close()

@@ -25,6 +25,7 @@ from tests.server.helpers import REPO_ROOT, DaemonProcess, MiB, short_tmpdir, sm
 VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CASES = Path(__file__).with_name("vllm_identity_cases.py")
+LOOKUP_CASES = Path(__file__).with_name("vllm_lookup_cases.py")
 BLOCK_SIZE = 32  # vllm_engine.BLOCK_SIZE
 PROMPTS = [list(range(3, 103)), list(range(200, 300))]  # 100 tokens: 3 full blocks each
 PREFIX_TOKENS = 96
@@ -174,3 +175,27 @@ def test_requests_differing_in_identity_never_share_a_block():
     assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
     controls = {name: r["control"] for name, r in results.items()}
     assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}
+
+
+def test_a_lookup_on_a_stopped_daemon_does_not_stall_the_scheduler():
+    """Regression: the scheduler's lookup was synchronous, so a tier that did not answer (the
+    shared Redis tier takes up to ~0.5 s; here a stopped daemon) stalled every request of the
+    engine. Now the scheduler is told to ask again (None) while the lookup runs, gets the
+    full hit once the daemon answers, and counts a lookup past its give-up time as a miss."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_engine(root, "build", str(model))
+        out = root / "lookups.json"
+        run_engine(root, str(model), daemon.address, str(daemon.proc.pid), str(out),
+                   script=LOOKUP_CASES)
+        results = json.loads(out.read_text())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    pending, give_up = results["pending"], results["give_up"]
+    assert pending["stopped"] == [None, False]
+    assert pending["final"] == [128, False]
+    assert give_up["stopped"] == [0, False] and give_up["num_asks"] == 1

@@ -80,7 +80,7 @@ def cases(i: int) -> list[tuple[str, dict, dict]]:
 class Engine:
     """A scheduler-side and a worker-side connector, driven one request step at a time."""
 
-    def __init__(self, model: str, address: str) -> None:
+    def __init__(self, model: str, address: str, **extra_config: float) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed import parallel_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -95,7 +95,8 @@ class Engine:
                 kv_connector="KVStoreConnector", kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 kv_connector_module_path="kvstore.integrations.vllm",
-                kv_connector_extra_config={"address": address, "revision": "r1"}),
+                kv_connector_extra_config={"address": address, "revision": "r1",
+                                           **extra_config}),
         ).create_engine_config()
         self.scheduler = KVStoreConnector(self.config, KVConnectorRole.SCHEDULER)
         # One worker, no distributed group: rank 0 of a tensor-parallel group of one.
@@ -154,7 +155,9 @@ def plain_keys_unchanged(engine: Engine, tokens: list[int]) -> bool:
 
 
 def main(model: str, address: str, out: Path) -> None:
-    engine = Engine(model, address)
+    # Lookups are answered in full here, however slow the box (vllm_lookup_cases tests the
+    # deadline).
+    engine = Engine(model, address, lookup_deadline_ms=30_000, lookup_give_up_ms=60_000)
     results: dict = {}
     for i, (name, a, b) in enumerate(cases(0)):
         tokens = [3 + (17 * i + j) % 500 for j in range(PROMPT_TOKENS)]
