@@ -2,7 +2,9 @@
 
 A namespace fingerprint hashes everything that changes the stored K/V (model and revision,
 adapter, tenant, KV spec, tensor-parallel shard, extra salt). Block i's key hashes block i-1's
-key with block i's tokens, so a key names a whole prefix, not just its own tokens.
+key with block i's tokens, so a key names a whole prefix, not just its own tokens. A block may
+carry an extra (an image's hash and offset, a hash of prompt embeddings): it enters that
+block's key and, through the chain, every later one; blocks without extras key as before.
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray
     return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)  # no copy when it already is
 
 
-def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[BlockKey]:
+def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+               extras: Sequence[bytes | None] | None = None) -> list[BlockKey]:
     """Chained keys of every full block of ``tokens`` under ``ns``; a trailing partial block
-    has no key."""
+    has no key. ``extras[i]``, where given, enters block i's key (``bind_block_extras``)."""
     arr = token_array(tokens)
+    if extras is not None:
+        arr = bind_block_extras(arr, ns.spec.block_tokens, extras)
     return chain_keys(ns.fingerprint, memoryview(arr).cast("B"),
                       ns.spec.block_tokens * arr.itemsize)
 
@@ -150,6 +155,49 @@ def chain_keys(parent: bytes, data: memoryview, block_bytes: int) -> list[BlockK
         parent = h.digest()
         append(parent)  # type: ignore[arg-type]  # a BlockKey is its 16 bytes
     return keys
+
+
+# Token ids a block with an extra is keyed by have this bit set; real ids stay below it (no
+# vocabulary comes near 2**31), so a derived block never equals a block of real tokens.
+EXTRA_ID_BIT = 1 << 31
+_EXTRA_PERSON = b"kvstore.extra.v1"
+MIN_EXTRA_BLOCK_TOKENS = 4  # 31 bits per derived id: at least 124 bits name a derived block
+
+
+def bind_block_extras(tokens: Sequence[int] | np.ndarray | torch.Tensor, block_tokens: int,
+                      extras: Sequence[bytes | None]) -> np.ndarray:
+    """``tokens`` with every full block i that has an extra (``extras[i]`` neither None nor
+    empty) replaced by a derived block: ``block_tokens`` ids of shake-256(block i's tokens ||
+    extras[i]) with ``EXTRA_ID_BIT`` set. Keys of the result bind each extra to its block.
+
+    Keys are hashed from token ids wherever they are computed (the daemon hashes the ids a
+    request carries), so an extra travels as the ids of the block it touches: nothing on the
+    wire or in the daemon changes, and ``tokens`` without extras come back unchanged, keying
+    byte for byte as before. Extras past the full blocks are ignored (a partial block has no
+    key).
+
+    Raises:
+        InvalidArgument: a block has an extra and a real id of ``tokens`` has
+            ``EXTRA_ID_BIT`` set, or ``block_tokens`` is below ``MIN_EXTRA_BLOCK_TOKENS``.
+    """
+    arr = token_array(tokens)
+    marked = [i for i, extra in enumerate(extras[: arr.size // block_tokens]) if extra]
+    if not marked:
+        return arr
+    if block_tokens < MIN_EXTRA_BLOCK_TOKENS:
+        raise InvalidArgument(f"block extras need blocks of at least {MIN_EXTRA_BLOCK_TOKENS} "
+                              f"tokens, got {block_tokens}")
+    if int(arr.max()) >= EXTRA_ID_BIT:
+        raise InvalidArgument(f"token ids must be below {EXTRA_ID_BIT} where blocks have extras")
+    out = arr.copy()
+    for i in marked:
+        block = out[i * block_tokens:(i + 1) * block_tokens]
+        h = hashlib.shake_256(_EXTRA_PERSON)
+        h.update(block.tobytes())
+        h.update(extras[i])  # type: ignore[arg-type]  # marked: bytes
+        derived = np.frombuffer(h.digest(block.nbytes), dtype=_TOKEN_DTYPE)
+        block[:] = derived | EXTRA_ID_BIT
+    return out
 
 
 NO_PARENT = bytes(KEY_BYTES)  # how pages and indexes spell "the first block of a prefix"

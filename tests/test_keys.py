@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace, block_keys, chain_keys, parse_key
+from kvstore.keys import (
+    EXTRA_ID_BIT,
+    Namespace,
+    bind_block_extras,
+    block_keys,
+    chain_keys,
+    parse_key,
+)
 from kvstore.spec import KVSpec
 
 from .conftest import random_tokens
@@ -169,3 +176,45 @@ def test_keys_are_pinned_digests(ns):
 def test_chain_keys_rejects_a_bad_block_size():
     with pytest.raises(InvalidArgument, match="block_bytes"):
         chain_keys(bytes(16), memoryview(bytes(64)), 0)
+
+
+# block_keys(ns, range(100, 148)) for the conftest namespace before blocks could carry extras
+# (kvstore 2026-12): keys without extras must stay these bytes.
+PINNED_KEYS = ["fd9740a123111b3fd84c624d97cd4080", "a3b008723203870123768b73557318ce",
+               "3d7e7708950e3523cd1d1f37c51b40e7"]
+
+
+def test_keys_without_extras_are_byte_identical_to_before(ns):
+    tokens = list(range(100, 148))
+    for extras in (None, [], [None, None, None], [b"", None, b""]):
+        assert [k.hex() for k in block_keys(ns, tokens, extras)] == PINNED_KEYS
+    assert bind_block_extras(tokens, 16, [None, b"", None]).tolist() == tokens
+
+
+def test_an_extra_changes_its_block_and_every_later_key_only(ns):
+    tokens = list(range(100, 148))
+    plain = block_keys(ns, tokens)
+    with_image = block_keys(ns, tokens, [None, b"image-a", None])
+    assert with_image[0] == plain[0]
+    assert with_image[1] != plain[1] and with_image[2] != plain[2]
+    other_image = block_keys(ns, tokens, [None, b"image-b", None])
+    assert other_image[0] == plain[0] and other_image[1:] != with_image[1:]
+    # the same extra one block later is another prefix
+    assert block_keys(ns, tokens, [None, None, b"image-a"])[1] == plain[1]
+    assert block_keys(ns, tokens, [None, None, b"image-a"])[2] != with_image[2]
+
+
+def test_keys_with_extras_are_the_keys_of_the_bound_ids(ns):
+    """The daemon hashes the ids a request carries: bound ids key as the extras do."""
+    tokens, extras = random_tokens(40), [b"x", None, b"never keyed: a partial block"]
+    bound = bind_block_extras(tokens, ns.spec.block_tokens, extras)
+    assert block_keys(ns, bound) == block_keys(ns, tokens, extras)
+    assert all(int(t) >= EXTRA_ID_BIT for t in bound[:16])
+    assert bound[16:].tolist() == tokens[16:]
+
+
+def test_block_extras_refuse_ids_in_the_derived_range_and_tiny_blocks(ns):
+    with pytest.raises(InvalidArgument, match="below"):
+        bind_block_extras([EXTRA_ID_BIT] + [1] * 15, 16, [b"x"])
+    with pytest.raises(InvalidArgument, match="at least 4"):
+        bind_block_extras([1, 2, 3, 4], 2, [b"x"])

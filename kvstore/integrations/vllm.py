@@ -22,7 +22,9 @@ connector copies those rows verbatim into kvstore's canonical ``[L, 2, T, H, D]`
 backend and layout are part of the namespace, so CPU pages never meet another backend's.
 
 Who calls what: the scheduler side (engine core process) answers matched tokens with one
-Lookup, and plans loads and saves per step in ``build_connector_meta``; the worker side (each
+Lookup, run on a thread and waited for at most ``lookup_deadline_ms`` (extra config, default 5;
+past it vLLM is told to ask again next step, and past ``lookup_give_up_ms`` it is a miss:
+``vllm_lookups``), and plans loads and saves per step in ``build_connector_meta``; the worker side (each
 worker process) loads in ``start_load_kv`` before the forward pass and saves the blocks the
 step completed in ``wait_for_save``, both synchronously, so no block stays referenced after a
 step and ``request_finished`` never holds blocks. Each byte moves once between vLLM's cache
@@ -30,7 +32,10 @@ and the shared DRAM arena where it can: a load copies every stored page, in plac
 arena, straight into the blocks of each layer (``Client.read_blocks``); a save gathers only
 the blocks the step completed (one copy, runs of consecutive block ids at a time) and adds them
 behind the prefix already stored (``Client.put(first_block=...)``). Keys are kvstore's own
-chained block keys of the token ids (independent of vLLM's hash seed). A failed or corrupt load is reported through
+chained block keys of the token ids (independent of vLLM's hash seed), bound to everything
+vLLM's own block hashes bind (``vllm_identity``): the cache salt and LoRA adapter in the
+namespace, multimodal items and prompt embeddings in the keys of the blocks they touch; a
+request with anything else in its block hashes is neither loaded nor saved. A failed or corrupt load is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks; nothing corrupt is served
 (pages are verified against their key and checksum before they are copied in). vLLM
 recomputes them only with ``kv_load_failure_policy="recompute"``; its default, ``"fail"``,
@@ -53,6 +58,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, NotFound
+from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
+from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -69,12 +76,14 @@ logger = logging.getLogger(__name__)
 SUPPORTED_VLLM = ("0.32",)  # minor versions whose connector API and CPU layout this follows
 _LAYOUT = "cpu/LBHNC"  # the only (backend, layout) whose per-layer tensors this module reads
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+MAX_NAMESPACES = 1024  # (salt, adapter) namespaces kept built; salts are per user, unbounded
 
 
 def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
-                  tp_rank: int = 0) -> Namespace:
+                  tp_rank: int = 0, adapter_id: str = "") -> Namespace:
     """The namespace of an engine's blocks: model, revision, dtype, KV geometry, block size,
-    backend layout, tensor-parallel shard and the request's cache salt."""
+    backend layout, tensor-parallel shard, and the request's cache salt and LoRA adapter
+    (``vllm_identity.adapter_id``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -84,12 +93,12 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
     spec = KVSpec(num_layers=model.get_num_layers(parallel),
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                   block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
-    salt = f"vllm/{_LAYOUT}" + (f"/salt={cache_salt}" if cache_salt else "")
     return Namespace(model_id=model.model, spec=spec,
                      revision=str(extra.get("revision") or model.revision or "main"),
+                     adapter_id=adapter_id,
                      tenant=str(extra.get("tenant", "default")), tp_rank=tp_rank,
                      tp_size=parallel.tensor_parallel_size,
-                     extra_salt=salt)
+                     extra_salt=f"vllm/{_LAYOUT}" + salt_suffix(cache_salt))
 
 
 def _tp_rank() -> int:
@@ -105,14 +114,16 @@ def _client(vllm_config: VllmConfig) -> Client:
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """Blocks of one request to move: ``token_ids`` cover blocks ``0 .. len(block_ids)``;
-    blocks before ``first_block`` are already where they need to be."""
+    """Blocks of one request to move: ``token_ids`` (the ids its blocks are keyed by,
+    ``BlockIdentity.tokens``) cover blocks ``0 .. len(block_ids)``; blocks before
+    ``first_block`` are already where they need to be."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     first_block: int
     cache_salt: str | None = None
+    adapter_id: str = ""
 
 
 @dataclass(slots=True)
@@ -128,6 +139,7 @@ class _Tracked:
     """What the scheduler side remembers of a running request."""
 
     request: Request
+    identity: BlockIdentity | None  # None: its identity cannot be expressed, never cached
     block_ids: list[int] = field(default_factory=list)
     saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
     load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
@@ -190,12 +202,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
-        self._namespaces: dict[str | None, Namespace] = {}
+        self._namespaces: dict[tuple[str | None, str], Namespace] = {}
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
         self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self._client = _client(vllm_config)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
+        self._lookups: DeadlineLookups | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = DeadlineLookups(self._client.lookup, LookupDeadlines.from_extra_config(
+                self._kv_transfer_config.kv_connector_extra_config or {}))
         self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
         if role == KVConnectorRole.SCHEDULER and \
                 self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -206,12 +222,46 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
 
-    def _namespace(self, cache_salt: str | None) -> Namespace:
-        ns = self._namespaces.get(cache_salt)
+    def _namespace(self, cache_salt: str | None, adapter_id: str = "") -> Namespace:
+        ns = self._namespaces.get((cache_salt, adapter_id))
         if ns is None:
-            ns = self._namespaces[cache_salt] = namespace_for(self._vllm_config, cache_salt,
-                                                              self._tp_rank)
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                self._namespaces.pop(next(iter(self._namespaces)))  # the oldest built
+            ns = namespace_for(self._vllm_config, cache_salt, self._tp_rank, adapter_id)
+            self._namespaces[(cache_salt, adapter_id)] = ns
         return ns
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            identity: BlockIdentity | None
+            try:
+                identity = BlockIdentity(request, self._block_size)
+            except Unexpressible as exc:
+                logger.info("kvstore: not caching %s: %s", request.request_id, exc)
+                identity = None
+            tracked = self._tracked[request.request_id] = _Tracked(request, identity)
+        return tracked
+
+    @staticmethod
+    def _identity(tracked: _Tracked) -> tuple[str | None, str]:
+        """(cache salt, adapter id): what a worker needs to build the request's namespace."""
+        return tracked.request.cache_salt, tracked.identity.adapter_id  # type: ignore[union-attr]
+
+    def _key_ids(self, tracked: _Tracked, num_tokens: int) -> list[int] | None:
+        """The ids keying the request's first ``num_tokens`` tokens; None, and never again
+        for this request, where its identity cannot be expressed."""
+        if tracked.identity is None:
+            return None
+        try:
+            return tracked.identity.tokens(num_tokens)
+        except Unexpressible as exc:
+            logger.info("kvstore: not caching %s: %s", tracked.request.request_id, exc)
+            tracked.identity = None
+            return None
+
+    def _request_namespace(self, tracked: _Tracked) -> Namespace:
+        return self._namespace(*self._identity(tracked))
 
     # ---------------------------------------------------------------------- scheduler side
 
@@ -219,16 +269,24 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         """Tokens kvstore holds beyond the ``num_computed_tokens`` vLLM has locally. One full
         block less than the prompt at most: the last prompt token must be computed for its
-        logits."""
-        prompt = list(request.prompt_token_ids or [])
-        usable = (len(prompt) - 1) // self._block_size * self._block_size
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        logits. ``None`` while the lookup runs past its deadline (``vllm_lookups``): vLLM
+        asks again next step, and the scheduler never waits on a slow tier."""
+        usable = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
+        tracked = self._track(request)
         if usable <= num_computed_tokens:
             return 0, False
+        ids = self._key_ids(tracked, usable)
+        if ids is None:
+            return 0, False
         try:
-            hit = self._client.lookup(self._namespace(request.cache_salt), prompt[:usable])
-        except KVStoreError as exc:  # the daemon is down: compute everything, serve on
-            logger.warning("kvstore lookup failed, computing the prompt: %s", exc)
+            ns = self._request_namespace(tracked)
+        except KVStoreError as exc:
+            logger.warning("kvstore: no namespace for %s: %s", request.request_id, exc)
+            return 0, False
+        hit = self._lookups.ask(request.request_id, ns, ids)  # type: ignore[union-attr]
+        if hit is Pending.PENDING:
+            return None, False
+        if hit is None:
             return 0, False
         num_new = max(0, hit.tokens_to_fetch - num_computed_tokens)
         tracked.load = (num_computed_tokens, num_new) if num_new else None
@@ -236,7 +294,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked = self._track(request)
         if num_external_tokens == 0:
             tracked.load = None
         elif tracked.load is not None:
@@ -277,25 +335,33 @@ class KVStoreConnector(KVConnectorBase_V1):
         end = local + num_new
         tracked.saved_tokens = end
         self.num_hit_tokens += num_new
-        return BlockTransfer(req_id, list(tracked.request.prompt_token_ids[:end]),
-                             tracked.block_ids[: end // self._block_size],
-                             local // self._block_size, tracked.request.cache_salt)
+        # The lookup keyed these ids already, so they exist; were they missing, the empty
+        # load would fail on the worker and its blocks be recomputed.
+        ids = self._key_ids(tracked, end) or []
+        return BlockTransfer(req_id, ids, tracked.block_ids[: end // self._block_size],
+                             local // self._block_size, *self._identity(tracked))
 
     def _plan_save(self, req_id: str, tracked: _Tracked, num_done: int) -> BlockTransfer | None:
-        """The blocks this step completes; their K/V is in vLLM's cache after the forward."""
-        tokens = tracked.request.all_token_ids
-        full = min(num_done, len(tokens)) // self._block_size * self._block_size
+        """The blocks this step completes; their K/V is in vLLM's cache after the forward.
+        None for a request whose identity cannot be expressed: it is never saved."""
+        num_tokens = tracked.request.num_tokens
+        full = min(num_done, num_tokens) // self._block_size * self._block_size
         if full <= tracked.saved_tokens:
+            return None
+        ids = self._key_ids(tracked, full)
+        if ids is None:
             return None
         first = tracked.saved_tokens // self._block_size
         tracked.saved_tokens = full
-        return BlockTransfer(req_id, list(tokens[:full]), tracked.block_ids[: full //
-                             self._block_size], first, tracked.request.cache_salt)
+        return BlockTransfer(req_id, ids, tracked.block_ids[: full // self._block_size], first,
+                             *self._identity(tracked))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within their step, so vLLM may free the blocks at once."""
         self._tracked.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------------- worker side
@@ -330,7 +396,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _load(self, load: BlockTransfer) -> int:
         """Copy the stored blocks of ``load`` into the cache; returns how many of its blocks
         (counted from the first) are now valid there."""
-        ns, views = self._namespace(load.cache_salt), self._block_views()
+        ns, views = self._namespace(load.cache_salt, load.adapter_id), self._block_views()
         args = (ns, views, load.token_ids, load.block_ids, load.first_block)
         try:
             return load_blocks(self._client, *args)
@@ -365,7 +431,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _save(self, save: BlockTransfer) -> None:
         """Store the blocks this step completed behind the ones stored before; all of them
         again when kvstore no longer holds those."""
-        ns, views = self._namespace(save.cache_salt), self._block_views()
+        ns, views = self._namespace(save.cache_salt, save.adapter_id), self._block_views()
         if save.first_block:
             new = gather_blocks(views, ns.spec, save.block_ids[save.first_block:])
             try:
@@ -393,4 +459,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         self._client.close()

@@ -24,6 +24,8 @@ from tests.server.helpers import REPO_ROOT, DaemonProcess, MiB, short_tmpdir, sm
 
 VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
 ENGINE = Path(__file__).with_name("vllm_engine.py")
+IDENTITY_CASES = Path(__file__).with_name("vllm_identity_cases.py")
+LOOKUP_CASES = Path(__file__).with_name("vllm_lookup_cases.py")
 BLOCK_SIZE = 32  # vllm_engine.BLOCK_SIZE
 PROMPTS = [list(range(3, 103)), list(range(200, 300))]  # 100 tokens: 3 full blocks each
 PREFIX_TOKENS = 96
@@ -34,12 +36,12 @@ pytestmark = pytest.mark.skipif(
            "scripts/services/vllm.sh)")
 
 
-def run_engine(root: Path, *args: str, timeout_s: float = 240) -> None:
+def run_engine(root: Path, *args: str, timeout_s: float = 240, script: Path = ENGINE) -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO_ROOT),
            "VLLM_LOGGING_LEVEL": "WARNING"}
     log = root / f"engine-{len(list(root.glob('engine-*')))}.log"
     with open(log, "w") as out:
-        proc = subprocess.run([VLLM_PYTHON, str(ENGINE), *args], env=env, stdout=out, check=False,
+        proc = subprocess.run([VLLM_PYTHON, str(script), *args], env=env, stdout=out, check=False,
                               stderr=subprocess.STDOUT, timeout=timeout_s, cwd=root)
     if proc.returncode != 0:
         raise AssertionError(f"engine {args[0]} exited {proc.returncode}:\n"
@@ -132,3 +134,68 @@ def test_connector_copies_round_trip_blocks_exactly():
     finally:
         daemon.kill()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# Tokens request B of each case shares with request A (``vllm_identity_cases.cases``): A's
+# prompt is 4 blocks of 32 and one token; an image or changed embedding row in block k leaves
+# blocks 0 .. k-1 shared, as vLLM's own block hashes do.
+EXPECTED_SHARED_TOKENS = {
+    "salt": 0, "salt_vs_none": 0, "none_vs_salt": 0, "long_salt": 0,
+    "lora_name": 0, "lora_vs_base": 0, "base_vs_lora": 0, "lora_path": 0, "lora_id": 0,
+    "image": 32,  # a different image at tokens 40-59: block 0 is before it
+    "image_offset": 32,  # the same image two tokens later, in the same block
+    "image_vs_none": 64,  # an image at 70-109 against none: blocks 0 and 1 are text
+    "second_image": 96,  # the same first image, and a second one in block 3
+    "embeds": 64,  # prompt embeddings differing in row 70 (block 2)
+    "embeds_vs_zero_ids": 0,  # token ids equal to the ids vLLM hashes for embeddings
+    "unexpressible": 0,
+}
+
+
+def test_requests_differing_in_identity_never_share_a_block():
+    """Regression (LMCache#4086, vLLM#44250): keys were the token ids plus the cache salt, so
+    requests with the same ids and another LoRA adapter, image or prompt embeddings loaded
+    each other's K/V. With real vLLM 0.32 requests driven through both connector halves and a
+    real daemon, B shares only the blocks vLLM's own hashes would share; a request like A hits
+    all 128 tokens, and one whose extra keys have no canonical form is neither saved nor
+    loaded."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_engine(root, "build", str(model))
+        out = root / "identity.json"
+        run_engine(root, str(model), daemon.address, str(out), script=IDENTITY_CASES)
+        results = json.loads(out.read_text())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    assert results.pop("plain_keys_unchanged") is True
+    assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
+    controls = {name: r["control"] for name, r in results.items()}
+    assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}
+
+
+def test_a_lookup_on_a_stopped_daemon_does_not_stall_the_scheduler():
+    """Regression: the scheduler's lookup was synchronous, so a tier that did not answer (the
+    shared Redis tier takes up to ~0.5 s; here a stopped daemon) stalled every request of the
+    engine. Now the scheduler is told to ask again (None) while the lookup runs, gets the
+    full hit once the daemon answers, and counts a lookup past its give-up time as a miss."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_engine(root, "build", str(model))
+        out = root / "lookups.json"
+        run_engine(root, str(model), daemon.address, str(daemon.proc.pid), str(out),
+                   script=LOOKUP_CASES)
+        results = json.loads(out.read_text())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    pending, give_up = results["pending"], results["give_up"]
+    assert pending["stopped"] == [None, False]
+    assert pending["final"] == [128, False]
+    assert give_up["stopped"] == [0, False] and give_up["num_asks"] == 1
