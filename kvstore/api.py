@@ -390,3 +390,41 @@ class HealthInfo:
     # (kvstore.rpc.descriptors); "" when the daemon has no host arena.
     arena_path: str
     call_channel: bool = False  # the daemon serves this caller call channels (OpenChannel)
+
+
+class KVEventKind(enum.StrEnum):
+    """What a KV event says happened to its blocks."""
+
+    STORED = "stored"  # the tier now holds them
+    REMOVED = "removed"  # the tier no longer holds them
+    ALL_CLEARED = "all_cleared"  # the store holds no blocks at all any more
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # eq=False: ``tokens`` is an array
+class KVEvent:
+    """Blocks of one namespace that one tier gained or lost (``kvstore.server.kv_events``);
+    stored blocks are one chain, in order. An ALL_CLEARED event carries no blocks."""
+
+    kind: KVEventKind
+    keys: tuple[BlockKey, ...]
+    parent: BlockKey | None  # the key before the first (stored events); None for a prefix's first
+    tokens: np.ndarray | None  # the blocks' token ids (uint32) where the store had them, else None
+    block_tokens: int  # tokens per block; 0 if not known
+    first_block_index: int  # position of the first block in its prefix
+    tier: str  # the chain's name of the tier
+    medium: str  # "GPU", "CPU", "STORAGE", "REMOTE" (or the daemon's ``events.media``)
+    tenant: str
+    model_id: str
+    namespace: bytes  # the namespace fingerprint (``Namespace.fingerprint``)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """What one ``subscribe_events`` read gives: the events of one drain of the daemon's
+    queue that the subscriber may see."""
+
+    seq: int  # this subscription's batch number, from 0
+    ts: float  # seconds since the epoch
+    host: str  # the daemon's host name (``events.host``)
+    num_dropped: int  # events this subscription lost so far because it fell behind
+    events: tuple[KVEvent, ...]

@@ -5,7 +5,8 @@ them through one ``transport.py`` seam (gRPC, or the call channels of ``channels
 ``releases.py`` sends their leases' Releases late, ``mappings.py`` holds the zero-copy page
 paths through the daemon's regions, ``engine.py`` (with ``staging.py``) an engine's GPU path;
 ``address.py`` and ``retry.py`` say how to reach the daemon and when to try again,
-``tracing.py`` what calls carry for the daemon's request spans (``for_request``). Nothing
+``tracing.py`` what calls carry for the daemon's request spans (``for_request``), ``events.py``
+a KV event subscription (``subscribe_events``) read as typed batches. Nothing
 here imports the store, its tiers or the server: the wire forms come from ``kvstore.rpc``.
 """
 

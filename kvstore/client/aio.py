@@ -25,6 +25,7 @@ from kvstore.api import (
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.channels import DataSocket, is_transfer_failure, open_put_refused
+from kvstore.client.events import AsyncEventStream
 from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
@@ -340,6 +341,12 @@ class AsyncClient:
 
     async def stats(self, tenant: str | None = None) -> StoreStats:
         return await self._unary(requests.stats(tenant))
+
+    async def subscribe_events(self, tenant: str | None = None) -> AsyncEventStream:
+        """See :meth:`kvstore.client.Client.subscribe_events`. A coroutine, as every verb of
+        this client: it returns once the daemon confirmed the subscription, then ``async for
+        batch in stream``; ``aclose()`` or its ``async with`` block ends the stream."""
+        return await AsyncEventStream.open(self._stub, tenant, self._settings)
 
     async def list_blocks(self, *, tenant: str | None = None, model_id: str | None = None,
                           tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:

@@ -24,6 +24,7 @@ from kvstore.api import (
 from kvstore.client import requests
 from kvstore.client.address import DEFAULT_TIMEOUT_S, ClientSettings
 from kvstore.client.channels import DataSocket, is_transfer_failure, open_put_refused
+from kvstore.client.events import EventStream
 from kvstore.client.mappings import (
     BlockVisitor,
     ZeroCopy,
@@ -371,6 +372,20 @@ class Client:
 
     def stats(self, tenant: str | None = None) -> StoreStats:
         return self._unary(requests.stats(tenant))
+
+    def subscribe_events(self, tenant: str | None = None) -> EventStream:
+        """The daemon's KV events (blocks each tier stored or removed, the store cleared) as
+        ``KVEventBatch``es, from the moment this returns: a tenant caller's own; the admin's
+        every tenant's, or ``tenant``'s. Iterate it; ``close()`` or its ``with`` block ends
+        the stream (``kvstore.client.events``).
+
+        Raises:
+            FailedPrecondition: the daemon's events are off (``events.enabled``).
+            PermissionDenied: ``tenant`` is another tenant's.
+            CapacityError: over the daemon's ``events.max_subscribers`` or
+                ``events.max_subscribers_per_tenant``.
+        """
+        return EventStream.open(self._stub, tenant, self._settings)
 
     def list_blocks(self, *, tenant: str | None = None, model_id: str | None = None,
                     tier: str | None = None, limit: int = 1000) -> list[BlockInfo]:

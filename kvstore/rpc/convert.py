@@ -24,6 +24,9 @@ from kvstore.api import (
     BlockLocations,
     Counters,
     HealthInfo,
+    KVEvent,
+    KVEventBatch,
+    KVEventKind,
     Lease,
     LookupResult,
     Medium,
@@ -341,3 +344,26 @@ def profile_from_proto(msg: pb.ModelProfile) -> ModelProfile:
     """A validated ModelProfile; InvalidArgument if a field is missing or not positive."""
     return ModelProfile(num_params=msg.num_params, num_layers=msg.num_layers,
                         hidden_size=msg.hidden_size, flops_per_s=msg.flops_per_s)
+
+
+_EVENT_KINDS = {pb.KV_EVENT_STORED: KVEventKind.STORED, pb.KV_EVENT_REMOVED: KVEventKind.REMOVED,
+                pb.KV_EVENT_ALL_CLEARED: KVEventKind.ALL_CLEARED}
+
+
+def event_from_proto(msg: pb.KVEvent) -> KVEvent:
+    """A KVEvent; InvalidArgument naming the field for a kind this client does not know, a key
+    that is not 16 bytes or tokens that are not whole uint32s."""
+    kind = _EVENT_KINDS.get(msg.kind)
+    if kind is None:
+        raise InvalidArgument(f"unknown KV event kind {msg.kind} (a newer daemon?)")
+    return KVEvent(
+        kind=kind, keys=tuple(key_from_bytes(k, "event key") for k in msg.keys),
+        parent=key_from_bytes(msg.parent, "event parent") if msg.parent else None,
+        tokens=tokens_from_bytes(msg.tokens) if msg.tokens else None,
+        block_tokens=msg.block_tokens, first_block_index=msg.first_block_index, tier=msg.tier,
+        medium=msg.medium, tenant=msg.tenant, model_id=msg.model_id, namespace=msg.namespace)
+
+
+def event_batch_from_proto(msg: pb.KVEventBatch) -> KVEventBatch:
+    return KVEventBatch(seq=msg.seq, ts=msg.ts, host=msg.host, num_dropped=msg.num_dropped,
+                        events=tuple(event_from_proto(e) for e in msg.events))

@@ -8,6 +8,10 @@ import secrets
 SESSION_HEADER = "kvstore-session"
 SESSION_METHODS = frozenset({"Acquire", "Reserve"})  # what is granted under a session
 OPEN_TIMEOUT_S = 2.0  # a client waits this long for the first heartbeat, then goes without
+# Initial metadata of a SubscribeEvents stream, sent once the subscription is registered: a
+# client returns from subscribe_events only then, so no event after that is missed, and a
+# refusal (events off, another tenant, over the caps) raises there rather than at a read.
+SUBSCRIBED_HEADER = "kvstore-subscribed"
 
 
 def new_session_id() -> str:

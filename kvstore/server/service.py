@@ -45,6 +45,7 @@ from kvstore.rpc.convert import (
 )
 from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.rpc.framing import CHANNEL_METHODS
+from kvstore.rpc.metadata import SUBSCRIBED_HEADER
 from kvstore.rpc.tensors import (
     ChunkAssembler,
     chunk_limit,
@@ -590,6 +591,7 @@ class KVStoreService(pbg.KVStoreServicer):
             raise FailedPrecondition("KV events are off on this daemon (events.enabled)")
         tenant = current_caller().scope(request.tenant, "subscribe to the events")
         with self._events.subscribe(tenant) as subscription:
+            await context.send_initial_metadata(((SUBSCRIBED_HEADER, "1"),))
             while not self._is_draining():
                 batch = await subscription.next(HOLD_POLL_S)
                 if batch is not None:
