@@ -9,6 +9,7 @@ import torch
 from kvstore.api import (
     BlockLocation,
     Counters,
+    KVEventKind,
     Lease,
     LookupResult,
     Medium,
@@ -21,6 +22,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, Namespace, token_array
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.convert import (
+    event_batch_from_proto,
     key_from_bytes,
     lease_from_proto,
     lease_to_proto,
@@ -214,3 +216,34 @@ def test_a_block_table_naming_a_region_it_lacks_is_refused():
     msg.table.region_index = np.array([0, 5], dtype="<u4").tobytes()
     with pytest.raises(InvalidArgument, match="region 5 of 2"):
         lease_from_proto(msg)
+
+
+def test_an_event_batch_reads_back_as_typed_values():
+    keys = [bytes([i]) * 16 for i in range(3)]
+    msg = pb.KVEventBatch(ts=1.5, seq=7, host="node-a", num_dropped=2, events=[
+        pb.KVEvent(kind=pb.KV_EVENT_STORED, keys=keys[1:], parent=keys[0],
+                   tokens=tokens_to_bytes(range(32)), block_tokens=16, first_block_index=1,
+                   tier="dram", medium="CPU", tenant="acme", model_id="m", namespace=b"ns"),
+        pb.KVEvent(kind=pb.KV_EVENT_REMOVED, keys=keys[:1], tier="ssd", medium="STORAGE"),
+        pb.KVEvent(kind=pb.KV_EVENT_ALL_CLEARED)])
+    batch = event_batch_from_proto(msg)
+    assert (batch.seq, batch.ts, batch.host, batch.num_dropped) == (7, 1.5, "node-a", 2)
+    stored, removed, cleared = batch.events
+    assert stored.kind is KVEventKind.STORED and stored.keys == tuple(keys[1:])
+    assert stored.parent == keys[0] and stored.tokens.dtype == np.uint32
+    assert stored.tokens.tolist() == list(range(32))
+    assert (stored.block_tokens, stored.first_block_index, stored.namespace) == (16, 1, b"ns")
+    assert removed.kind is KVEventKind.REMOVED and removed.parent is None
+    assert removed.tokens is None and removed.medium == "STORAGE"
+    assert cleared.kind is KVEventKind.ALL_CLEARED and cleared.keys == ()
+
+
+@pytest.mark.parametrize(("event", "named"), [
+    (pb.KVEvent(keys=[b"short"]), "event key"),
+    (pb.KVEvent(keys=[b"k" * 16], parent=b"p" * 15), "event parent"),
+    (pb.KVEvent(keys=[b"k" * 16], tokens=b"12345"), "multiple of 4"),
+    (pb.KVEvent(kind=9), "unknown KV event kind 9"),
+])
+def test_a_malformed_event_names_what_is_wrong(event, named):
+    with pytest.raises(InvalidArgument, match=named):
+        event_batch_from_proto(pb.KVEventBatch(events=[event]))
