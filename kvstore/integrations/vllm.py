@@ -32,8 +32,8 @@ a host tensor (one copy, runs of consecutive block ids at a time) and queues the
 thread, within ``save_queue_bytes`` (extra config; past it a save is dropped and counted).
 ``request_finished`` delays freeing the blocks of a request it planned saves for, and
 ``get_finished`` reports it once its puts are done. A load copies every stored page, in place
-in the arena, straight into the blocks of each layer (``Client.read_blocks``). Counters
-(blocks loaded and saved, saves dropped or failed) go to vLLM's log through
+in the arena, straight into the blocks of each layer (``Client.read_blocks``). Counters (tokens
+hit, blocks loaded and saved, saves dropped or failed) go to vLLM's log through
 ``get_kv_connector_stats``. Keys are kvstore's own
 chained block keys of the token ids (independent of vLLM's hash seed), bound to everything
 vLLM's own block hashes bind (``vllm_identity``): the cache salt and LoRA adapter in the
@@ -219,6 +219,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._lookups = DeadlineLookups(self._client.lookup, LookupDeadlines.from_extra_config(
                 self._kv_transfer_config.kv_connector_extra_config or {}))
         self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
+        self._reported_hit_tokens = 0  # of those, already in connector stats
         if role == KVConnectorRole.SCHEDULER and \
                 self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning("kv_load_failure_policy=%r: a request whose kvstore load fails "
@@ -478,9 +479,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._saves.finished(finished_req_ids) or None, None
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
-        """Blocks loaded and saved, and saves dropped or failed, since the last call."""
+        """Since the last call: tokens promised from kvstore (scheduler side); blocks loaded
+        and saved, and saves dropped or failed (worker side)."""
         if self._saves is None:
-            return None
+            hits, self._reported_hit_tokens = (self.num_hit_tokens - self._reported_hit_tokens,
+                                               self.num_hit_tokens)
+            return KVStoreConnectorStats.of({"hit_tokens": hits})
         data = {**self._load_counts, **self._saves.take_stats().to_dict()}
         self._load_counts = dict.fromkeys(self._load_counts, 0)
         return KVStoreConnectorStats.of(data)

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 # The counters, each summed over steps and workers.
-COUNTERS = ("loaded_blocks", "load_error_blocks", "saved_blocks", "saved_bytes",
+COUNTERS = ("hit_tokens", "loaded_blocks", "load_error_blocks", "saved_blocks", "saved_bytes",
             "dropped_saves", "failed_saves")
 
 
