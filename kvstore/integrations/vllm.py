@@ -25,13 +25,16 @@ Who calls what: the scheduler side (engine core process) answers matched tokens 
 Lookup, run on a thread and waited for at most ``lookup_deadline_ms`` (extra config, default 5;
 past it vLLM is told to ask again next step, and past ``lookup_give_up_ms`` it is a miss:
 ``vllm_lookups``), and plans loads and saves per step in ``build_connector_meta``; the worker side (each
-worker process) loads in ``start_load_kv`` before the forward pass and saves the blocks the
-step completed in ``wait_for_save``, both synchronously, so no block stays referenced after a
-step and ``request_finished`` never holds blocks. Each byte moves once between vLLM's cache
-and the shared DRAM arena where it can: a load copies every stored page, in place in the
-arena, straight into the blocks of each layer (``Client.read_blocks``); a save gathers only
-the blocks the step completed (one copy, runs of consecutive block ids at a time) and adds them
-behind the prefix already stored (``Client.put(first_block=...)``). Keys are kvstore's own
+worker process) loads in ``start_load_kv`` before the forward pass, synchronously, and saves
+asynchronously (``vllm_saves``): ``wait_for_save`` gathers the blocks the step completed into
+a host tensor (one copy, runs of consecutive block ids at a time) and queues their put
+(``Client.put(first_block=...)``: added behind the prefix already stored) for a background
+thread, within ``save_queue_bytes`` (extra config; past it a save is dropped and counted).
+``request_finished`` delays freeing the blocks of a request it planned saves for, and
+``get_finished`` reports it once its puts are done. A load copies every stored page, in place
+in the arena, straight into the blocks of each layer (``Client.read_blocks``). Counters (tokens
+hit, blocks loaded and saved, saves dropped or failed) go to vLLM's log through
+``get_kv_connector_stats``. Keys are kvstore's own
 chained block keys of the token ids (independent of vLLM's hash seed), bound to everything
 vLLM's own block hashes bind (``vllm_identity``): the cache salt and LoRA adapter in the
 namespace, multimodal items and prompt embeddings in the keys of the blocks they touch; a
@@ -57,9 +60,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import Client
-from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError, NotFound
+from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
+from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits
+from kvstore.integrations.vllm_stats import KVStoreConnectorStats
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -107,9 +112,9 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-def _client(vllm_config: VllmConfig) -> Client:
+def _client(vllm_config: VllmConfig, **kwargs: Any) -> Client:
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    return Client(extra.get("address"), token=extra.get("token"))
+    return Client(extra.get("address"), token=extra.get("token"), **kwargs)
 
 
 @dataclass(slots=True)
@@ -142,6 +147,7 @@ class _Tracked:
     identity: BlockIdentity | None  # None: its identity cannot be expressed, never cached
     block_ids: list[int] = field(default_factory=list)
     saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
+    has_saves: bool = False  # a save was planned: its blocks are freed once workers report it
     load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
 
 
@@ -213,6 +219,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._lookups = DeadlineLookups(self._client.lookup, LookupDeadlines.from_extra_config(
                 self._kv_transfer_config.kv_connector_extra_config or {}))
         self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
+        self._reported_hit_tokens = 0  # of those, already in connector stats
         if role == KVConnectorRole.SCHEDULER and \
                 self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning("kv_load_failure_policy=%r: a request whose kvstore load fails "
@@ -221,6 +228,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._load_counts = {"loaded_blocks": 0, "load_error_blocks": 0}
+        self._saves: AsyncSaves | None = None
+        if role == KVConnectorRole.WORKER:
+            limits = SaveLimits.from_extra_config(
+                self._kv_transfer_config.kv_connector_extra_config or {})
+            # Its own client: puts run on the save thread while loads use the worker's.
+            self._save_client = _client(vllm_config, timeout_s=limits.put_timeout_ms / 1000)
+            self._saves = AsyncSaves(
+                lambda ns, ids, kv, first: self._save_client.put(ns, ids, kv,
+                                                                 first_block=first), limits)
 
     def _namespace(self, cache_salt: str | None, adapter_id: str = "") -> Namespace:
         ns = self._namespaces.get((cache_salt, adapter_id))
@@ -353,16 +370,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None
         first = tracked.saved_tokens // self._block_size
         tracked.saved_tokens = full
+        tracked.has_saves = True
         return BlockTransfer(req_id, ids, tracked.block_ids[: full // self._block_size], first,
                              *self._identity(tracked))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """Saves finish within their step, so vLLM may free the blocks at once."""
-        self._tracked.pop(request.request_id, None)
+        """True (vLLM keeps the blocks until ``get_finished`` names the request) where a
+        save was planned for it: its puts may still be running on the workers."""
+        tracked = self._tracked.pop(request.request_id, None)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
-        return False, None
+        return tracked is not None and tracked.has_saves, None
 
     # ------------------------------------------------------------------------- worker side
 
@@ -391,7 +410,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for load in meta.loads:  # type: ignore[attr-defined]
             num_loaded = self._load(load)
-            self._load_errors.update(load.block_ids[max(num_loaded, load.first_block):])
+            errors = load.block_ids[max(num_loaded, load.first_block):]
+            self._load_errors.update(errors)
+            self._load_counts["loaded_blocks"] += len(load.block_ids) - load.first_block \
+                - len(errors)
+            self._load_counts["load_error_blocks"] += len(errors)
 
     def _load(self, load: BlockTransfer) -> int:
         """Copy the stored blocks of ``load`` into the cache; returns how many of its blocks
@@ -420,26 +443,56 @@ class KVStoreConnector(KVConnectorBase_V1):
         written, in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
+        """Gather the blocks this step completed and queue their puts; returns without
+        waiting for any put (``vllm_saves``)."""
         if not self.has_connector_metadata():
             return
         for save in self._get_connector_metadata().saves:  # type: ignore[attr-defined]
+            self._saves.seen(save.req_id)  # type: ignore[union-attr]
             try:
                 self._save(save)
             except KVStoreError as exc:  # a lost save is a later miss, not an engine error
                 logger.warning("kvstore save of %s failed: %s", save.req_id, exc)
 
     def _save(self, save: BlockTransfer) -> None:
-        """Store the blocks this step completed behind the ones stored before; all of them
-        again when kvstore no longer holds those."""
-        ns, views = self._namespace(save.cache_salt, save.adapter_id), self._block_views()
-        if save.first_block:
-            new = gather_blocks(views, ns.spec, save.block_ids[save.first_block:])
-            try:
-                self._client.put(ns, save.token_ids, new, first_block=save.first_block)
-                return
-            except NotFound:
-                pass  # an earlier block was evicted meanwhile
-        self._client.put(ns, save.token_ids, gather_blocks(views, ns.spec, save.block_ids))
+        """Queue the blocks this step completed, to be stored behind the ones stored before;
+        all of them from block 0 where an earlier save of the request was lost."""
+        saves = self._saves
+        ns = self._namespace(save.cache_salt, save.adapter_id)
+        first = 0 if saves.restarts(save.req_id) else save.first_block  # type: ignore[union-attr]
+        block_ids = save.block_ids[first:]
+
+        def gather() -> SaveJob:
+            kv = gather_blocks(self._block_views(), ns.spec, block_ids)
+            return SaveJob(save.req_id, ns, save.token_ids, kv, first)
+
+        num_bytes = len(block_ids) * ns.spec.block_bytes
+        if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
+            logger.info("kvstore save of %s dropped: %d bytes of saves queued",
+                        save.req_id, saves.queued_bytes)  # type: ignore[union-attr]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Requests vLLM finished whose puts are all done (landed, failed or dropped):
+        vLLM frees their blocks now."""
+        if self._saves is None:
+            return None, None
+        return self._saves.finished(finished_req_ids) or None, None
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """Since the last call: tokens promised from kvstore (scheduler side); blocks loaded
+        and saved, and saves dropped or failed (worker side)."""
+        if self._saves is None:
+            hits, self._reported_hit_tokens = (self.num_hit_tokens - self._reported_hit_tokens,
+                                               self.num_hit_tokens)
+            return KVStoreConnectorStats.of({"hit_tokens": hits})
+        data = {**self._load_counts, **self._saves.take_stats().to_dict()}
+        self._load_counts = dict.fromkeys(self._load_counts, 0)
+        return KVStoreConnectorStats.of(data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVStoreConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -461,4 +514,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._lookups is not None:
             self._lookups.close()
+        if self._saves is not None:
+            self._saves.close()  # queued puts land within a grace
+            self._save_client.close()
         self._client.close()

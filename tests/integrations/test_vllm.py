@@ -26,6 +26,7 @@ VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CASES = Path(__file__).with_name("vllm_identity_cases.py")
 LOOKUP_CASES = Path(__file__).with_name("vllm_lookup_cases.py")
+SAVE_CASES = Path(__file__).with_name("vllm_save_cases.py")
 BLOCK_SIZE = 32  # vllm_engine.BLOCK_SIZE
 PROMPTS = [list(range(3, 103)), list(range(200, 300))]  # 100 tokens: 3 full blocks each
 PREFIX_TOKENS = 96
@@ -199,3 +200,48 @@ def test_a_lookup_on_a_stopped_daemon_does_not_stall_the_scheduler():
     assert pending["stopped"] == [None, False]
     assert pending["final"] == [128, False]
     assert give_up["stopped"] == [0, False] and give_up["num_asks"] == 1
+
+
+@pytest.fixture(scope="module")
+def saves():
+    """``vllm_save_cases`` against a real daemon it stops and continues."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_engine(root, "build", str(model))
+        out = root / "saves.json"
+        run_engine(root, str(model), daemon.address, str(daemon.proc.pid), str(out),
+                   script=SAVE_CASES)
+        yield json.loads(out.read_text())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_request_is_reported_finished_only_once_its_put_landed(saves):
+    """The scheduler delays freeing a request it planned saves for; the worker names it
+    finished (vLLM frees its blocks then) only after the put landed: not while the daemon is
+    stopped, and a lookup the moment it is named finds all four blocks."""
+    landed = saves["landed"]
+    assert landed["delayed"] is True
+    assert landed["reported_while_stopped"] == []
+    assert landed["stored_when_reported"] == 128
+
+
+def test_a_stopped_daemon_does_not_stall_steps_and_saves_past_the_cap_are_dropped(saves):
+    """Regression: ``wait_for_save`` gathered and put synchronously, so a daemon that did not
+    answer stalled every engine step until the client's timeout. Now steps return while the
+    daemon is stopped; with room queued for two saves the other three are dropped and
+    counted, their requests freed at once, and the two queued land once it continues."""
+    cap = saves["cap"]
+    assert cap["steps_returned"] is True
+    assert cap["delays"] == [True] * 5
+    assert cap["reported_while_stopped"] == ["cap2", "cap3", "cap4"]
+    assert cap["stopped_stats"]["dropped_saves"] == 3
+    assert cap["stopped_stats"]["saved_blocks"] == 0
+    assert cap["reported"] == [f"cap{i}" for i in range(5)]
+    assert cap["after_stats"]["saved_blocks"] == 8
+    assert cap["after_stats"]["failed_saves"] == 0
+    assert cap["stored"] == [128, 128, 0, 0, 0]

@@ -48,6 +48,7 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path) -> N
 
     llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=1024,
               dtype="float32", enable_prefix_caching=False, max_num_seqs=4, seed=0,
+              disable_log_stats=False,  # the connector's stats go through vLLM's logger
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KVStoreConnector", kv_role="kv_both",
                   kv_load_failure_policy="recompute",

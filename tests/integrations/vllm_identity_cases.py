@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -107,19 +108,33 @@ class Engine:
             f"model.layers.{i}.self_attn.attn":
                 torch.randn(16, 2, BLOCK_SIZE, 64, generator=g) for i in range(2)})
 
-    def save(self, request) -> None:
+    def step(self, request, block_ids: list[int] | None = None) -> bool:
+        """One step computing the whole of ``request`` (blocks ``block_ids``, default 0-4):
+        its saves queued on the worker; then the request finishes. Returns whether the
+        scheduler delays freeing its blocks until the worker reports it."""
         from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
         self.scheduler.get_num_new_matched_tokens(request, 0)
         self.scheduler.update_state_after_alloc(request, None, 0)
         output = SchedulerOutput.make_empty()
-        output.scheduled_new_reqs = [NewRequestData.from_request(request, ([0, 1, 2, 3, 4],))]
+        output.scheduled_new_reqs = [NewRequestData.from_request(
+            request, (block_ids or [0, 1, 2, 3, 4],))]
         output.num_scheduled_tokens = {request.request_id: request.num_tokens}
         meta = self.scheduler.build_connector_meta(output)
         self.worker.bind_connector_metadata(meta)
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
-        self.scheduler.request_finished(request, [])
+        return self.scheduler.request_finished(request, [])[0]
+
+    def save(self, request) -> None:
+        """``step``, then wait until the worker reports the request (its puts done), as
+        vLLM does before it frees the blocks."""
+        if self.step(request):
+            finished: set[str] = set()
+            while request.request_id not in finished:
+                finished, _ = self.worker.get_finished({request.request_id})
+                finished = finished or set()
+                time.sleep(0.001)
 
     def hit(self, request) -> int:
         num, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
