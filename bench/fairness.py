@@ -2,8 +2,8 @@
 262,144 stored blocks, Health and a small Lookup of a second tenant while a first floods 1M-token
 Lookups on many call channels, and SSD reads for 50 hints of one prefix.
 
-From the repository root: ``python bench/fairness.py [stall|flood|hints]`` (all three by
-default); one JSON line each. The flood's tenants run in processes of their own, so their CPU
+From the repository root: ``PYTHONPATH=. python bench/fairness.py [stall|flood|hints]`` (all
+three by default); one JSON line each. The flood's tenants run in processes of their own, so their CPU
 is not the daemon's.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from kvstore.spec import KVSpec
 from kvstore.store import Store
 
 MiB = 1 << 20
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=4)  # 1M tokens: 262,144 blocks
 FLOOD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16)
 TOKENS = {"a": "tok-a", "b": "tok-b"}
@@ -111,7 +113,7 @@ async def _flood(address: str, seconds: float, channels: int) -> None:
 
     await asyncio.gather(*map(one, clients))
     for client in clients:
-        await client.close()
+        await client.aclose()
     print(json.dumps({"a_lookups": done[0], "a_refused": done[1]}))
 
 
@@ -145,7 +147,7 @@ async def flood(root: Path, seconds: float = 10.0, channels: int = 64) -> dict:
         with LoopProbe() as probe:
             procs = [await asyncio.create_subprocess_exec(
                 sys.executable, __file__, role, address, str(seconds), str(channels),
-                stdout=subprocess.PIPE) for role in ("_flood", "_victim")]
+                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}) for role in ("_flood", "_victim")]
             outs = [json.loads((await p.communicate())[0]) for p in procs]
         return {"what": "flood", "loop_stall_ms": round(probe.longest_s * 1e3, 1),
                 **outs[0], **outs[1]}

@@ -28,9 +28,9 @@ from kvstore.policy.base import EvictionOrder
 from kvstore.policy.lru import LruOrder
 from kvstore.room import Footprint, RoomNeed
 
-# Blocks of a chain one loop turn re-ranks: LRU re-ranks 65,536 blocks in two tiers in about
-# 22 ms on the 2-core box (2026-12-05), so a piece holds the loop near 3 ms.
-TOUCH_SLICE_BLOCKS = 8192
+# Blocks of a chain one loop turn re-ranks: a turn of 8,192 took 5-6.6 ms (hit counters and
+# the LRU order of one tier, 2-core box, 2026-12-05), so a piece holds the loop near 3 ms.
+TOUCH_SLICE_BLOCKS = 4096
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: C code scans lists of entries
