@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.config.server import EventsConfig, QuotaConfig, ServerConfig, TracingConfig
+from kvstore.config.server import (
+    DEFAULT_TENANT_RATE_BURST,
+    DEFAULT_TENANT_RATE_RPS,
+    EventsConfig,
+    QuotaConfig,
+    ServerConfig,
+    TracingConfig,
+)
 from kvstore.config.tiers import (
     HBM_CODECS,
     REMOTE_MODES,
@@ -36,7 +43,7 @@ from kvstore.config.units import EVICTION_ORDERS, FSYNC_POLICIES, parse_size
 from kvstore.errors import ConfigError
 
 __all__ = [
-    "EVICTION_ORDERS", "FSYNC_POLICIES", "HBM_CODECS", "REMOTE_MODES", "REMOTE_SCHEMES",
+    "DEFAULT_TENANT_RATE_BURST", "DEFAULT_TENANT_RATE_RPS", "EVICTION_ORDERS", "FSYNC_POLICIES", "HBM_CODECS", "REMOTE_MODES", "REMOTE_SCHEMES",
     "TIER_KINDS", "DramConfig", "EventsConfig", "HbmConfig", "KVStoreConfig", "QuotaConfig",
     "RemoteConfig", "ServerConfig", "SsdConfig", "TierConfig", "TierKind", "TierSettings",
     "TracingConfig", "config_from_mapping", "env_overrides", "load_config", "parse_assignments",

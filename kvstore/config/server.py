@@ -48,6 +48,15 @@ class QuotaConfig:
         return 1.0 / num_tenants if num_tenants >= 2 else None
 
 
+# The per-tenant call rate when several tenants share a daemon and the operator set none. An
+# engine's scheduler makes 3-5 small calls per request (Lookup, Acquire and Release, or Reserve
+# and Commit), so a tenant running a few busy engines (hundreds of requests/s each) stays under
+# this; a tenant far above it is flooding, not serving. The burst (two seconds' worth) absorbs a
+# scheduler step that admits a whole batch at once. It bounds calls, not what each costs.
+DEFAULT_TENANT_RATE_RPS = 4000.0
+DEFAULT_TENANT_RATE_BURST = 8000
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The sidecar daemon: sockets, auth, limits."""
@@ -80,8 +89,13 @@ class ServerConfig:
     unauthenticated_timeout_s: float = 5.0
     max_streams_per_connection: int = 256  # concurrent calls on one connection; more queue
     max_concurrent_rpcs: int = 4096  # calls in progress at once; more get RESOURCE_EXHAUSTED
-    rate_limit_rps: float = 0.0  # calls per second per caller (tenant, else peer host); 0 = off
-    rate_limit_burst: int = 0  # calls a caller may make at once; 0 = one second's worth
+    # Calls per second per caller (tenant, else peer host); 0 = off; -1: off with at most one
+    # tenant, DEFAULT_TENANT_RATE_RPS when tenant_tokens names several (one tenant's flood of
+    # calls must not take the loop from the others unless the operator says so).
+    rate_limit_rps: float = -1.0
+    # Calls a caller may make at once; 0 = one second's worth (DEFAULT_TENANT_RATE_BURST when
+    # the rate is the several-tenant default).
+    rate_limit_burst: int = 0
     # The socket data path (rpc/framing.py): Put/Get tensor bytes over a plain socket beside
     # gRPC, under one-time tickets. Unix: <socket_path>.data; TCP (with tcp_address): data_port
     # on the same host, which must be exactly as private as the gRPC port.
@@ -109,6 +123,16 @@ class ServerConfig:
             return self.metrics_max_label_values
         return 32 if len(self.tenant_tokens) <= 1 else 0
 
+    @property
+    def rate_limit(self) -> tuple[float, int]:
+        """``(calls/s, burst)`` per caller, ``rate_limit_rps``/``_burst`` resolved; (0, 0): off."""
+        rate_per_s, burst = self.rate_limit_rps, self.rate_limit_burst
+        if rate_per_s < 0:
+            if len(self.tenant_tokens) <= 1:
+                return 0.0, 0
+            rate_per_s, burst = DEFAULT_TENANT_RATE_RPS, burst or DEFAULT_TENANT_RATE_BURST
+        return rate_per_s, burst
+
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be in [0, 65535], got {self.metrics_port}")
@@ -129,9 +153,9 @@ class ServerConfig:
         if not 0 < self.unauthenticated_timeout_s <= 3600:
             raise ConfigError(f"server.unauthenticated_timeout_s must be in (0, 3600] seconds, "
                               f"got {self.unauthenticated_timeout_s!r}")
-        if not 0 <= self.rate_limit_rps <= 1e9:
-            raise ConfigError(f"server.rate_limit_rps must be in [0, 1e9] (0 = off), "
-                              f"got {self.rate_limit_rps!r}")
+        if not (0 <= self.rate_limit_rps <= 1e9 or self.rate_limit_rps == -1):
+            raise ConfigError(f"server.rate_limit_rps must be in [0, 1e9] (0 = off) or -1 (the "
+                              f"default with several tenants), got {self.rate_limit_rps!r}")
         if not 0 <= self.rate_limit_burst < 1 << 31:
             raise ConfigError(f"server.rate_limit_burst must be in [0, 2**31) (0 = one second "
                               f"of rate_limit_rps), got {self.rate_limit_burst!r}")

@@ -121,8 +121,8 @@ class Daemon:
         self._lock = lock
         self._stopped = False
         server = config.server
-        limiter = (RateLimiter(server.rate_limit_rps, server.rate_limit_burst)
-                   if server.rate_limit_rps else None)
+        rate_per_s, burst = server.rate_limit  # on by default with several tenants
+        limiter = RateLimiter(rate_per_s, burst) if rate_per_s else None
         self._auth_interceptor = AuthInterceptor(server, auth, limiter)
         self.server = grpc.aio.server(
             interceptors=[TracingInterceptor(self.tracer), MetricsInterceptor(self.metrics),

@@ -23,7 +23,7 @@ from kvstore.api import (
 )
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
-from kvstore.keys import BlockKey, Namespace, block_keys, token_array
+from kvstore.keys import BlockKey, Namespace, token_array
 from kvstore.page import PageMeta
 from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder
@@ -42,6 +42,7 @@ from kvstore.store.placement import Link, Placement
 from kvstore.store.reads import PinnedKV, Reads
 from kvstore.store.reservations import Reservations, page_bound
 from kvstore.store.shared import Shared, directory_observer
+from kvstore.store.slices import LoopShare
 from kvstore.store.write_through import WriteThrough
 from kvstore.store.writes import Writes
 from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, Tier
@@ -49,21 +50,6 @@ from kvstore.tiers.base import DevicePages, FdRegions, HostPinning, Tier
 log = logging.getLogger("kvstore.store")
 
 Tokens = Sequence[int] | torch.Tensor
-
-# Prefixes longer than this are hashed on a worker thread, so one long request never stalls the
-# loop: block keys cost about 1 ms per 32k tokens on the 2-core box (2026-12-01, one pass over
-# the token buffer), so this bounds the inline cost near 1 ms. The hop itself is not free: a
-# 32k-token Lookup through the daemon spent about a fifth of its time handing the hashing to a
-# thread and back (py-spy, 2026-12-01).
-INLINE_HASH_TOKENS = 32768
-
-
-async def _keys(ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
-    """The block keys of ``tokens`` under ``ns``, hashed off the loop for long prefixes."""
-    if tokens.size > INLINE_HASH_TOKENS:
-        return await asyncio.to_thread(block_keys, ns, tokens)
-    return block_keys(ns, tokens)
-
 
 def _state_dir(links: Sequence[Link]) -> Path | None:
     """Where the store keeps its own small state (pins, namespace records): the directory of
@@ -149,6 +135,8 @@ class Store:
                                                     links[0].tier.capacity_bytes)
         self._pins = PinTable(self._dir, budget, state and state / PINS_FILE)
         self._namespaces = NamespaceRecords(state and state / NAMESPACES_FILE)
+        # Long requests in bounded slices of the loop, few per tenant at once (slices.py).
+        self.share = LoopShare()
         self._background: set[asyncio.Task[Any]] = set()
         self._is_open = False
 
@@ -244,7 +232,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         kv = ns.spec.check_kv(kv, num_tokens=arr.size)
-        keys = await _keys(ns, arr)
+        keys = await self._keys(ns, arr)
         self._namespaces.note(ns)
         self._placement.note(keys)
         self._count(ns.tenant, puts=1)
@@ -263,19 +251,21 @@ class Store:
         """The longest stored prefix of ``tokens`` and which tier holds each of its blocks."""
         self._check_open()
         arr = token_array(tokens)
-        all_keys = await _keys(ns, arr)
-        self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
-        entries = self._dir.match_prefix(all_keys)
         bt = ns.spec.block_tokens
-        per_tier = self._dir.tokens_per_tier(entries, bt)
-        keys = tuple(all_keys[:len(entries)])
-        self._dir.touch(entries, keys=keys)
-        shared_keys, cluster_tokens = await self._shared.probe(ns, all_keys, len(keys))
-        if shared_keys:
-            name = self._placement.shared_link().name
-            per_tier[name] = per_tier.get(name, 0) + len(shared_keys) * bt
-            keys += shared_keys
-        self._placement.note(keys)
+        # A long prompt's hashing, probing and sightings go in slices, within one of its
+        # tenant's turns: other tenants' calls run between the slices (store/slices.py).
+        async with self.share.turn(ns.tenant, arr.size // bt):
+            all_keys = await self.share.keys(ns, arr)
+            self._hints.arrived(ns.tenant, all_keys)  # a hinted request is here: it loads itself
+            entries, per_tier = await self.share.match_prefix(self._dir, all_keys, bt)
+            keys = tuple(all_keys[:len(entries)])
+            self._dir.touch(entries, keys=keys)
+            shared_keys, cluster_tokens = await self._shared.probe(ns, all_keys, len(keys))
+            if shared_keys:
+                name = self._placement.shared_link().name
+                per_tier[name] = per_tier.get(name, 0) + len(shared_keys) * bt
+                keys += shared_keys
+            await self.share.each(keys, self._placement.note)
         matched = len(keys) * bt
         self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
                     lookup_miss_tokens=arr.size - matched)
@@ -303,7 +293,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         front = None if out is None else ns.spec.check_out(out, arr.size)
-        keys = await _keys(ns, arr)
+        keys = await self._keys(ns, arr)
         self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
         got = await self._reads.get(ns, keys, front)
@@ -326,7 +316,7 @@ class Store:
         them, so they are neither hashed nor copied here.
         """
         self._check_open()
-        keys = await _keys(ns, token_array(tokens))
+        keys = await self._keys(ns, token_array(tokens))
         self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
         pinned = await self._reads.in_place(ns, keys)
@@ -371,12 +361,12 @@ class Store:
         when the tenant's pins would exceed it. A prefix with nothing stored pins nothing
         (``num_blocks`` 0)."""
         self._check_open()
-        return self._pins.pin(ns, await _keys(ns, token_array(tokens)), ttl_s)
+        return self._pins.pin(ns, await self._keys(ns, token_array(tokens)), ttl_s)
 
     async def unpin(self, ns: Namespace, tokens: Tokens) -> int:
         """End ``ns``'s tenant's pins of every prefix of ``tokens``; return how many ended."""
         self._check_open()
-        return self._pins.unpin(ns.tenant, await _keys(ns, token_array(tokens)))
+        return self._pins.unpin(ns.tenant, await self._keys(ns, token_array(tokens)))
 
     def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
         """TTL pins of ``tenant`` (None: all), soonest to expire first."""
@@ -410,7 +400,7 @@ class Store:
         ``device``: the caller's GPU (``kvstore.ipc.device_id``), where blocks promoted into a
         GPU tier land while it has room there."""
         self._check_open()
-        keys = await _keys(ns, token_array(tokens))
+        keys = await self._keys(ns, token_array(tokens))
         self._hints.arrived(ns.tenant, keys)
         self._namespaces.note(ns)  # blocks the shared tier holds may be brought in
         await self._shared.adopt(ns, keys)
@@ -428,7 +418,7 @@ class Store:
         self._check_open()
         self._namespaces.note(ns)
         arr = token_array(tokens)
-        keys = await _keys(ns, arr)
+        keys = await self._keys(ns, arr)
         if self.events is None:
             return await self._reservations.reserve(ns, keys, lease_s, Medium(medium), device)
         self.events.expect(ns, keys, arr)  # the commit's stored events carry these tokens
@@ -469,14 +459,14 @@ class Store:
         that landed in time. The hint ends when a lookup or acquire of the prefix by the same
         tenant arrives, or on ``cancel_hint``."""
         self._check_open()
-        return await self._hints.hint(ns, await _keys(ns, token_array(tokens)), deadline_s,
+        return await self._hints.hint(ns, await self._keys(ns, token_array(tokens)), deadline_s,
                                       hint_policy(policy))
 
     async def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
         """The hinted request for ``tokens`` was dropped: end the tenant's hints for that
         prefix (what had not landed counts as cancelled). Returns how many hints ended."""
         self._check_open()
-        return self._hints.arrived(ns.tenant, await _keys(ns, token_array(tokens)))
+        return self._hints.arrived(ns.tenant, await self._keys(ns, token_array(tokens)))
 
     def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
         """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.
@@ -495,6 +485,12 @@ class Store:
         return 0 if link is None else page_bound(link.codec, spec)
 
     # ----------------------------------------------------------------------------- internals
+
+    async def _keys(self, ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
+        """The block keys of ``tokens`` under ``ns``: a long prompt's hashed in slices, in
+        one of its tenant's turns (store/slices.py)."""
+        async with self.share.turn(ns.tenant, tokens.size // ns.spec.block_tokens):
+            return await self.share.keys(ns, tokens)
 
     def _check_open(self) -> None:
         if not self._is_open:

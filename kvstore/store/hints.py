@@ -71,11 +71,16 @@ class Hints:
         self._spawn = spawn
         self._by_tenant: dict[str, set[_Hint]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # running, or ended and not yet counted
+        # The promotion of each block some hint is moving now: a hint that reaches a block
+        # already on its way waits for that move instead of reading the block again (50 hints
+        # of one prefix read it 50 times over, 2,230-2,745 SSD reads, before).
+        self._moving: dict[BlockKey, asyncio.Task[bool]] = {}
 
     async def settle(self) -> None:
-        """Wait until every hint started so far has ended and been counted."""
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        """Wait until every hint started so far has ended and been counted, and the moves
+        they started have finished."""
+        while self._tasks or self._moving:
+            await asyncio.wait(self._tasks | set(self._moving.values()))
             await asyncio.sleep(0)  # let the done callbacks count them
 
     async def hint(self, ns: Namespace, keys: list[BlockKey], deadline_s: float,
@@ -146,7 +151,7 @@ class Hints:
             async with asyncio.timeout_at(None if policy is HintPolicy.BEST_EFFORT
                                           else deadline):
                 for i, (entry, source) in enumerate(hint.plan):
-                    landed = await self._placement.promote(entry, target)
+                    landed = await self._promote_once(entry, target)
                     source.path.queued_bytes -= hint.pending[i]
                     hint.pending[i] = 0
                     if landed and loop.time() <= deadline:
@@ -155,6 +160,23 @@ class Hints:
                         hint.num_late += 1
         except TimeoutError:
             pass  # given up at the deadline: _end counts what had not moved as late
+
+    async def _promote_once(self, entry: BlockEntry, target: Link) -> bool:
+        """``placement.promote(entry, target)``, shared with every hint that reaches the block
+        while it moves. The move is a store task of its own: a hint that ends (its request
+        arrived) stops waiting for it, and the others still get it."""
+        key = entry.meta.key
+        move = self._moving.get(key)
+        if move is None:
+            move = self._moving[key] = self._spawn(self._placement.promote(entry, target))
+            move.add_done_callback(lambda done: self._moved(key, done))
+        return await asyncio.shield(move)
+
+    def _moved(self, key: BlockKey, move: asyncio.Task[bool]) -> None:
+        if self._moving.get(key) is move:
+            del self._moving[key]
+        if not move.cancelled():
+            move.exception()  # retrieved: each waiting hint got it already
 
     def _end(self, hint: _Hint) -> None:
         """The hint's task ended: give back its queued bytes and count each block once."""

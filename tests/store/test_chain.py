@@ -255,27 +255,19 @@ async def test_open_leases_and_reservations_are_capped_per_tenant(tmp_path):
             await store.release(lease.lease_id)
 
 
-async def test_long_prefixes_are_hashed_off_the_event_loop(tmp_path, monkeypatch):
-    """One maximal request must not stall every other: keys of a prefix over
-    INLINE_HASH_TOKENS are computed on a worker thread, short ones inline."""
-    import threading
+async def test_long_prefixes_are_hashed_in_slices_that_yield(tmp_path):
+    """One maximal request must not stall every other: keys of a prefix over one slice
+    (``SLICE_BLOCKS``) are hashed a slice at a time, the loop free between slices; short ones
+    in one go. (A worker thread did not free the loop: hashing holds the GIL.)"""
+    from kvstore.store.slices import SLICE_BLOCKS
 
-    from kvstore.store import facade
-
-    threads: list[str] = []
-
-    def recording(ns, tokens):
-        threads.append(threading.current_thread().name)
-        return block_keys(ns, tokens)
-
-    monkeypatch.setattr(facade, "block_keys", recording)
     ns = namespace()
     config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram()),))
     async with Store(config) as store:
         await store.lookup(ns, random_tokens(64))
-        await store.lookup(ns, random_tokens(facade.INLINE_HASH_TOKENS + 16))
-    assert threads[0] == threading.main_thread().name
-    assert threads[1] != threading.main_thread().name
+        assert store.share.num_pauses == 0
+        await store.lookup(ns, random_tokens((3 * SLICE_BLOCKS + 1) * SPEC.block_tokens))
+        assert store.share.num_pauses >= 3
 
 
 async def test_lookup_advises_fetching_the_fast_head_and_recomputing_the_slow_tail(tmp_path):

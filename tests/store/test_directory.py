@@ -114,3 +114,25 @@ async def test_hits_of_a_touch_on_a_loop_are_counted_before_anyone_reads_them():
     await asyncio.sleep(0)
     assert [e.hits for e in entries] == [3, 3]
 
+
+
+async def test_a_long_chain_is_applied_in_pieces_tail_first_and_ranks_as_one(monkeypatch):
+    """Regression: a 262,144-block lookup's touch re-ranked every block of every order in one
+    loop turn. A long chain now reaches the orders a piece per turn, its tail first, so the
+    parents still end up more recent than every child."""
+    from kvstore.store import directory
+
+    monkeypatch.setattr(directory, "TOUCH_SLICE_BLOCKS", 4)
+    d = BlockDirectory(["hot"])
+    for i in range(12):  # placed 11 first: the oldest; 0 the most recent
+        d.place(meta(11 - i), "hot", 10, SLOT)
+    order = d._orders["hot"]
+    d.touch(d.match_prefix([key(i) for i in range(10)]))  # blocks 0-9: 3 pieces
+    await asyncio.sleep(0)
+    # a turn applies about a piece's worth: pieces (8, 9) then (4-7), not (0-3) yet
+    assert order.coldest(300, never) == [key(11), key(10), key(3)]
+    assert (d.get(key(4)).hits, d.get(key(3)).hits) == (1, 0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert order.coldest(1200, never) == [key(i) for i in (11, 10, *range(9, -1, -1))]
+    assert [d.get(key(i)).hits for i in range(11)] == [1] * 10 + [0]
