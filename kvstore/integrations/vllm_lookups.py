@@ -26,8 +26,8 @@ from kvstore.keys import Namespace
 
 logger = logging.getLogger(__name__)
 
-# A lookup of a 32k-token prompt in a local daemon takes about 1 ms (hashing, one round trip;
-# kvstore/store/facade.py INLINE_HASH_TOKENS), so 5 ms answers every local lookup in the step
+# A lookup of a 32k-token prompt in a local daemon takes about 1 ms (hashing, one round trip:
+# BENCHMARKS.md, "Lookup against a plain Python floor"), so 5 ms answers every local lookup in the step
 # it was asked and costs the scheduler at most that per new request.
 DEFAULT_LOOKUP_DEADLINE_MS = 5.0
 DEFAULT_LOOKUP_GIVE_UP_MS = 2000.0  # beyond the shared tier's ~0.5 s, below a client timeout
