@@ -100,7 +100,7 @@ def test_preface_flood_does_not_lock_out_the_tcp_port(root):
     with daemon_process(root, tcp_address="127.0.0.1:0", tenant_tokens=TOKENS,
                         max_connections=64, unauthenticated_timeout_s=1.0) as proc, \
             flood("tcp", proc.tcp_address(), 100, "preface") as opened:
-        assert opened == 100
+        assert opened > 64  # past the cap (a connect may time out on a loaded box)
         time.sleep(0.5)  # the flood is in place (the gate sweeps every 0.25 s)
         with Client(proc.tcp_address(), token="tok-acme", timeout_s=TIMEOUT_S) as remote, \
                 Client(proc.address, timeout_s=TIMEOUT_S) as local:
@@ -117,7 +117,7 @@ def test_idle_data_port_flood_leaves_transfers_working(root):
     TCP and Unix, with no fallback)."""
     with daemon_process(root, tcp_address="127.0.0.1:0", tenant_tokens=TOKENS) as proc, \
             flood("tcp", f"127.0.0.1:{served(proc, 'data_port')}", 300, "raw") as opened:
-        assert opened == 300
+        assert opened > 256  # past the cap (a connect may time out on a loaded box)
         with Client(proc.address, timeout_s=TIMEOUT_S, zero_copy=False) as local, \
                 Client(proc.tcp_address(), token="tok-acme", timeout_s=TIMEOUT_S) as remote:
             for seed in range(3):
