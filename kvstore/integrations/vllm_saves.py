@@ -78,6 +78,7 @@ class SaveJob:
     token_ids: list[int]
     kv: torch.Tensor
     first_block: int
+    ready: Any = None  # a CUDA event: ``kv`` holds the blocks once it passed (the put waits)
 
     @property
     def num_bytes(self) -> int:
@@ -205,6 +206,8 @@ class AsyncSaves:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
+                if job.ready is not None:
+                    job.ready.synchronize()  # the copy out of the engine's cache landed
                 self._put(job.ns, job.token_ids, job.kv, job.first_block)
             except NotFound:
                 logger.info("kvstore save of %s: its stored prefix is gone; the next save "

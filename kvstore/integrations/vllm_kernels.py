@@ -1,0 +1,116 @@
+"""The vLLM connector's worker side on a GPU cache: loads and saves through ``EngineCache``'s
+kernels, on streams of the connector's own, never through per-block copies.
+
+What vLLM 0.26 registers on CUDA (its FlashAttention, Triton and FlashInfer backends alike, read
+from ``get_kv_cache_shape`` and ``get_kv_cache_stride_order``): per attention layer a tensor of
+logical shape ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, K in the first
+``head_dim`` of the last dim, whose memory order is ``[num_blocks, block_size, num_kv_heads,
+2 * head_dim]`` under the default NHD cache layout (its strides say so; HND keeps the logical
+order). That is ``EngineLayout``'s ``fused_hnd`` roles with the tensor's own strides, so
+either cache layout is read as it lies.
+
+- Loads: ``start`` makes the load stream wait for what the engine queued so far (the pages
+  it writes into may have been read by the last step), each load is one acquire on the
+  worker's thread and one launch per layer on the load stream, and ``wait_for_layer(i)``
+  makes the engine's stream wait for layer i alone: layer 0 computes while later layers
+  land. ``finish`` makes the engine's stream wait for every load of the step.
+- Saves: ``gather`` queues, on the save stream behind the step's forward pass, one encode of
+  the blocks into device staging, one reordering copy and one copy over the link into pinned
+  host memory, and returns at once; the put waits for that copy's event on the save thread
+  (``vllm_saves``). A request's blocks stay the engine's until its puts are done
+  (``get_finished``), so nothing overwrites them while the copy runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kvstore.client.engine import EngineCache, LoadHandle
+from kvstore.errors import InvalidArgument
+from kvstore.integrations.vllm_saves import SaveJob
+from kvstore.keys import Namespace
+
+VLLM_GPU_LAYOUT = "fused_hnd"  # logical [num_blocks, H, block_size, 2D], any memory order
+
+
+def check_gpu_layers(named: list[tuple[str, torch.Tensor]], num_kv_heads: int, block_size: int,
+                     head_dim: int) -> None:
+    """Each registered layer is vLLM's ``[num_blocks, H, block_size, 2 * head_dim]`` with a
+    contiguous last dim; InvalidArgument names the first that is not (an MLA latent cache,
+    fp8 with inline scales, another backend's layout)."""
+    expected = (num_kv_heads, block_size, 2 * head_dim)
+    for name, tensor in named:
+        if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected or tensor.stride(-1) != 1:
+            raise InvalidArgument(
+                f"layer {name}: cache {tuple(tensor.shape)} strides {tensor.stride()} "
+                f"{tensor.dtype} on {tensor.device}; kvstore reads vLLM's GPU layout "
+                f"[num_blocks, {expected[0]}, {expected[1]}, {expected[2]}] (K then V in the "
+                "last dim) of a full-attention model")
+
+
+class KernelTransfers:
+    """One worker's GPU cache registered with kvstore, and the step's loads in flight.
+
+    Args:
+        client: the worker's sync client (acquires and late releases).
+        ns: a namespace of the cache's geometry (requests bring their own, same spec).
+        layers: the per-layer tensors in layer order.
+    """
+
+    def __init__(self, client, ns: Namespace, layers: list[torch.Tensor]) -> None:
+        self.cache = EngineCache(client, ns, layers, layout=VLLM_GPU_LAYOUT)
+        self._block_tokens = ns.spec.block_tokens
+        device = self.cache.layout.device
+        self._cuda = device.type == "cuda"
+        self._load_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._save_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._loads: list[LoadHandle] = []
+
+    def _engine_stream(self):
+        return torch.cuda.current_stream(self.cache.layout.device) if self._cuda else None
+
+    def start(self) -> None:
+        """Before the step's loads: they run behind what the engine queued so far."""
+        if self._cuda:
+            self._load_stream.wait_stream(self._engine_stream())
+
+    def load(self, ns: Namespace, token_ids: list[int], block_ids: list[int],
+             first_block: int) -> int:
+        """Launch the load of blocks ``first_block ..`` of ``token_ids`` into ``block_ids``;
+        returns how many blocks, counted from the first, will be valid once it landed."""
+        handle = self.cache.load(token_ids, block_ids, self._load_stream, layerwise=True,
+                                 advice=False, first_block=first_block, ns=ns)
+        if handle.matched_tokens:
+            self._loads.append(handle)
+        return handle.matched_tokens // self._block_tokens
+
+    def wait_for_layer(self, layer: int) -> None:
+        """The engine's stream waits until layer ``layer`` of every load of the step landed."""
+        for handle in self._loads:
+            handle.wait_for_layer(layer, self._engine_stream())
+
+    def finish(self) -> None:
+        """The engine's stream waits for every load of the step; the loads are forgotten
+        (their leases go back as they land, on the cache's own worker)."""
+        loads, self._loads = self._loads, []
+        if not self._cuda:
+            return
+        stream = self._engine_stream()
+        for handle in loads:
+            handle.wait_for_layer(self.cache.layout.num_layers - 1, stream)
+
+    def gather(self, req_id: str, ns: Namespace, token_ids: list[int], block_ids: list[int],
+               first_block: int) -> SaveJob:
+        """Queue the copy-out of blocks ``first_block ..`` behind the step's forward pass;
+        the job's put waits for its ``ready`` event."""
+        stream = self._save_stream
+        with torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext():
+            if self._cuda:
+                stream.wait_stream(self._engine_stream())
+            kv, ready = self.cache.gather(block_ids[first_block:], stream)
+        return SaveJob(req_id, ns, token_ids, kv, first_block, ready)
+
+    def close(self) -> None:
+        self.cache.close()
