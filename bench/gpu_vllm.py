@@ -39,7 +39,7 @@ SHAPES = {  # layers, hidden, heads, kv heads, head dim, intermediate, vocab
     "tiny": (4, 1024, 8, 2, 128, 2816, 32000),
     "8b": (32, 4096, 32, 8, 128, 14336, 128256),
 }
-CONFIGS = ("prefix", "kvstore-raw", "kvstore-fp8", "offload")
+CONFIGS = ("prefix", "kvstore-raw", "kvstore-fp8", "kvstore-hbm", "offload")
 QUESTION_TOKENS = 32
 
 
@@ -176,9 +176,15 @@ def start_daemon(root: Path, codec: str, dram_gib: int, python: str
                  ) -> tuple[subprocess.Popen, str]:
     socket = str(root / "kvstore.sock")
     config = root / "kvstore.toml"
-    config.write_text(f'[dram]\ncapacity_bytes = "{dram_gib}GiB"\ncodec = "{codec}"\n'
-                      f'chunk_bytes = "256MiB"\n\n[ssd]\nenabled = false\n\n'
-                      f'[server]\nsocket_path = "{socket}"\n')
+    if codec == "hbm":  # a device pool on the engine's GPU heads the chain, raw DRAM under it
+        tiers = (f'[[tiers]]\nname = "gpu"\nkind = "hbm"\ndevice = "cuda:0"\n'
+                 f'capacity_bytes = "{dram_gib}GiB"\ncodec = "raw"\n\n'
+                 f'[[tiers]]\nname = "dram"\nkind = "dram"\ncapacity_bytes = "{dram_gib}GiB"\n'
+                 f'chunk_bytes = "256MiB"\n\n')
+    else:
+        tiers = (f'[dram]\ncapacity_bytes = "{dram_gib}GiB"\ncodec = "{codec}"\n'
+                 f'chunk_bytes = "256MiB"\n\n[ssd]\nenabled = false\n\n')
+    config.write_text(tiers + f'[server]\nsocket_path = "{socket}"\n')
     with open(root / "daemon.log", "w") as log:  # the daemon keeps its own descriptor
         proc = subprocess.Popen([python, "-m", "kvstore.server.daemon", "--config",
                                  str(config)], stdout=log, stderr=subprocess.STDOUT,
@@ -206,8 +212,8 @@ def run_config(args, config: str) -> dict:
         root = Path(tmp)
         daemon, socket = None, str(root / "kvstore.sock")
         if config.startswith("kvstore"):
-            daemon, socket = start_daemon(root, "fp8_e4m3" if config.endswith("fp8") else "raw",
-                                          args.dram_gib, args.daemon_python)
+            codec = {"kvstore-fp8": "fp8_e4m3", "kvstore-hbm": "hbm"}.get(config, "raw")
+            daemon, socket = start_daemon(root, codec, args.dram_gib, args.daemon_python)
         try:
             cmd = [sys.executable, __file__, "--child", config, "--socket", socket,
                    *args.passthrough]

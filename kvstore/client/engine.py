@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import logging
 import weakref
 from collections.abc import Sequence
@@ -409,7 +410,7 @@ class EngineCache:
         if err == 0:
             self._pinned[base] = size
             return
-        cudart.cudaGetLastError()  # a refused registration must not fail a later CUDA call
+        _clear_last_error()  # a refused registration must not fail a later CUDA call
         self._unpinnable.add(base)  # e.g. registered already by another cache: copies still run
         log.info("arena mapping at %#x stays pageable here (cudaHostRegister: error %d)", base,
                  err)
@@ -448,6 +449,21 @@ class EngineCache:
 def _strided(base: int, stride: int, n: int) -> torch.Tensor:
     """``n`` addresses from ``base``, ``stride`` bytes apart (an int64 CPU tensor)."""
     return torch.arange(n, dtype=torch.int64) * stride + base
+
+
+def _clear_last_error() -> None:
+    """Reset the CUDA runtime's last error (torch's ``cudart`` module does not offer
+    ``cudaGetLastError``; the runtime library torch loaded does). Left set, torch would
+    report it at its next kernel launch as that launch's failure."""
+    global _LAST_ERROR
+    if _LAST_ERROR is None:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+        _LAST_ERROR = ctypes.CDLL(path).cudaGetLastError if path else (lambda: 0)
+    _LAST_ERROR()
+
+
+_LAST_ERROR = None
 
 
 def _unregister(pinned: dict[int, int]) -> None:

@@ -67,7 +67,7 @@ from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_kernels import KernelTransfers, check_gpu_layers
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
-from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits
+from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits, pieces
 from kvstore.integrations.vllm_stats import KVStoreConnectorStats
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
@@ -246,8 +246,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._load_counts = {"loaded_blocks": 0, "load_error_blocks": 0}
         self._saves: AsyncSaves | None = None
         if role == KVConnectorRole.WORKER:
+            spec = self._namespace(None).spec
+            step_bytes = vllm_config.scheduler_config.max_num_batched_tokens \
+                * spec.block_bytes // spec.block_tokens
             limits = SaveLimits.from_extra_config(
-                self._kv_transfer_config.kv_connector_extra_config or {})
+                self._kv_transfer_config.kv_connector_extra_config or {}, step_bytes)
             # Its own client: puts run on the save thread while loads use the worker's.
             self._save_client = _client(vllm_config, timeout_s=limits.put_timeout_ms / 1000)
             self._saves = AsyncSaves(
@@ -496,19 +499,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         saves = self._saves
         ns = self._namespace(save.cache_salt, save.adapter_id)
         first = 0 if saves.restarts(save.req_id) else save.first_block  # type: ignore[union-attr]
-        block_ids = save.block_ids[first:]
+        bt = ns.spec.block_tokens
+        for start, end in pieces(len(save.block_ids) - first, ns.spec.block_bytes):
+            lo, hi = first + start, first + end
 
-        def gather() -> SaveJob:
-            if self._kernels is not None:
-                return self._kernels.gather(save.req_id, ns, save.token_ids, save.block_ids,
-                                            first)
-            kv = gather_blocks(self._block_views(), ns.spec, block_ids)
-            return SaveJob(save.req_id, ns, save.token_ids, kv, first)
+            def gather(lo: int = lo, hi: int = hi) -> SaveJob:
+                token_ids, block_ids = save.token_ids[:hi * bt], save.block_ids[:hi]
+                if self._kernels is not None:
+                    return self._kernels.gather(save.req_id, ns, token_ids, block_ids, lo)
+                kv = gather_blocks(self._block_views(), ns.spec, block_ids[lo:])
+                return SaveJob(save.req_id, ns, token_ids, kv, lo)
 
-        num_bytes = len(block_ids) * ns.spec.block_bytes
-        if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
-            logger.info("kvstore save of %s dropped: %d bytes of saves queued",
-                        save.req_id, saves.queued_bytes)  # type: ignore[union-attr]
+            num_bytes = (hi - lo) * ns.spec.block_bytes
+            if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
+                logger.info("kvstore save of %s dropped: %d bytes of saves queued",
+                            save.req_id, saves.queued_bytes)  # type: ignore[union-attr]
+                return  # the pieces after it would leave a gap: the next save restarts
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """Requests vLLM finished whose puts are all done (landed, failed or dropped):

@@ -37,9 +37,15 @@ from kvstore.keys import Namespace
 logger = logging.getLogger(__name__)
 
 # A 32k-token prompt of an 8B-shaped model (32 layers, 8 KV heads of 128, bf16) is 4 GiB of
-# K/V; a step completes a few thousand tokens at most (the chunked-prefill budget), about
-# 256 MiB of blocks. 1 GiB of host memory holds several such steps while a put is slow.
+# K/V; a step completes at most the chunked-prefill budget (vLLM's max_num_batched_tokens,
+# 16,384 tokens by default for an offline engine on an H200: 2 GiB of such blocks). The queue
+# holds two such steps (``step_queue_bytes``), at least 1 GiB: a save larger than the whole
+# queue could never be taken, and the request would never be stored (seen on an H200 with a
+# fixed 1 GiB cap: no 32k-token prompt was stored).
 DEFAULT_SAVE_QUEUE_BYTES = 1 << 30
+# A step's save is queued in pieces of at most this many bytes: each piece's put starts once
+# its copy landed, instead of the first put waiting for the whole step's copy.
+SAVE_PIECE_BYTES = 256 << 20
 DEFAULT_SAVE_TIMEOUT_MS = 10_000.0  # a put that takes longer fails; its request is freed then
 CLOSE_GRACE_S = 10.0  # how long shutdown waits for queued puts to land
 
@@ -63,10 +69,24 @@ class SaveLimits:
                                   f"got {self.put_timeout_ms!r}")
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> SaveLimits:
-        """From ``kv_connector_extra_config``'s ``save_queue_bytes`` and ``save_timeout_ms``."""
-        return cls(max_queued_bytes=extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES),
+    def from_extra_config(cls, extra: dict[str, Any], step_bytes: int = 0) -> SaveLimits:
+        """From ``kv_connector_extra_config``'s ``save_queue_bytes`` and ``save_timeout_ms``;
+        the queue's default holds two steps of ``step_bytes`` (``step_queue_bytes``)."""
+        return cls(max_queued_bytes=extra.get("save_queue_bytes", step_queue_bytes(step_bytes)),
                    put_timeout_ms=extra.get("save_timeout_ms", DEFAULT_SAVE_TIMEOUT_MS))
+
+
+def step_queue_bytes(step_bytes: int) -> int:
+    """The default save queue: two steps' worth of blocks (``step_bytes`` each), at least
+    ``DEFAULT_SAVE_QUEUE_BYTES``."""
+    return max(DEFAULT_SAVE_QUEUE_BYTES, 2 * step_bytes)
+
+
+def pieces(num_blocks: int, block_bytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` block ranges of at most ``SAVE_PIECE_BYTES`` (one block at least)
+    covering ``num_blocks`` blocks."""
+    step = max(1, SAVE_PIECE_BYTES // max(1, block_bytes))
+    return [(i, min(num_blocks, i + step)) for i in range(0, num_blocks, step)]
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ failed saves free their requests, and close lets queued puts land."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -97,3 +98,26 @@ def test_a_request_is_named_finished_once_and_close_lets_queued_puts_land(client
 def test_save_limits_name_the_field_that_is_wrong(limits):
     with pytest.raises(InvalidArgument, match=next(iter(limits))):
         SaveLimits(**limits)
+
+
+def test_a_steps_save_goes_in_pieces_and_the_queue_holds_two_steps():
+    """A step's blocks are queued in pieces of at most SAVE_PIECE_BYTES that cover them
+    exactly, and the default queue holds two of the engine's largest steps (a fixed 1 GiB
+    took no step of an 8B-shaped model at vLLM's 16,384-token budget, 2 GiB)."""
+    from kvstore.integrations.vllm_saves import (
+        DEFAULT_SAVE_QUEUE_BYTES,
+        SAVE_PIECE_BYTES,
+        SaveLimits,
+        pieces,
+    )
+
+    block = 2 << 20  # a 16-token block of that model
+    got = pieces(1000, block)
+    assert got[0] == (0, SAVE_PIECE_BYTES // block) and got[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
+    assert pieces(3, SAVE_PIECE_BYTES * 2) == [(0, 1), (1, 2), (2, 3)]
+    assert pieces(0, block) == []
+    step = 16384 * (128 << 10)
+    assert SaveLimits.from_extra_config({}, step).max_queued_bytes == 2 * step
+    assert SaveLimits.from_extra_config({}, 0).max_queued_bytes == DEFAULT_SAVE_QUEUE_BYTES
+    assert SaveLimits.from_extra_config({"save_queue_bytes": 5}, step).max_queued_bytes == 5
