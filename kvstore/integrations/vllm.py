@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -137,7 +138,7 @@ class BlockTransfer:
     ``first_block`` are already where they need to be."""
 
     req_id: str
-    token_ids: list[int]
+    token_ids: np.ndarray  # uint32, read-only
     block_ids: list[int]
     first_block: int
     cache_salt: str | None = None
@@ -283,7 +284,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         """(cache salt, adapter id): what a worker needs to build the request's namespace."""
         return tracked.request.cache_salt, tracked.identity.adapter_id  # type: ignore[union-attr]
 
-    def _key_ids(self, tracked: _Tracked, num_tokens: int) -> list[int] | None:
+    def _key_ids(self, tracked: _Tracked, num_tokens: int) -> np.ndarray | None:
         """The ids keying the request's first ``num_tokens`` tokens; None, and never again
         for this request, where its identity cannot be expressed."""
         if tracked.identity is None:
@@ -372,7 +373,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.num_hit_tokens += num_new
         # The lookup keyed these ids already, so they exist; were they missing, the empty
         # load would fail on the worker and its blocks be recomputed.
-        ids = self._key_ids(tracked, end) or []
+        ids = self._key_ids(tracked, end)
+        if ids is None:
+            ids = np.empty(0, dtype=np.uint32)
         return BlockTransfer(req_id, ids, tracked.block_ids[: end // self._block_size],
                              local // self._block_size, *self._identity(tracked))
 

@@ -173,6 +173,7 @@ def test_requests_differing_in_identity_never_share_a_block():
         daemon.kill()
         shutil.rmtree(root, ignore_errors=True)
     assert results.pop("plain_keys_unchanged") is True
+    assert results.pop("ids_grow_with_the_request") is True
     assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
     controls = {name: r["control"] for name, r in results.items()}
     assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}

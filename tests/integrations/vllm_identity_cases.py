@@ -164,9 +164,32 @@ def plain_keys_unchanged(engine: Engine, tokens: list[int]) -> bool:
                            tenant=ns.tenant, tp_rank=0, tp_size=1, extra_salt=spelled)
         request = make_request("plain", tokens, {"cache_salt": salt})
         if ns.fingerprint != before.fingerprint or \
-                BlockIdentity(request, BLOCK_SIZE).tokens(len(tokens)) != tokens:
+                BlockIdentity(request, BLOCK_SIZE).tokens(len(tokens)).tolist() != tokens:
             return False
     return True
+
+
+def ids_grow_with_the_request(tokens: list[int]) -> bool:
+    """Key ids asked for as a request grows are the ids of a fresh conversion each time, and a
+    token id in the reserved range is refused when it first appears."""
+    from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible
+    from kvstore.keys import EXTRA_ID_BIT
+
+    request = make_request("grows", tokens, {})
+    identity = BlockIdentity(request, BLOCK_SIZE)
+    for n in (BLOCK_SIZE, 3 * BLOCK_SIZE, 2 * BLOCK_SIZE, len(tokens)):
+        ids = identity.tokens(n)
+        if ids.tolist() != tokens[:n] or ids.flags.writeable:
+            return False
+    bad = make_request("bad", tokens + [EXTRA_ID_BIT] * BLOCK_SIZE, {})
+    identity = BlockIdentity(bad, BLOCK_SIZE)
+    if identity.tokens(len(tokens)).tolist() != tokens:
+        return False
+    try:
+        identity.tokens(len(tokens) + BLOCK_SIZE)
+    except Unexpressible:
+        return True
+    return False
 
 
 def main(model: str, address: str, out: Path) -> None:
@@ -180,6 +203,8 @@ def main(model: str, address: str, out: Path) -> None:
         results[name] = {"hit": engine.hit(make_request(f"{name}-b", tokens, b)),
                          "control": engine.hit(make_request(f"{name}-a2", tokens, a))}
     results["plain_keys_unchanged"] = plain_keys_unchanged(engine, list(range(3, 3 + 128)))
+    results["ids_grow_with_the_request"] = ids_grow_with_the_request(
+        [3 + (7 * j) % 500 for j in range(8 * BLOCK_SIZE)])
     out.write_text(json.dumps(results))
 
 
