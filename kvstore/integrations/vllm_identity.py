@@ -88,6 +88,10 @@ def encode_extra(value: Any) -> bytes:
                         f"has no canonical form")
 
 
+_FEW_TOKENS = 256  # new tokens checked in Python (a decode step's block) rather than numpy
+_HEADROOM = 4096  # output tokens a request's id buffer has room for from the start
+
+
 class BlockIdentity:
     """The ids a request's blocks are keyed by in kvstore, extended as the request grows."""
 
@@ -125,11 +129,22 @@ class BlockIdentity:
         are converted and checked."""
         have = self._num_ids
         if num_tokens > have:
-            new = token_array(list(self._request.all_token_ids[have:num_tokens]))
-            if new.size and int(new.max()) >= EXTRA_ID_BIT:
-                raise Unexpressible(f"token id {int(new.max())} is at or above {EXTRA_ID_BIT}")
+            new = self._request.all_token_ids[have:num_tokens]
+            if num_tokens - have <= _FEW_TOKENS and all(type(t) is int for t in new):
+                low, high = min(new), max(new)  # a block or so: no numpy round trip
+                if low < 0:
+                    raise InvalidArgument(f"token ids must be non-negative, got {low}")
+            else:
+                new = token_array(list(new))
+                high = int(new.max()) if new.size else 0
+            if high >= EXTRA_ID_BIT:
+                raise Unexpressible(f"token id {high} is at or above {EXTRA_ID_BIT}")
             if num_tokens > len(self._ids):
-                grown = np.empty(max(num_tokens, 2 * len(self._ids)), dtype=np.uint32)
+                # room for the request's own output too (up to _HEADROOM tokens), so a decode
+                # step does not pay a regrowth; then doubling
+                headroom = min(int(getattr(self._request, "max_tokens", 0) or 0), _HEADROOM)
+                grown = np.empty(max(num_tokens + headroom, 2 * len(self._ids)),
+                                 dtype=np.uint32)
                 grown[:have] = self._ids[:have]
                 self._ids = grown
             self._ids[have:num_tokens] = new
