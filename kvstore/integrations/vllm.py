@@ -222,6 +222,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
+        # kv_role: a producer only saves (a prefill instance feeding others), a consumer only
+        # loads (a decode instance that must not fill the store), kv_both does both.
+        role_name = self._kv_transfer_config.kv_role
+        self._loads_enabled = role_name in ("kv_consumer", "kv_both")
+        self._saves_enabled = role_name in ("kv_producer", "kv_both")
         self._namespaces: dict[tuple[str | None, str], Namespace] = {}
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
         self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
@@ -309,7 +314,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         asks again next step, and the scheduler never waits on a slow tier."""
         usable = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
         tracked = self._track(request)
-        if usable <= num_computed_tokens:
+        if usable <= num_computed_tokens or not self._loads_enabled:
             return 0, False
         ids = self._key_ids(tracked, usable)
         if ids is None:
@@ -384,7 +389,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         None for a request whose identity cannot be expressed: it is never saved."""
         num_tokens = tracked.request.num_tokens
         full = min(num_done, num_tokens) // self._block_size * self._block_size
-        if full <= tracked.saved_tokens:
+        if full <= tracked.saved_tokens or not self._saves_enabled:
             return None
         ids = self._key_ids(tracked, full)
         if ids is None:

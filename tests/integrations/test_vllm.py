@@ -159,7 +159,8 @@ def test_requests_differing_in_identity_never_share_a_block():
     each other's K/V. With real vLLM 0.32 requests driven through both connector halves and a
     real daemon, B shares only the blocks vLLM's own hashes would share; a request like A hits
     all 128 tokens, and one whose extra keys have no canonical form is neither saved nor
-    loaded."""
+    loaded. Beside them, engines of each kv_role: a producer never loads, a consumer never
+    saves (before, every role both loaded and saved)."""
     root = short_tmpdir()
     daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
     try:
@@ -174,6 +175,10 @@ def test_requests_differing_in_identity_never_share_a_block():
         shutil.rmtree(root, ignore_errors=True)
     assert results.pop("plain_keys_unchanged") is True
     assert results.pop("ids_grow_with_the_request") is True
+    roles = results.pop("roles")
+    assert roles["producer_loads"] == 0  # its own prompt is stored, yet it loads nothing
+    assert roles["consumer_loads"] > 0  # it loads what the producer stored
+    assert roles["consumer_saved"] == 0  # and stores nothing of its own
     assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
     controls = {name: r["control"] for name, r in results.items()}
     assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}

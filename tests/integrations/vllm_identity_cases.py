@@ -81,7 +81,8 @@ def cases(i: int) -> list[tuple[str, dict, dict]]:
 class Engine:
     """A scheduler-side and a worker-side connector, driven one request step at a time."""
 
-    def __init__(self, model: str, address: str, **extra_config: float) -> None:
+    def __init__(self, model: str, address: str, kv_role: str = "kv_both",
+                 **extra_config: float) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed import parallel_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -93,7 +94,7 @@ class Engine:
             model=model, block_size=BLOCK_SIZE, dtype="float32", max_model_len=1024,
             enable_prefix_caching=False, enforce_eager=True,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStoreConnector", kv_role="kv_both",
+                kv_connector="KVStoreConnector", kv_role=kv_role,
                 kv_load_failure_policy="recompute",
                 kv_connector_module_path="kvstore.integrations.vllm",
                 kv_connector_extra_config={"address": address, "revision": "r1",
@@ -192,6 +193,22 @@ def ids_grow_with_the_request(tokens: list[int]) -> bool:
     return False
 
 
+def roles_keep_to_their_side(model: str, address: str) -> dict:
+    """A kv_producer saves and never loads; a kv_consumer loads and never saves."""
+    producer = Engine(model, address, kv_role="kv_producer", lookup_deadline_ms=30_000,
+                      lookup_give_up_ms=60_000)
+    consumer = Engine(model, address, kv_role="kv_consumer", lookup_deadline_ms=30_000,
+                      lookup_give_up_ms=60_000)
+    both = Engine(model, address, lookup_deadline_ms=30_000, lookup_give_up_ms=60_000)
+    produced = [3 + (11 * j) % 500 for j in range(PROMPT_TOKENS)]
+    producer.save(make_request("role-p", produced, {}))
+    consumed = [3 + (13 * j) % 500 for j in range(PROMPT_TOKENS)]
+    consumer.save(make_request("role-c", consumed, {}))
+    return {"producer_loads": producer.hit(make_request("role-p2", produced, {})),
+            "consumer_loads": consumer.hit(make_request("role-p3", produced, {})),
+            "consumer_saved": both.hit(make_request("role-c2", consumed, {}))}
+
+
 def main(model: str, address: str, out: Path) -> None:
     # Lookups are answered in full here, however slow the box (vllm_lookup_cases tests the
     # deadline).
@@ -203,6 +220,7 @@ def main(model: str, address: str, out: Path) -> None:
         results[name] = {"hit": engine.hit(make_request(f"{name}-b", tokens, b)),
                          "control": engine.hit(make_request(f"{name}-a2", tokens, a))}
     results["plain_keys_unchanged"] = plain_keys_unchanged(engine, list(range(3, 3 + 128)))
+    results["roles"] = roles_keep_to_their_side(model, address)
     results["ids_grow_with_the_request"] = ids_grow_with_the_request(
         [3 + (7 * j) % 500 for j in range(8 * BLOCK_SIZE)])
     out.write_text(json.dumps(results))
