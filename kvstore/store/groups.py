@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.groups import GroupKind
+from kvstore.groups import CacheGroup, GroupKind
 from kvstore.keys import BlockKey, Namespace, snapshot_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.slices import LoopShare
@@ -36,43 +36,60 @@ def window_blocks(n: int, window_tokens: int, block_tokens: int) -> range:
     return range(first, n)
 
 
+def match_start(group: CacheGroup, n: int, block_tokens: int) -> int:
+    """The first block whose page ``group`` needs for a prefix of ``n`` blocks."""
+    if group.kind is GroupKind.STATE:
+        return n - 1
+    return window_blocks(n, group.window_tokens, block_tokens).start
+
+
 class GroupMatch:
-    """One lookup of a grouped namespace: each group's chain keys, its stored prefix or its
-    snapshots, probed lazily as the search steps down."""
+    """The window and state groups' pages of one lookup, probed once over the blocks the
+    search can reach, so each candidate n is checked in constant time per group (a prefix
+    count of the missing pages), however wide a window is."""
 
-    def __init__(self, directory: BlockDirectory, ns: Namespace, chains: list[list[BlockKey]]
-                 ) -> None:
-        self._dir = directory
+    def __init__(self, ns: Namespace) -> None:
         self._ns = ns
-        self._chains = chains
-        self._snapshots: list[dict[int, BlockEntry | None]] = [{} for _ in chains]
+        self._lo = 0
+        self._entries: dict[int, list[BlockEntry | None]] = {}
+        self._missing: dict[int, np.ndarray] = {}  # group -> missing pages before each block
 
-    def _snapshot(self, group: int, block: int) -> BlockEntry | None:
-        """The entry of group ``group``'s snapshot page at block ``block`` (None: missing)."""
-        seen = self._snapshots[group]
-        if block not in seen:
-            key = snapshot_keys(self._ns.group(group), [self._chains[group][block]])[0]
-            entry = self._dir.get(key)
-            seen[block] = entry if entry is not None and entry.live else None
-        return seen[block]
+    async def probe(self, directory: BlockDirectory, share: LoopShare,
+                    chains: list[list[BlockKey]], lo: int, hi: int) -> None:
+        """Probe the snapshot pages of blocks ``[lo, hi)`` of every window and state group,
+        a slice at a time (a page key is hashed per block, as the chain's own were)."""
+        self._lo = lo
+        for g, group in enumerate(self._ns.cache.groups):
+            if group.is_prefix:
+                continue
+            gns = self._ns.group(g)
+            found: list[BlockEntry | None] = []
+            for start in range(lo, hi, share.slice_blocks):
+                if start > lo:
+                    await share.pause()
+                keys = snapshot_keys(gns, chains[g][start:min(hi, start + share.slice_blocks)])
+                found += [e if e is not None and e.live else None
+                          for e in map(directory.get, keys)]
+            self._entries[g] = found
+            missing = np.fromiter((e is None for e in found), dtype=np.int64, count=len(found))
+            self._missing[g] = np.concatenate(([0], np.cumsum(missing)))
+
+    def _blocks(self, g: int, n: int) -> range:
+        group = self._ns.cache.groups[g]
+        if group.kind is GroupKind.STATE:
+            return range(n - 1, n)
+        return window_blocks(n, group.window_tokens, self._ns.spec.block_tokens)
 
     def needs(self, n: int) -> list[list[BlockEntry]] | None:
         """The pages the window and state groups need for a prefix of ``n`` blocks, a list
-        per group (empty for the others), or None when one is missing."""
-        found: list[list[BlockEntry]] = [[] for _ in self._chains]
-        bt = self._ns.spec.block_tokens
-        for g, group in enumerate(self._ns.cache.groups):
-            if group.kind is GroupKind.STATE:
-                blocks: Sequence[int] = (n - 1,)
-            elif group.kind is GroupKind.WINDOW:
-                blocks = window_blocks(n, group.window_tokens, bt)
-            else:
-                continue
-            for block in reversed(blocks):  # the newest first: it is the likeliest missing
-                entry = self._snapshot(g, block)
-                if entry is None:
-                    return None
-                found[g].append(entry)
+        per group (empty for the others), or None when one is missing or was not probed."""
+        found: list[list[BlockEntry]] = [[] for _ in self._ns.cache.groups]
+        for g, missing in self._missing.items():
+            blocks = self._blocks(g, n)
+            first, last = blocks.start - self._lo, blocks.stop - self._lo
+            if first < 0 or missing[last] - missing[first]:
+                return None
+            found[g] = self._entries[g][first:last]  # type: ignore[assignment]  # none missing
         return found
 
 
@@ -95,11 +112,14 @@ async def match_groups(directory: BlockDirectory, share: LoopShare, ns: Namespac
             entries, _ = await share.match_prefix(directory, chains[g], cache.block_tokens)
             prefix_entries[g] = entries
             upper = min(upper, len(entries))
-    match = GroupMatch(directory, ns, chains)
+    lowest = max(1, upper - MAX_FALLBACK_BLOCKS)
+    match = GroupMatch(ns)
+    if upper:  # the pages the lowest candidate needs lie at or after its window's start
+        reach = min((match_start(group, lowest, cache.block_tokens) for group in cache.groups
+                     if not group.is_prefix), default=lowest - 1)
+        await match.probe(directory, share, chains, reach, upper)
     n, needed = 0, [[] for _ in chains]
-    for candidate in range(upper, max(0, upper - MAX_FALLBACK_BLOCKS) - 1, -1):
-        if candidate == 0:
-            break
+    for candidate in range(upper, lowest - 1, -1):
         found = match.needs(candidate)
         if found is not None:
             n, needed = candidate, found
