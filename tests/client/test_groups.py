@@ -187,3 +187,22 @@ def test_a_lossy_tier_refuses_state_and_fp8_pages_by_name(root, group):
         g0 = spec.groups[2]
         assert kv.put(ns.group(2), tokens(BT), g0.pack(parts_of(g0, BT), BT),
                       zero_copy=False) == BT
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("scales", ["tensor", "head", "token"])
+def test_fp8_engine_pages_round_trip_bit_exact_with_their_scales(client, dtype, scales):
+    from kvstore.groups import CacheGroup
+
+    spec = CacheSpec((CacheGroup.attention(3, 2, 16, dtype, scales=scales),
+                      CacheGroup.latent(2, [("kv", 32, dtype), ("pe", 8, "bfloat16")],
+                                        scales="tensor")), BT)
+    ns = Namespace("m", spec)
+    ids = tokens(3 * BT)
+    data = all_parts(spec, 3 * BT, seed=5)
+    GroupCache(client, ns).save(ids, 3, data)
+    loaded = GroupCache(client, ns).load(ids, 3)
+    for group, got, sent in zip(spec.groups, loaded, data):
+        for p in group.parts:
+            assert same_bits(got.parts[p.name], sent[p.name]), (dtype, scales, p.name)
+    assert ns.group(0).spec.dtype == "uint8"  # stored as bytes: no codec re-encodes them
