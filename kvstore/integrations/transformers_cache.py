@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvstore.errors import InvalidArgument
 from kvstore.groups import CacheGroup, CachePart, GroupKind, group_dtype
 
 
@@ -77,8 +78,12 @@ def probe_layout(model: Any, block_tokens: int) -> CacheLayout:
     """The cache groups of ``model``, read from one forward pass of ``block_tokens`` tokens."""
     cache = fresh_cache(model, keep_sliding=True)
     ids = torch.zeros((1, block_tokens), dtype=torch.long, device=model.device)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    except (ValueError, TypeError, NotImplementedError) as exc:  # a model with a cache of its own
+        raise InvalidArgument(f"{type(model).__name__} does not fill a DynamicCache, which the "
+                              f"adapter reads its cache groups from: {exc}") from None
     latent_rank = getattr(_text_config(model), "kv_lora_rank", None)
     found: dict[tuple, _Signature] = {}
     for index, layer in enumerate(cache.layers):

@@ -173,3 +173,18 @@ def test_another_revision_or_adapter_reuses_nothing(name, client):
     again = wrap(model, client, revision="r1")
     again.generate(ids, max_new_tokens=2, **GREEDY)
     assert again.last_stats.num_reused_tokens == 64
+
+
+def test_a_model_with_a_cache_of_its_own_is_refused_by_name():
+    """MiniMax keeps its lightning-attention state in a cache class of its own, which the
+    adapter cannot read groups from: a clear error at wrap, not an exception inside generate."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    from kvstore.errors import InvalidArgument
+
+    torch.manual_seed(0)
+    model = MiniMaxForCausalLM(MiniMaxConfig(
+        **BASE, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1)).eval()
+    with pytest.raises(InvalidArgument, match="MiniMaxForCausalLM does not fill a DynamicCache"):
+        wrap(model, client=None, revision="r1")  # type: ignore[arg-type]
