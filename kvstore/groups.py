@@ -77,6 +77,13 @@ class GroupKind(str, Enum):
 TOKEN_KINDS = (GroupKind.ATTENTION, GroupKind.LATENT, GroupKind.WINDOW)
 
 
+def window_blocks(n: int, window_tokens: int, block_tokens: int) -> range:
+    """The blocks a window group needs for a prefix of ``n`` blocks: those holding any of its
+    last ``window_tokens`` tokens."""
+    first = max(0, n * block_tokens - window_tokens) // block_tokens
+    return range(first, n)
+
+
 def group_dtype(dtype: str | torch.dtype) -> str:
     """The name of a group dtype; InvalidArgument if it is none."""
     name = _NAMES.get(dtype) if isinstance(dtype, torch.dtype) else dtype

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.groups import CacheGroup, GroupKind
+from kvstore.groups import CacheGroup, GroupKind, window_blocks
 from kvstore.keys import BlockKey, Namespace, snapshot_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.slices import LoopShare
@@ -27,13 +27,6 @@ from kvstore.store.slices import LoopShare
 # blocks: a snapshot every few blocks is found at once, while a prompt whose snapshots are all
 # gone stops after this many probes per group instead of hashing its whole length.
 MAX_FALLBACK_BLOCKS = 4096
-
-
-def window_blocks(n: int, window_tokens: int, block_tokens: int) -> range:
-    """The blocks a window group needs for a prefix of ``n`` blocks: those holding any of its
-    last ``window_tokens`` tokens."""
-    first = max(0, n * block_tokens - window_tokens) // block_tokens
-    return range(first, n)
 
 
 def match_start(group: CacheGroup, n: int, block_tokens: int) -> int:

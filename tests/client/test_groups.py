@@ -206,3 +206,36 @@ def test_fp8_engine_pages_round_trip_bit_exact_with_their_scales(client, dtype, 
         for p in group.parts:
             assert same_bits(got.parts[p.name], sent[p.name]), (dtype, scales, p.name)
     assert ns.group(0).spec.dtype == "uint8"  # stored as bytes: no codec re-encodes them
+
+
+def test_the_async_twin_keeps_one_surface_and_round_trips(root):
+    import asyncio
+    import inspect
+
+    from kvstore.client import AsyncClient
+    from kvstore.client.groups import AsyncGroupCache
+
+    def public(cls):
+        return {n: inspect.signature(f).parameters.keys() for n, f in vars(cls).items()
+                if callable(f) and not n.startswith("_")}
+
+    assert public(GroupCache) == public(AsyncGroupCache)
+    spec = cache()
+    ns = Namespace("m", spec)
+    ids = tokens(5 * BT)
+    data = all_parts(spec, 5 * BT)
+
+    async def run(address):
+        async with AsyncClient(address) as kv:
+            groups = AsyncGroupCache(kv, ns)
+            await groups.save(ids, 5, data)
+            assert (await groups.lookup(ids)).matched_tokens == 5 * BT
+            return await groups.load(ids, 5)
+
+    with DaemonThread(small_config(root)) as daemon:
+        loaded = asyncio.run(run(daemon.unix_address))
+    for group, got, sent in zip(spec.groups, loaded, data):
+        if group.kind is GroupKind.STATE:
+            assert same_bits(got.parts["ssm"], sent["ssm"])
+        elif group.kind is not GroupKind.WINDOW:
+            assert same_bits(got.parts[group.parts[0].name], sent[group.parts[0].name][:, :5 * BT])
