@@ -273,8 +273,13 @@ def snapshot_keys(ns: Namespace, chain_keys_: Sequence[bytes]) -> list[BlockKey]
     """The page keys of the snapshots (window blocks, state) at each of ``chain_keys_``,
     the group namespace ``ns``'s chain keys."""
     bt = ns.spec.block_tokens
-    return [chain_keys(ns.fingerprint, memoryview(snapshot_tokens(k, bt)).cast("B"),
-                       bt * _TOKEN_DTYPE.itemsize)[0] for k in chain_keys_]
+    keys: list[BlockKey] = []
+    for key in chain_keys_:  # chain_keys of one block, inlined: a lookup probes many
+        h = _KEY_HASHER.copy()
+        h.update(ns.fingerprint)
+        h.update(snapshot_tokens(key, bt))
+        keys.append(h.digest())  # type: ignore[arg-type]  # a BlockKey is its 16 bytes
+    return keys
 
 
 NO_PARENT = bytes(KEY_BYTES)  # how pages and indexes spell "the first block of a prefix"

@@ -18,54 +18,37 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.groups import CacheGroup, GroupKind, window_blocks
+from kvstore.groups import GroupKind, window_blocks
 from kvstore.keys import BlockKey, Namespace, snapshot_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.slices import LoopShare
 
 # How far below the attention groups' match the fallback searches for a whole prefix, in
 # blocks: a snapshot every few blocks is found at once, while a prompt whose snapshots are all
-# gone stops after this many probes per group instead of hashing its whole length.
+# gone stops after this many candidates instead of probing its whole length.
 MAX_FALLBACK_BLOCKS = 4096
-
-
-def match_start(group: CacheGroup, n: int, block_tokens: int) -> int:
-    """The first block whose page ``group`` needs for a prefix of ``n`` blocks."""
-    if group.kind is GroupKind.STATE:
-        return n - 1
-    return window_blocks(n, group.window_tokens, block_tokens).start
+# Blocks probed at once when the search steps below what it probed: a snapshot every block or
+# every few blocks is found within one probe.
+STEP_BLOCKS = 64
 
 
 class GroupMatch:
-    """The window and state groups' pages of one lookup, probed once over the blocks the
-    search can reach, so each candidate n is checked in constant time per group (a prefix
-    count of the missing pages), however wide a window is."""
+    """The window and state groups' pages of one lookup, probed from the top down as the
+    search needs them: a hit at the top costs the pages of one window and one snapshot; each
+    step down probes only what the step adds, a slice at a time. A candidate is checked with
+    one numpy pass over its window's missing flags."""
 
-    def __init__(self, ns: Namespace) -> None:
+    def __init__(self, directory: BlockDirectory, share: LoopShare, ns: Namespace,
+                 chains: list[list[BlockKey]], upper: int) -> None:
+        self._dir = directory
+        self._share = share
         self._ns = ns
-        self._lo = 0
-        self._entries: dict[int, list[BlockEntry | None]] = {}
-        self._missing: dict[int, np.ndarray] = {}  # group -> missing pages before each block
-
-    async def probe(self, directory: BlockDirectory, share: LoopShare,
-                    chains: list[list[BlockKey]], lo: int, hi: int) -> None:
-        """Probe the snapshot pages of blocks ``[lo, hi)`` of every window and state group,
-        a slice at a time (a page key is hashed per block, as the chain's own were)."""
-        self._lo = lo
-        for g, group in enumerate(self._ns.cache.groups):
-            if group.is_prefix:
-                continue
-            gns = self._ns.group(g)
-            found: list[BlockEntry | None] = []
-            for start in range(lo, hi, share.slice_blocks):
-                if start > lo:
-                    await share.pause()
-                keys = snapshot_keys(gns, chains[g][start:min(hi, start + share.slice_blocks)])
-                found += [e if e is not None and e.live else None
-                          for e in map(directory.get, keys)]
-            self._entries[g] = found
-            missing = np.fromiter((e is None for e in found), dtype=np.int64, count=len(found))
-            self._missing[g] = np.concatenate(([0], np.cumsum(missing)))
+        self._chains = chains
+        self._groups = [g for g, group in enumerate(ns.cache.groups) if not group.is_prefix]
+        self._lo = {g: upper for g in self._groups}  # probed: blocks [lo, upper)
+        self._entries: dict[int, list[BlockEntry | None]] = {g: [None] * upper
+                                                             for g in self._groups}
+        self._missing = {g: np.ones(upper, dtype=bool) for g in self._groups}
 
     def _blocks(self, g: int, n: int) -> range:
         group = self._ns.cache.groups[g]
@@ -73,16 +56,38 @@ class GroupMatch:
             return range(n - 1, n)
         return window_blocks(n, group.window_tokens, self._ns.spec.block_tokens)
 
-    def needs(self, n: int) -> list[list[BlockEntry]] | None:
+    async def _probe_down(self, g: int, first: int) -> None:
+        """Probe group ``g``'s pages down to block ``first`` (at least a slice at a time)."""
+        lo = self._lo[g]
+        if first >= lo:
+            return
+        gns = self._ns.group(g)
+        step = self._share.slice_blocks
+        # The first probe takes exactly what the top candidate needs; a step down below it
+        # takes a few candidates' worth at once.
+        new_lo = first if lo == len(self._missing[g]) else max(0, min(first, lo - STEP_BLOCKS))
+        for start in range(lo - step, new_lo - step, -step):
+            begin = max(start, new_lo)
+            if begin < lo - step:
+                await self._share.pause()
+            end = min(start + step, lo)
+            keys = snapshot_keys(gns, self._chains[g][begin:end])
+            for i, entry in enumerate(map(self._dir.get, keys), begin):
+                if entry is not None and entry.live:
+                    self._entries[g][i] = entry
+                    self._missing[g][i] = False
+        self._lo[g] = new_lo
+
+    async def needs(self, n: int) -> list[list[BlockEntry]] | None:
         """The pages the window and state groups need for a prefix of ``n`` blocks, a list
-        per group (empty for the others), or None when one is missing or was not probed."""
+        per group (empty for the others), or None when one is missing."""
         found: list[list[BlockEntry]] = [[] for _ in self._ns.cache.groups]
-        for g, missing in self._missing.items():
+        for g in self._groups:
             blocks = self._blocks(g, n)
-            first, last = blocks.start - self._lo, blocks.stop - self._lo
-            if first < 0 or missing[last] - missing[first]:
+            await self._probe_down(g, blocks.start)
+            if self._missing[g][blocks.start:blocks.stop].any():
                 return None
-            found[g] = self._entries[g][first:last]  # type: ignore[assignment]  # none missing
+            found[g] = self._entries[g][blocks.start:blocks.stop]  # type: ignore[assignment]
         return found
 
 
@@ -106,14 +111,10 @@ async def match_groups(directory: BlockDirectory, share: LoopShare, ns: Namespac
             prefix_entries[g] = entries
             upper = min(upper, len(entries))
     lowest = max(1, upper - MAX_FALLBACK_BLOCKS)
-    match = GroupMatch(ns)
-    if upper:  # the pages the lowest candidate needs lie at or after its window's start
-        reach = min((match_start(group, lowest, cache.block_tokens) for group in cache.groups
-                     if not group.is_prefix), default=lowest - 1)
-        await match.probe(directory, share, chains, reach, upper)
+    match = GroupMatch(directory, share, ns, chains, upper)
     n, needed = 0, [[] for _ in chains]
     for candidate in range(upper, lowest - 1, -1):
-        found = match.needs(candidate)
+        found = await match.needs(candidate)
         if found is not None:
             n, needed = candidate, found
             break
