@@ -239,3 +239,40 @@ def test_the_async_twin_keeps_one_surface_and_round_trips(root):
             assert same_bits(got.parts["ssm"], sent["ssm"])
         elif group.kind is not GroupKind.WINDOW:
             assert same_bits(got.parts[group.parts[0].name], sent[group.parts[0].name][:, :5 * BT])
+
+
+def test_bytes_pages_demoted_to_a_lossy_tier_stay_bit_exact(root):
+    """A chain of raw DRAM over an fp8 SSD: state and fp8 pages pushed out of DRAM keep their
+    lossless encoding on the SSD (before, the fp8 codec refused them and they were not moved
+    there) and read back bit-exact; a bf16 attention group is re-encoded as before."""
+    from kvstore.groups import CacheGroup
+
+    config = small_config(root, dram_bytes=1 << 20, ssd={"codec": "fp8_e4m3"})
+    spec = CacheSpec((CacheGroup.attention(4, 4, 64, "bfloat16"),
+                      CacheGroup.attention(4, 4, 64, "float8_e4m3fn", scales="head"),
+                      CacheGroup.state(4, {"ssm": ((16, 64), "float32")})), BT)
+    ns = Namespace("m", spec)
+    with DaemonThread(config) as daemon, Client(daemon.unix_address, zero_copy=False) as kv:
+        groups = GroupCache(kv, ns)
+        prompts = [tokens(4 * BT, seed=s) for s in range(12)]  # ~12 x 212 KiB > 1 MiB DRAM
+        data = [all_parts(spec, 4 * BT, seed=s) for s in range(12)]
+        for ids, parts in zip(prompts, data):
+            groups.save(ids, 4, parts)
+        assert kv.stats().tiers["ssd"].num_blocks > 0
+        from_ssd = 0
+        for ids, parts in zip(prompts, data):
+            result = groups.lookup(ids)
+            hit = result.matched_tokens
+            from_ssd += result.tokens_per_tier.get("ssd", 0)
+            if not hit:
+                continue
+            loaded = groups.load(ids, hit // BT)
+            for g in (1, 2):
+                for p in spec.groups[g].parts:
+                    want = parts[g][p.name]
+                    if p.name in ("k", "v"):
+                        want = want[:, :hit]
+                    elif p.per_block:
+                        want = want[:, :hit // BT]
+                    assert same_bits(loaded[g].parts[p.name], want)
+        assert from_ssd, "no hit was served from the SSD"
