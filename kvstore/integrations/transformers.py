@@ -1,7 +1,7 @@
 """Hugging Face transformers adapter: ``generate`` that loads a prompt's stored prefix into a
 ``DynamicCache``, prefills only the rest and saves every block it completes.
 
-Supported: transformers 5.x (``generate(..., cache=...)`` from 5.24 on, ``past_key_values``
+Supported: transformers 5.x, tested on 5.17 and 5.25 (``generate(..., cache=...)`` from 5.24 on, ``past_key_values``
 before), decoder-only models whose cache is a ``DynamicCache``: full attention (Llama, Qwen2/3,
 grouped-query attention included), sliding windows (Mistral, Gemma 3, gpt-oss with its sinks),
 MLA's compressed latent (DeepSeek V3), and linear-attention or Mamba states beside attention
@@ -171,8 +171,7 @@ class CachedModel:
         bt = self.block_tokens
         limit = (len(prompt) - 1) // bt  # blocks before the last prompt token
         hit = self.client.lookup(self.namespace, prompt[:limit * bt]) if limit else None
-        cache, per_tier = self._load(prompt, hit)
-        reused = _length(cache)
+        cache, per_tier, reused = self._load(prompt, hit)
         run = _Run(self, cache, reused=reused, start=start)
         if self.layout.has_state and (reused or limit):
             self._prefill_states(run, cache, input_ids, reused, limit * bt)
@@ -227,40 +226,36 @@ class CachedModel:
         if mask is not None and not bool(mask.all()):
             raise InvalidArgument("padded prompts are not supported: attention_mask must be all 1")
 
-    def _load(self, prompt: list[int], hit: Any) -> tuple[Any, dict[str, int]]:
-        """The cache of the stored prefix (empty on a miss) and the reused tokens by tier."""
+    def _load(self, prompt: list[int], hit: Any) -> tuple[Any, dict[str, int], int]:
+        """The cache of the stored prefix (empty on a miss), the reused tokens by tier and in
+        all."""
         if hit is None or hit.tokens_to_fetch == 0:
-            return self._empty(), {}
+            return self._empty(), {}, 0
         if self.groups is not None:
             return self._load_groups(prompt, hit)
         kv = self.client.get(self.namespace, prompt[: hit.tokens_to_fetch])
         if kv is None:  # evicted between the lookup and the get
-            return self._empty(), {}
+            return self._empty(), {}, 0
         # Per-tier counts describe the whole match; a shorter load (advice, or blocks evicted
         # since the lookup) cannot be split by tier.
         per_tier = dict(hit.tokens_per_tier) if kv.shape[2] == hit.matched_tokens else \
             {"unknown": kv.shape[2]}
-        return cache_from_kv(kv.to(self.model.device, self.model.dtype)), per_tier
+        return cache_from_kv(kv.to(self.model.device, self.model.dtype)), per_tier, kv.shape[2]
 
-    def _load_groups(self, prompt: list[int], hit: Any) -> tuple[Any, dict[str, int]]:
+    def _load_groups(self, prompt: list[int], hit: Any) -> tuple[Any, dict[str, int], int]:
         n = hit.matched_tokens // self.block_tokens  # every group whole at n: all of it
         loaded = self.groups.load(prompt, n)  # type: ignore[union-attr]  # grouped
         if loaded is None:  # a page evicted between the lookup and the load
-            return self._empty(), {}
+            return self._empty(), {}, 0
         cache = fresh_cache(self.model)
         fill(cache, self.layout, loaded, n * self.block_tokens, self.model.device)
-        return cache, dict(hit.tokens_per_tier)
+        return cache, dict(hit.tokens_per_tier), n * self.block_tokens
 
     def _empty(self) -> Any:
         return fresh_cache(self.model) if self.groups is not None else DynamicCache()
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)
-
-
-def _length(cache: Any) -> int:
-    """Tokens a cache holds (a state layer's count is a tensor)."""
-    return int(cache.get_seq_length())
 
 
 class _Run:

@@ -89,6 +89,9 @@ def probe_layout(model: Any, block_tokens: int) -> CacheLayout:
     for index, layer in enumerate(cache.layers):
         for sig in _signatures(layer, latent_rank):
             found.setdefault((sig.kind, sig.geometry), sig).layers.append(index)
+    if not found:
+        raise InvalidArgument(f"{type(model).__name__} stored nothing in a DynamicCache, which "
+                              "the adapter reads its cache groups from")
     groups, members = [], []
     for sig in found.values():
         name = _group_name(sig)
@@ -219,4 +222,5 @@ def _fill_state(layer: Any, parts: dict[str, torch.Tensor], num_tokens: int,
             layer.lazy_initialization(recurrent_states=value, state_idx=idx)
             layer.recurrent_states[idx].copy_(value)
         layer.has_previous_state[idx] = True  # the next forward continues from this state
-    layer.cumulative_length_linear.fill_(num_tokens)
+    if hasattr(layer, "cumulative_length_linear"):  # transformers 5.24 on counts tokens here
+        layer.cumulative_length_linear.fill_(num_tokens)
