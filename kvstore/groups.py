@@ -226,6 +226,12 @@ class CacheGroup:
         return self.kind is GroupKind.STATE or any(p.dtype not in FLOAT_DTYPES
                                                    for p in self.parts)
 
+    @property
+    def is_plain_kv(self) -> bool:
+        """Whether this is exactly what a ``KVSpec`` describes: full attention, K and V of one
+        shape and one float dtype, nothing beside them."""
+        return self.kind is GroupKind.ATTENTION and self._layout() == "kv"
+
     def _token_parts(self) -> list[CachePart]:
         return [p for p in self.parts if not p.per_block]
 

@@ -47,10 +47,7 @@ class CacheLayout:
     @property
     def is_plain(self) -> bool:
         """One full-attention group over every layer with K and V alike: a ``KVSpec``."""
-        return len(self.groups) == 1 and self.groups[0].storage_spec(16).dtype != "uint8" \
-            and self.groups[0].kind is GroupKind.ATTENTION \
-            and [p.name for p in self.groups[0].parts] == ["k", "v"] \
-            and self.groups[0].parts[0].shape == self.groups[0].parts[1].shape
+        return len(self.groups) == 1 and self.groups[0].is_plain_kv
 
 
 def _text_config(model: Any) -> Any:
