@@ -16,8 +16,8 @@ Format (the contract every integration writes to):
   one-group attention cache and keeps its own fingerprint and page bytes exactly.
 - Each group is stored under a namespace of its own (``Namespace.group``), so keys carry the
   group; a replicated group (``is_replicated``: the same on every tensor-parallel rank, as an
-  MLA latent is) is keyed without the rank, so a TP group stores one copy that every rank
-  loads.
+  MLA latent is) is keyed without the rank or the TP size, so a TP group stores one copy that
+  every rank loads, and instances of other TP sizes share it.
 - A page holds one block of one group, in the canonical ``[L, 2, T, H, D]`` layout of the
   group's storage ``KVSpec`` (``CacheGroup.storage_spec``): a plain attention group (K and V
   alike, one float dtype) is exactly that layout; other groups whose parts share one float

@@ -133,8 +133,13 @@ def _group_namespace(ns: Namespace, index: int) -> Namespace:
                               f"{len(cache.groups)} groups")
     group: CacheGroup = cache.groups[index]
     whole = ns.to_dict()
-    if group.is_replicated:  # one copy per TP group: every rank derives the same key
-        whole["tp_rank"] = 0
+    if group.is_replicated:
+        # The same on every rank of any TP size (an MLA latent): keyed by what determines its
+        # content, not by the rank or by how the other groups are sharded, so TP=8 stores one
+        # copy and prefill and decode instances of different TP sizes share it.
+        del whole["tp_rank"], whole["tp_size"]
+        whole["spec"] = {"group": group.to_dict(), "block_tokens": cache.block_tokens,
+                         "position_scheme": cache.position_scheme}
     canonical = json.dumps([whole, index], sort_keys=True, separators=(",", ":"))
     salt = hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES,
                            person=_GROUP_PERSON).hexdigest()

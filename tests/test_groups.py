@@ -96,6 +96,12 @@ def test_the_fingerprint_covers_every_group_and_replicated_groups_drop_the_rank(
                                                                     scales="token"),))
     assert Namespace("m", other).group(0).fingerprint != Namespace("m", cache()).group(0).fingerprint
     assert Namespace.from_dict(a.to_dict()) == a
+    # Another TP size shards the attention group differently; the latent is still one copy.
+    tp4 = cache(groups=(CacheGroup.attention(2, 1, 24, v_head_dim=16),) + cache().groups[1:])
+    c = Namespace("m", tp4, tp_rank=3, tp_size=4)
+    assert c.group(1).fingerprint == a.group(1).fingerprint
+    assert c.group(0).fingerprint != a.group(0).fingerprint
+    assert Namespace("m", cache(), revision="r2").group(1).fingerprint != a.group(1).fingerprint
 
 
 def test_snapshot_keys_differ_per_block_and_from_real_blocks():
