@@ -9,6 +9,7 @@ block's key and, through the chain, every later one; blocks without extras key a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidArgument
+from kvstore.groups import CacheGroup, CacheSpec
 from kvstore.spec import KVSpec
 
 BlockKey = NewType("BlockKey", bytes)
@@ -34,10 +36,15 @@ MAX_NAME_CHARS = 256  # model ids, tenants, revisions: bounded so page meta stay
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """Everything that must match for two requests to share K/V blocks."""
+    """Everything that must match for two requests to share K/V blocks.
+
+    ``spec`` is a ``KVSpec`` (a one-group attention cache, keyed and stored as it always was)
+    or a ``CacheSpec`` of groups (``kvstore.groups``), whose pages are stored per group under
+    ``group(i)``.
+    """
 
     model_id: str
-    spec: KVSpec
+    spec: KVSpec | CacheSpec
     revision: str = "main"  # weights revision / checkpoint hash
     adapter_id: str = ""  # LoRA or other adapter; "" for the base model
     tenant: str = "default"
@@ -56,8 +63,9 @@ class Namespace:
             if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
                 raise InvalidArgument(
                     f"Namespace.{name} must be a string of at most {MAX_NAME_CHARS} characters")
-        if not isinstance(self.spec, KVSpec):
-            raise InvalidArgument(f"Namespace.spec must be a KVSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.spec, (KVSpec, CacheSpec)):
+            raise InvalidArgument(f"Namespace.spec must be a KVSpec or CacheSpec, got "
+                                  f"{type(self.spec).__name__}")
         if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
             raise InvalidArgument(f"Namespace.tp_size must be an int >= 1, got {self.tp_size!r}")
         if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
@@ -67,6 +75,27 @@ class Namespace:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         digest = hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES, person=_NS_PERSON)
         object.__setattr__(self, "fingerprint", digest.digest())
+
+    @property
+    def is_grouped(self) -> bool:
+        """Whether the cache is a ``CacheSpec`` of groups (stored per group)."""
+        return isinstance(self.spec, CacheSpec)
+
+    @property
+    def cache(self) -> CacheSpec:
+        """The cache as groups (a ``KVSpec`` is one attention group)."""
+        return self.spec if isinstance(self.spec, CacheSpec) else CacheSpec.of(self.spec)
+
+    def group(self, index: int) -> Namespace:
+        """The namespace group ``index``'s pages are keyed and stored in: its storage spec,
+        and a salt binding the whole cache's fingerprint (without the TP rank for a
+        replicated group, so every rank keys it alike) and the group's position. A ``KVSpec``
+        namespace's only group is itself."""
+        if not isinstance(self.spec, CacheSpec):
+            if index != 0:
+                raise InvalidArgument(f"a KVSpec namespace has one group, not group {index}")
+            return self
+        return _group_namespace(self, index)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,7 +118,35 @@ class Namespace:
         unknown = set(data) - (set(cls.__dataclass_fields__) - {"fingerprint"})
         if unknown:
             raise InvalidArgument(f"unknown Namespace fields: {sorted(unknown)}")
-        return cls(spec=KVSpec.from_dict(spec), **data)
+        built = CacheSpec.from_dict(spec) if "groups" in spec else KVSpec.from_dict(spec)
+        return cls(spec=built, **data)
+
+
+_GROUP_PERSON = b"kvstore.group.v1"
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_namespace(ns: Namespace, index: int) -> Namespace:
+    cache: CacheSpec = ns.spec  # type: ignore[assignment]  # the caller checked
+    if not 0 <= index < len(cache.groups):
+        raise InvalidArgument(f"group {index} is out of range: the cache has "
+                              f"{len(cache.groups)} groups")
+    group: CacheGroup = cache.groups[index]
+    whole = ns.to_dict()
+    if group.is_replicated:
+        # The same on every rank of any TP size (an MLA latent): keyed by what determines its
+        # content, not by the rank or by how the other groups are sharded, so TP=8 stores one
+        # copy and prefill and decode instances of different TP sizes share it.
+        del whole["tp_rank"], whole["tp_size"]
+        whole["spec"] = {"group": group.to_dict(), "block_tokens": cache.block_tokens,
+                         "position_scheme": cache.position_scheme}
+    canonical = json.dumps([whole, index], sort_keys=True, separators=(",", ":"))
+    salt = hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES,
+                           person=_GROUP_PERSON).hexdigest()
+    rank, size = (0, 1) if group.is_replicated else (ns.tp_rank, ns.tp_size)
+    return Namespace(model_id=ns.model_id, spec=cache.storage(index), revision=ns.revision,
+                     adapter_id=ns.adapter_id, tenant=ns.tenant, tp_rank=rank, tp_size=size,
+                     extra_salt=f"group/{index}/{salt}")
 
 
 def token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
@@ -198,6 +255,36 @@ def bind_block_extras(tokens: Sequence[int] | np.ndarray | torch.Tensor, block_t
         derived = np.frombuffer(h.digest(block.nbytes), dtype=_TOKEN_DTYPE)
         block[:] = derived | EXTRA_ID_BIT
     return out
+
+
+_SNAPSHOT_PERSON = b"kvstore.snap.v1"
+
+
+def snapshot_tokens(chain_key: bytes, block_tokens: int) -> np.ndarray:
+    """The token ids of the one-block prefix that stores a window block or state snapshot
+    (``kvstore.groups``) of the prefix whose group chain key is ``chain_key``: shake-256 of
+    it, ``EXTRA_ID_BIT`` set (never ids of real tokens). Keyed under the group's namespace,
+    the page names that whole prefix yet stands alone: no block before it need be stored."""
+    if block_tokens < MIN_EXTRA_BLOCK_TOKENS:
+        raise InvalidArgument(f"window and state groups need blocks of at least "
+                              f"{MIN_EXTRA_BLOCK_TOKENS} tokens, got {block_tokens}")
+    h = hashlib.shake_256(_SNAPSHOT_PERSON)
+    h.update(chain_key)
+    ids = np.frombuffer(h.digest(block_tokens * _TOKEN_DTYPE.itemsize), dtype=_TOKEN_DTYPE)
+    return ids | np.uint32(EXTRA_ID_BIT)
+
+
+def snapshot_keys(ns: Namespace, chain_keys_: Sequence[bytes]) -> list[BlockKey]:
+    """The page keys of the snapshots (window blocks, state) at each of ``chain_keys_``,
+    the group namespace ``ns``'s chain keys."""
+    bt = ns.spec.block_tokens
+    keys: list[BlockKey] = []
+    for key in chain_keys_:  # chain_keys of one block, inlined: a lookup probes many
+        h = _KEY_HASHER.copy()
+        h.update(ns.fingerprint)
+        h.update(snapshot_tokens(key, bt))
+        keys.append(h.digest())  # type: ignore[arg-type]  # a BlockKey is its 16 bytes
+    return keys
 
 
 NO_PARENT = bytes(KEY_BYTES)  # how pages and indexes spell "the first block of a prefix"

@@ -14,7 +14,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    # The bytes of a cache group that is not one float dtype (kvstore.groups: fp8 engine
+    # caches with their scales, recurrent states); only lossless codecs take it.
+    "uint8": torch.uint8,
 }
+FLOAT_DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 MIN_BLOCK_TOKENS = 1

@@ -38,7 +38,9 @@ from kvstore.errors import CodecError
 BLOB_MAGIC = b"KVCB"
 BLOB_VERSION = 1
 _FIXED = struct.Struct("<4sBBBB")
-_DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+# uint8: a cache group's bytes (kvstore.groups), which only lossless codecs take.
+_DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3,
+                                        torch.uint8: 4}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 MAX_NDIM = 8
 MAX_SECTIONS = 16
@@ -344,6 +346,8 @@ _UNSIGNED = {2: np.uint16, 4: np.uint32}
 def is_all_finite(t: torch.Tensor) -> bool:
     """Whether a CPU float tensor holds no NaN or Inf: bf16/fp16/fp32 checked on their bits
     with numpy, on one thread whatever torch's settings (see ``_NONFINITE``)."""
+    if t.dtype == torch.uint8:  # a group's bytes: no bit pattern is out of range
+        return True
     if t.dtype not in _NONFINITE:
         return bool(torch.isfinite(t).all())
     if t.numel() == 0:
@@ -366,10 +370,15 @@ def bits_all_finite(bits: np.ndarray, dtype: torch.dtype) -> bool:
             and int(bits.view(_UNSIGNED[size]).max()) < (sign | exponent))
 
 
-def check_kv_input(kv: object, name: str) -> torch.Tensor:
-    """Common input check for codecs: a float tensor in the canonical 5-D layout."""
+def check_kv_input(kv: object, name: str, takes_bytes: bool = False) -> torch.Tensor:
+    """Common input check for codecs: a float tensor in the canonical 5-D layout (or uint8,
+    a cache group's bytes, where ``takes_bytes``: lossless codecs only)."""
     if not isinstance(kv, torch.Tensor):
         raise CodecError(f"{name}: expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype == torch.uint8 and not takes_bytes:
+        raise CodecError(f"{name}: a lossy codec re-encodes only bfloat16/float16/float32 "
+                         "attention and latent groups; fp8 engine pages and state groups "
+                         "(uint8) are stored raw or zstd")
     if kv.dtype not in _DTYPE_CODES:
         raise CodecError(f"{name}: unsupported dtype {kv.dtype}; use bfloat16/float16/float32")
     if kv.dim() != 5 or kv.shape[1] != 2:

@@ -23,7 +23,7 @@ class RawCodec(Codec):
 
     def prepare(self, kv: torch.Tensor) -> BlobPlan:
         # The section is ``kv`` itself, strides and all: written, it is copied exactly once.
-        kv = check_kv_input(kv, self.name)
+        kv = check_kv_input(kv, self.name, takes_bytes=True)
         return BlobPlan(self.codec_id, kv.dtype, tuple(kv.shape), b"", [kv])
 
     def decode(self, blob, out=None, verify=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import json
 import struct
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from kvstore.api import (
     TierStats,
 )
 from kvstore.errors import InvalidArgument, shown
+from kvstore.groups import CacheSpec
 from kvstore.keys import KEY_BYTES, MAX_NAME_CHARS, BlockKey, Namespace, token_array
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.spec import KVSpec
@@ -98,9 +100,35 @@ def spec_from_proto(msg: pb.KVSpec) -> KVSpec:
 
 
 def namespace_to_proto(ns: Namespace) -> pb.Namespace:
+    if isinstance(ns.spec, CacheSpec):
+        cache = json.dumps(ns.spec.to_dict(), separators=(",", ":")).encode()
+        return pb.Namespace(model_id=ns.model_id, revision=ns.revision,
+                            adapter_id=ns.adapter_id, tenant=ns.tenant, tp_rank=ns.tp_rank,
+                            tp_size=ns.tp_size, extra_salt=ns.extra_salt, cache_spec=cache)
     return pb.Namespace(model_id=ns.model_id, revision=ns.revision, adapter_id=ns.adapter_id,
                         tenant=ns.tenant, spec=spec_to_proto(ns.spec), tp_rank=ns.tp_rank,
                         tp_size=ns.tp_size, extra_salt=ns.extra_salt)
+
+
+MAX_CACHE_SPEC_BYTES = 64 * 1024  # a cache of MAX_GROUPS groups of MAX_PARTS parts fits
+
+
+def cache_spec_from_wire(data: bytes) -> CacheSpec:
+    """A validated CacheSpec from a Namespace's ``cache_spec``; InvalidArgument names the fault."""
+    if len(data) > MAX_CACHE_SPEC_BYTES:
+        raise InvalidArgument(f"namespace.cache_spec is {len(data)} bytes, over "
+                              f"{MAX_CACHE_SPEC_BYTES}")
+    try:
+        parsed = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"namespace.cache_spec is not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidArgument("namespace.cache_spec must be a JSON object")
+    spec = CacheSpec.from_dict(parsed)
+    if len(spec.position_scheme) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"CacheSpec.position_scheme must be at most {MAX_NAME_CHARS} "
+                              "characters")
+    return spec
 
 
 # Namespaces a daemon has built from the wire, by their serialised message: building one
@@ -127,9 +155,15 @@ def namespace_from_proto(msg: pb.Namespace) -> Namespace:
 
 
 def _namespace_from_proto(msg: pb.Namespace) -> Namespace:
-    if not msg.HasField("spec"):
+    if msg.cache_spec:
+        if msg.HasField("spec"):
+            raise InvalidArgument("namespace carries both spec and cache_spec")
+        spec: KVSpec | CacheSpec = cache_spec_from_wire(msg.cache_spec)
+    elif not msg.HasField("spec"):
         raise InvalidArgument("namespace.spec is required")
-    return Namespace(model_id=msg.model_id, spec=spec_from_proto(msg.spec),
+    else:
+        spec = spec_from_proto(msg.spec)
+    return Namespace(model_id=msg.model_id, spec=spec,
                      revision=msg.revision, adapter_id=msg.adapter_id, tenant=msg.tenant,
                      tp_rank=msg.tp_rank, tp_size=msg.tp_size, extra_salt=msg.extra_salt)
 

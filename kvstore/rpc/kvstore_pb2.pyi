@@ -33,7 +33,7 @@ class KVSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., position_scheme: _Optional[str] = ...) -> None: ...
 
 class Namespace(_message.Message):
-    __slots__ = ("model_id", "revision", "adapter_id", "tenant", "spec", "tp_rank", "tp_size", "extra_salt")
+    __slots__ = ("model_id", "revision", "adapter_id", "tenant", "spec", "tp_rank", "tp_size", "extra_salt", "cache_spec")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Namespace(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SALT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SPEC_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     revision: str
     adapter_id: str
@@ -50,7 +51,8 @@ class Namespace(_message.Message):
     tp_rank: int
     tp_size: int
     extra_salt: str
-    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., extra_salt: _Optional[str] = ...) -> None: ...
+    cache_spec: bytes
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., extra_salt: _Optional[str] = ..., cache_spec: _Optional[bytes] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("dtype", "shape", "total_bytes")

@@ -22,16 +22,17 @@ from kvstore.api import (
     StoreStats,
 )
 from kvstore.config import KVStoreConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, Namespace, token_array
 from kvstore.page import PageMeta
 from kvstore.policy import UseHistory, build_order
 from kvstore.policy.base import EvictionOrder
 from kvstore.room import Footprint
-from kvstore.spec import KVSpec
+from kvstore.spec import FLOAT_DTYPE_NAMES, KVSpec
 from kvstore.store.demotion import Demoter
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.events import EventSink, tier_media
+from kvstore.store.groups import match_groups
 from kvstore.store.held import HeldTable
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.inventory import Inventory
@@ -59,6 +60,14 @@ def _state_dir(links: Sequence[Link]) -> Path | None:
         if link.tier.is_persistent and path:
             return Path(path)
     return None
+
+
+def _check_single(ns: Namespace, verb: str) -> None:
+    """InvalidArgument for a grouped namespace where only one group's is meant: pages are
+    stored, read and held per group (``Namespace.group``)."""
+    if ns.is_grouped:
+        raise InvalidArgument(f"{verb} takes one group's namespace (Namespace.group(i)); a "
+                              "namespace of several groups is for lookup and evict")
 
 
 def _observers(*observers: Callable[[PageMeta, str, bool], None] | None
@@ -230,6 +239,8 @@ class Store:
         anywhere the put stops there (CapacityError if that is the first block to write).
         """
         self._check_open()
+        _check_single(ns, "put")
+        self._check_codec(ns)
         arr = token_array(tokens)
         kv = ns.spec.check_kv(kv, num_tokens=arr.size)
         keys = await self._keys(ns, arr)
@@ -248,9 +259,14 @@ class Store:
         return len(stored) * ns.spec.block_tokens
 
     async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupResult:
-        """The longest stored prefix of ``tokens`` and which tier holds each of its blocks."""
+        """The longest stored prefix of ``tokens`` and which tier holds each of its blocks.
+
+        A grouped namespace (``Namespace.is_grouped``) gets the longest prefix at which every
+        group is whole (``kvstore.store.groups``), from this daemon's tiers."""
         self._check_open()
         arr = token_array(tokens)
+        if ns.is_grouped:
+            return await self._lookup_groups(ns, arr)
         bt = ns.spec.block_tokens
         # A long prompt's hashing, probing and sightings go in slices, within one of its
         # tenant's turns: other tenants' calls run between the slices (store/slices.py).
@@ -272,6 +288,26 @@ class Store:
         advised = self._reads.advise(ns, entries, len(shared_keys), arr.size)
         return LookupResult(arr.size, matched, per_tier, keys, advised_tokens=advised,
                             cluster_tokens=cluster_tokens)
+
+    async def _lookup_groups(self, ns: Namespace, arr: np.ndarray) -> LookupResult:
+        bt = ns.spec.block_tokens
+        async with self.share.turn(ns.tenant, arr.size // bt * len(ns.cache.groups)):
+            n, needed, keys = await match_groups(self._dir, self.share, ns, arr,
+                                                 self._placement.note)
+        # A hit's pages are used together: each group's are touched as one chain, so the
+        # eviction orders see them at the same recency (a state snapshot without its
+        # attention prefix, or the reverse, is worth nothing).
+        for entries in needed:
+            self._dir.touch(entries)
+        per_tier: dict[str, int] = {}
+        if n:  # the hit loads as fast as its slowest page: counted there
+            slowest = {name: i for i, name in enumerate(self._dir.tier_names)}
+            worst = max((slowest[e.fastest] for group in needed for e in group), default=0)
+            per_tier[self._dir.tier_names[worst]] = n * bt
+        matched = n * bt
+        self._count(ns.tenant, lookups=1, lookup_hit_tokens=matched,
+                    lookup_miss_tokens=arr.size - matched)
+        return LookupResult(arr.size, matched, per_tier, tuple(keys))
 
     async def get(self, ns: Namespace, tokens: Tokens, out: torch.Tensor | None = None
                   ) -> torch.Tensor | None:
@@ -344,8 +380,11 @@ class Store:
         if revision is not None or adapter_id is not None:
             fingerprints = self._namespaces.matching(revision=revision, adapter_id=adapter_id)
         if namespace is not None:
-            fp = namespace.fingerprint if isinstance(namespace, Namespace) else bytes(namespace)
-            fingerprints = {fp} if fingerprints is None else fingerprints & {fp}
+            if isinstance(namespace, Namespace):  # a grouped one: every group's pages
+                fps = {namespace.group(g).fingerprint for g in range(len(namespace.cache.groups))}
+            else:
+                fps = {bytes(namespace)}
+            fingerprints = fps if fingerprints is None else fingerprints & fps
         removed = await self._inventory.evict(tenant=tenant, model_id=model_id, keys=keys,
                                               everything=everything, namespaces=fingerprints,
                                               unpin=self._pins.forget)
@@ -416,6 +455,8 @@ class Store:
         """Slots of ``medium`` for the blocks of ``tokens`` not stored yet (``device``: the
         writer's GPU, as for ``acquire``); publish them with ``commit``."""
         self._check_open()
+        _check_single(ns, "reserve")
+        self._check_codec(ns)
         self._namespaces.note(ns)
         arr = token_array(tokens)
         keys = await self._keys(ns, arr)
@@ -486,9 +527,21 @@ class Store:
 
     # ----------------------------------------------------------------------------- internals
 
+    def _check_codec(self, ns: Namespace) -> None:
+        """InvalidArgument when the fastest tier's codec is lossy and ``ns``'s pages are bytes
+        (an fp8 engine cache, a state group): those are stored raw or zstd only."""
+        codec = self._placement.links[0].codec
+        if ns.spec.dtype not in FLOAT_DTYPE_NAMES and not codec.lossless:
+            raise InvalidArgument(
+                f"tier {self._placement.links[0].name!r} encodes with the lossy codec "
+                f"{codec.name!r}, which re-encodes only bfloat16/float16/float32 attention and "
+                f"latent groups; {ns.spec.dtype} pages (fp8 engine caches, state groups) need "
+                "a raw or zstd tier")
+
     async def _keys(self, ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
         """The block keys of ``tokens`` under ``ns``: a long prompt's hashed in slices, in
         one of its tenant's turns (store/slices.py)."""
+        _check_single(ns, "this call")
         async with self.share.turn(ns.tenant, tokens.size // ns.spec.block_tokens):
             return await self.share.keys(ns, tokens)
 

@@ -33,6 +33,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvstore import codecs
 from kvstore.api import Medium
 from kvstore.codecs.base import Codec
@@ -381,8 +383,12 @@ class Placement:
         if meta.codec == codec.name:
             return data
 
-        def work() -> bytes:
+        def work() -> bytes | memoryview:
             kv = codecs.decode(decode_page(finished_page(data)).payload)
+            if kv.dtype == torch.uint8 and not codec.lossless:
+                # A cache group's bytes (fp8 engine pages, states: kvstore.groups) keep the
+                # lossless encoding they were written with; lossy codecs never take them.
+                return finished_page(data)
             new_meta = dataclasses.replace(meta, codec=codec.name, codec_id=codec.codec_id)
             return encode_page(new_meta, codec.encode(kv))
 
