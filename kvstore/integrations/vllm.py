@@ -69,7 +69,7 @@ from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, sal
 from kvstore.integrations.vllm_kernels import KernelTransfers, check_gpu_layers
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
 from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits, pieces
-from kvstore.integrations.vllm_stats import KVStoreConnectorStats
+from kvstore.integrations.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -546,6 +546,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVStoreConnectorStats | None:
         return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-# The counters, each summed over steps and workers.
+# The counters, each summed over steps and workers; each is also a Prometheus counter
+# ``vllm:kvstore_<name>`` of vLLM's own metrics endpoint.
 COUNTERS = ("hit_tokens", "loaded_blocks", "load_error_blocks", "saved_blocks", "saved_bytes",
             "dropped_saves", "failed_saves")
 
@@ -40,3 +44,26 @@ class KVStoreConnectorStats(KVConnectorStats):
         """Stats of ``data``; None where every counter is zero (nothing to report)."""
         stats = cls(data=dict(data))
         return None if stats.is_empty() else stats
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """The counters on vLLM's Prometheus endpoint, one per engine (vLLM's engine labels).
+    vLLM's MultiConnector requires every child that reports stats to have these: without
+    them its first stats report failed an assertion and ended the engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name in COUNTERS:
+            metric = self._counter_cls(name=f"vllm:kvstore_{name}",
+                                       documentation=f"kvstore connector: {name}",
+                                       labelnames=labelnames)
+            self._counters[name] = {idx: metric.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = int(transfer_stats_data.get(name, 0) or 0)
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)

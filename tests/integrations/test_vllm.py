@@ -251,3 +251,33 @@ def test_a_stopped_daemon_does_not_stall_steps_and_saves_past_the_cap_are_droppe
     assert cap["after_stats"]["saved_blocks"] == 8
     assert cap["after_stats"]["failed_saves"] == 0
     assert cap["stored"] == [128, 128, 0, 0, 0]
+
+
+def test_beside_another_connector_under_multiconnector():
+    """kvstore's connector composed with vLLM's ExampleConnector under MultiConnector (as beside
+    a P/D transport): engine A saves through both, a fresh engine B whose ExampleConnector has
+    an empty directory loads from kvstore and generates the same. Before, the first stats
+    report failed MultiConnector's assertion (no Prometheus metrics) and ended the engine."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_engine(root, "build", str(model))
+        prompts = root / "prompts.json"
+        prompts.write_text(json.dumps(PROMPTS))
+        runs = {}
+        for name in ("a", "b"):
+            out = root / f"{name}.json"
+            run_engine(root, "generate", str(model), daemon.address, str(prompts), str(out),
+                       str(root / f"example-{name}"))
+            runs[name] = json.loads(out.read_text())["results"]
+        with Client(daemon.address) as kv:
+            hits = kv.stats().counters.lookup_hit_tokens
+        example_saved = any((root / "example-a").iterdir())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    assert [r["tokens"] for r in runs["b"]] == [r["tokens"] for r in runs["a"]]
+    assert hits >= len(PROMPTS) * PREFIX_TOKENS  # B's prefixes came from kvstore
+    assert example_saved  # the other connector saved as well

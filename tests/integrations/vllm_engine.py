@@ -40,20 +40,32 @@ def build(out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def generate(model: str, address: str, prompts: list[list[int]], out: Path) -> None:
+def generate(model: str, address: str, prompts: list[list[int]], out: Path,
+             beside: str = "") -> None:
+    """``beside``: a directory for vLLM's ExampleConnector, composed with kvstore's under
+    vLLM's MultiConnector (kvstore first), as a P/D transport would be."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     from kvstore.integrations.vllm import namespace_for
 
+    ours = {"kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_connector_extra_config": {"address": address, "revision": "r1"}}
+    if beside:
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"connectors": [
+                {**ours, "kv_role": "kv_both", "kv_load_failure_policy": "recompute"},
+                {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": beside}}]})
+    else:
+        transfer = KVTransferConfig(kv_role="kv_both", kv_load_failure_policy="recompute",
+                                    **ours)
     llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=1024,
               dtype="float32", enable_prefix_caching=False, max_num_seqs=4, seed=0,
               disable_log_stats=False,  # the connector's stats go through vLLM's logger
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KVStoreConnector", kv_role="kv_both",
-                  kv_load_failure_policy="recompute",
-                  kv_connector_module_path="kvstore.integrations.vllm",
-                  kv_connector_extra_config={"address": address, "revision": "r1"}))
+              kv_transfer_config=transfer)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
     results = []
     for ids in prompts:  # one at a time: the time to first token of each
@@ -111,4 +123,4 @@ if __name__ == "__main__":  # the engine starts its workers by spawn
         build(Path(sys.argv[2]))
     else:
         generate(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text()),
-                 Path(sys.argv[5]))
+                 Path(sys.argv[5]), *sys.argv[6:7])
