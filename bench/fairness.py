@@ -40,6 +40,12 @@ FLOOD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16)
 TOKENS = {"a": "tok-a", "b": "tok-b"}
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a client process: this checkout first on its path."""
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 class LoopProbe:
     """A coroutine on the loop that wakes every millisecond and keeps the longest gap."""
 
@@ -130,7 +136,7 @@ async def rpc(root: Path, runs: int = 3) -> dict:
                                    torch.zeros(SPEC.shape(end), dtype=SPEC.torch_dtype))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "_rpc", daemon.unix_address, str(runs), "0",
-            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            stdout=subprocess.PIPE, env=_child_env())
         result: dict = {}
         for _ in range(runs):  # a probe for each run, and the touch applied after its reply
             with LoopProbe() as probe:
@@ -197,7 +203,7 @@ async def flood(root: Path, seconds: float = 10.0, channels: int = 64) -> dict:
         with LoopProbe() as probe:
             procs = [await asyncio.create_subprocess_exec(
                 sys.executable, __file__, role, address, str(seconds), str(channels),
-                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}) for role in ("_flood", "_victim")]
+                stdout=subprocess.PIPE, env=_child_env()) for role in ("_flood", "_victim")]
             outs = [json.loads((await p.communicate())[0]) for p in procs]
         return {"what": "flood", "loop_stall_ms": round(probe.longest_s * 1e3, 1),
                 **outs[0], **outs[1]}
