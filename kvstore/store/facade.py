@@ -265,11 +265,8 @@ class Store:
             if heavy:
                 await share.pause()
             shared_keys, cluster_tokens = await self._shared.probe(ns, all_keys, len(entries))
-            await share.truncate(all_keys, len(entries))  # the keys past the match go
-            keys = tuple(all_keys)
-            if heavy:
-                await share.pause()
-            await share.truncate(all_keys, 0)  # and the list's references
+            await share.truncate(all_keys, 0)  # the hashed keys go, a slice at a time
+            keys = await share.stored_keys(entries)
             self._dir.touch(entries, keys=keys)
             if shared_keys:
                 name = self._placement.shared_link().name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from operator import attrgetter
 from typing import TypeVar
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
 
 T = TypeVar("T")
+_KEY_OF = attrgetter("meta.key")
 
 # Blocks per slice: hashing a block's key costs about 0.5 us and probing and counting it less
 # (block keys cost about 1 ms per 32k tokens, 2,048 blocks of 16 tokens, on the 2-core box,
@@ -132,6 +134,21 @@ class LoopShare:
             if start:
                 await self.pause()
             visit(items[start:start + self.slice_blocks])
+
+    async def stored_keys(self, entries: Sequence[BlockEntry]) -> tuple[BlockKey, ...]:
+        """The keys of ``entries`` (the directory's own key objects: whoever drops the tuple
+        later frees no key; freeing 262,144 freshly hashed ones took 2-3 ms), gathered a
+        slice at a time."""
+        keys: list[BlockKey] = []
+        await self.each(entries, lambda piece: keys.extend(map(_KEY_OF, piece)))
+        heavy = self.is_heavy(len(keys))
+        if heavy:
+            await self.pause()
+        stored = tuple(keys)
+        if heavy:
+            await self.pause()
+        await self.truncate(keys, 0)
+        return stored
 
     async def truncate(self, items: list, length: int) -> None:
         """Cut ``items`` down to its first ``length``, a slice at a time from the end: what
