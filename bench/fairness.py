@@ -47,20 +47,24 @@ def _child_env() -> dict[str, str]:
 
 
 class LoopProbe:
-    """A coroutine on the loop that wakes every millisecond and keeps the longest gap."""
+    """A coroutine on the loop that wakes every millisecond and keeps the longest gap: in wall
+    time (``longest_s``), and in the loop thread's own CPU time (``longest_cpu_s``: what the
+    loop ran between two wakes, without the time a busy host kept the thread waiting)."""
 
     def __init__(self) -> None:
         self.longest_s = 0.0
+        self.longest_cpu_s = 0.0
         self._task: asyncio.Task | None = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        last, last_cpu = loop.time(), time.thread_time()
         while True:
             await asyncio.sleep(0.001)
-            now = loop.time()
+            now, cpu = loop.time(), time.thread_time()
             self.longest_s = max(self.longest_s, now - last - 0.001)
-            last = now
+            self.longest_cpu_s = max(self.longest_cpu_s, cpu - last_cpu)
+            last, last_cpu = now, cpu
 
     def __enter__(self) -> Self:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -98,6 +102,7 @@ async def stall(root: Path) -> dict:
                 took = time.perf_counter() - t0
                 await asyncio.sleep(0.05)  # the touch applied on the next turn
             result.setdefault("stall_ms", []).append(round(probe.longest_s * 1e3, 1))
+            result.setdefault("stall_cpu_ms", []).append(round(probe.longest_cpu_s * 1e3, 1))
             result.setdefault("lookup_ms", []).append(round(took * 1e3, 1))
         result["matched_blocks"] = found.matched_tokens // SPEC.block_tokens
     return {"what": "stall", **result}
@@ -143,6 +148,7 @@ async def rpc(root: Path, runs: int = 3) -> dict:
                 run = json.loads(await proc.stdout.readline())
                 await asyncio.sleep(0.3)
             result.setdefault("stall_ms", []).append(round(probe.longest_s * 1e3, 1))
+            result.setdefault("stall_cpu_ms", []).append(round(probe.longest_cpu_s * 1e3, 1))
             result.setdefault("lookup_ms", []).append(run["took_ms"])
             result["matched_blocks"] = run["matched_blocks"]
         await proc.wait()
@@ -206,6 +212,7 @@ async def flood(root: Path, seconds: float = 10.0, channels: int = 64) -> dict:
                 stdout=subprocess.PIPE, env=_child_env()) for role in ("_flood", "_victim")]
             outs = [json.loads((await p.communicate())[0]) for p in procs]
         return {"what": "flood", "loop_stall_ms": round(probe.longest_s * 1e3, 1),
+                "loop_stall_cpu_ms": round(probe.longest_cpu_s * 1e3, 1),
                 **outs[0], **outs[1]}
     finally:
         await daemon.stop(1.0)
