@@ -82,11 +82,12 @@ def test_a_step_read_here_stays_charged_until_its_last_view_goes() -> None:
     steps.add("dram.test", step, "acme")
     assert (len(steps), steps.nbytes, steps.nbytes_by_tenant()) == (1, 4 * MiB,
                                                                    {"acme": 4 * MiB})
-    assert steps.free() == 0 and step.held_bytes == 4 * MiB
+    assert steps.try_free() == [] and step.held_bytes == 4 * MiB
     assert bytes(view) == bytes(100)  # still readable, as it was
     del view
-    assert steps.free() == 4 * MiB
-    assert (len(steps), steps.nbytes, step.held_bytes) == (0, 0, -1)
+    assert steps.try_free() == ["dram.test"] and step.held_bytes == -1  # cut and closed
+    assert steps.forget(["dram.test", "dram.gone"]) == 4 * MiB
+    assert (len(steps), steps.nbytes) == (0, 0)
 
 
 def test_closing_lets_a_step_go_with_its_last_mapping() -> None:

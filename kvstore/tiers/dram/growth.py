@@ -301,7 +301,8 @@ class Growth:
         their header page now): at most every ``LINGER_CHECK_S`` unless ``now``."""
         if not now and time.monotonic() - self._lingering_checked < LINGER_CHECK_S:
             return
-        self.budget.grown_bytes -= await asyncio.to_thread(self.lingering.free)
+        freed = await asyncio.to_thread(self.lingering.try_free)
+        self.budget.grown_bytes -= self.lingering.forget(freed)
         self._lingering_checked = time.monotonic()
 
     # --- growing -----------------------------------------------------------------------------

@@ -46,8 +46,7 @@ class Lingering:
 
 class LingeringSteps:
     """The given-back steps whose memory is still held here. Not thread-safe: the tier adds
-    and frees on its event loop (``free`` itself blocks: run it in a thread, with no ``add``
-    meanwhile)."""
+    and forgets on its event loop (``try_free`` blocks: it runs in a thread)."""
 
     def __init__(self) -> None:
         self._steps: dict[str, Lingering] = {}
@@ -74,13 +73,20 @@ class LingeringSteps:
     def add(self, region: str, memory: SealedStep, tenant: str) -> None:
         self._steps[region] = Lingering(region, memory, tenant)
 
-    def free(self) -> int:
-        """Cut the steps no view here reads any more; return the bytes they free. Blocking."""
-        freed = 0
+    def try_free(self) -> list[str]:
+        """Cut the steps no view here reads any more; return their regions (``forget``
+        them). Blocking: run it in a thread; it changes nothing the loop reads."""
         with self._freeing:
-            for region, step in list(self._steps.items()):
-                if step.memory.retire() and self._steps.pop(region, None) is not None:
-                    freed += step.nbytes
+            return [region for region, step in list(self._steps.items())
+                    if step.memory.retire()]
+
+    def forget(self, regions: list[str]) -> int:
+        """Forget ``regions`` (cut by ``try_free``); the bytes they free."""
+        freed = 0
+        for region in regions:
+            step = self._steps.pop(region, None)
+            if step is not None:
+                freed += step.nbytes
         return freed
 
     def warn(self) -> None:
