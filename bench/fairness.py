@@ -1,9 +1,10 @@
 """What one tenant's heavy calls cost the others: the loop's longest stall in a Lookup of
-262,144 stored blocks, Health and a small Lookup of a second tenant while a first floods 1M-token
+262,144 stored blocks (in the store, and asked by a client over a call channel, with the 4 MB
+request and reply), Health and a small Lookup of a second tenant while a first floods 1M-token
 Lookups on many call channels, and SSD reads for 50 hints of one prefix.
 
-From the repository root: ``PYTHONPATH=. python bench/fairness.py [stall|flood|hints]`` (all
-three by default); one JSON line each. The flood's tenants run in processes of their own, so their CPU
+From the repository root: ``PYTHONPATH=. python bench/fairness.py [stall|rpc|flood|hints]``
+(all four by default); one JSON line each. The flood's tenants run in processes of their own, so their CPU
 is not the daemon's.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +28,7 @@ from typing import Self
 import numpy as np
 
 from kvstore.client import NO_RETRY, AsyncClient
-from kvstore.config import DramConfig, KVStoreConfig, ServerConfig, SsdConfig
+from kvstore.config import DramConfig, KVStoreConfig, QuotaConfig, ServerConfig, SsdConfig
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 from kvstore.store import Store
@@ -38,21 +40,31 @@ FLOOD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16)
 TOKENS = {"a": "tok-a", "b": "tok-b"}
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a client process: this checkout first on its path."""
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 class LoopProbe:
-    """A coroutine on the loop that wakes every millisecond and keeps the longest gap."""
+    """A coroutine on the loop that wakes every millisecond and keeps the longest gap: in wall
+    time (``longest_s``), and in the loop thread's own CPU time (``longest_cpu_s``: what the
+    loop ran between two wakes, without the time a busy host kept the thread waiting)."""
 
     def __init__(self) -> None:
         self.longest_s = 0.0
+        self.longest_cpu_s = 0.0
         self._task: asyncio.Task | None = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        last, last_cpu = loop.time(), time.thread_time()
         while True:
             await asyncio.sleep(0.001)
-            now = loop.time()
+            now, cpu = loop.time(), time.thread_time()
             self.longest_s = max(self.longest_s, now - last - 0.001)
-            last = now
+            self.longest_cpu_s = max(self.longest_cpu_s, cpu - last_cpu)
+            last, last_cpu = now, cpu
 
     def __enter__(self) -> Self:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -90,9 +102,59 @@ async def stall(root: Path) -> dict:
                 took = time.perf_counter() - t0
                 await asyncio.sleep(0.05)  # the touch applied on the next turn
             result.setdefault("stall_ms", []).append(round(probe.longest_s * 1e3, 1))
+            result.setdefault("stall_cpu_ms", []).append(round(probe.longest_cpu_s * 1e3, 1))
             result.setdefault("lookup_ms", []).append(round(took * 1e3, 1))
         result["matched_blocks"] = found.matched_tokens // SPEC.block_tokens
     return {"what": "stall", **result}
+
+
+async def _rpc_client(address: str, runs: int) -> None:
+    ns = Namespace(model_id="m", spec=SPEC, tenant="a")
+    tokens = np.random.default_rng(0).integers(0, 50_000, 1 << 20, dtype=np.uint32)
+    took = []
+    async with AsyncClient(address, token=TOKENS["a"], retry=NO_RETRY) as client:
+        await client.lookup(ns, tokens[:SPEC.block_tokens])  # the channel is open
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            found = await client.lookup(ns, tokens)
+            took.append(round((time.perf_counter() - t0) * 1e3, 1))
+            print(json.dumps({"took_ms": took[-1],
+                              "matched_blocks": found.matched_tokens // SPEC.block_tokens}),
+                  flush=True)
+            await asyncio.sleep(0.5)  # the probe reports between runs
+
+
+async def rpc(root: Path, runs: int = 3) -> dict:
+    """The Lookup of ``stall``, asked by a client (its own process) over a call channel: the
+    daemon's loop also parses the 4 MB request and builds and sends the 4 MB reply."""
+    import torch
+
+    from kvstore.server.daemon import serve
+    ns = Namespace(model_id="m", spec=SPEC, tenant="a")
+    tokens = np.random.default_rng(0).integers(0, 50_000, 1 << 20, dtype=np.uint32)
+    # tenant a may fill all of DRAM (two tenants would get half each by default)
+    daemon = await serve(dataclasses.replace(config(root, ssd=False, tenant_tokens=TOKENS),
+                                             quota=QuotaConfig(tier_share=1.0)))
+    try:
+        for end in range(1 << 16, tokens.size + 1, 1 << 16):
+            await daemon.store.put(ns, tokens[:end],
+                                   torch.zeros(SPEC.shape(end), dtype=SPEC.torch_dtype))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "_rpc", daemon.unix_address, str(runs), "0",
+            stdout=subprocess.PIPE, env=_child_env())
+        result: dict = {}
+        for _ in range(runs):  # a probe for each run, and the touch applied after its reply
+            with LoopProbe() as probe:
+                run = json.loads(await proc.stdout.readline())
+                await asyncio.sleep(0.3)
+            result.setdefault("stall_ms", []).append(round(probe.longest_s * 1e3, 1))
+            result.setdefault("stall_cpu_ms", []).append(round(probe.longest_cpu_s * 1e3, 1))
+            result.setdefault("lookup_ms", []).append(run["took_ms"])
+            result["matched_blocks"] = run["matched_blocks"]
+        await proc.wait()
+        return {"what": "rpc", **result}
+    finally:
+        await daemon.stop(1.0)
 
 
 async def _flood(address: str, seconds: float, channels: int) -> None:
@@ -147,9 +209,10 @@ async def flood(root: Path, seconds: float = 10.0, channels: int = 64) -> dict:
         with LoopProbe() as probe:
             procs = [await asyncio.create_subprocess_exec(
                 sys.executable, __file__, role, address, str(seconds), str(channels),
-                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}) for role in ("_flood", "_victim")]
+                stdout=subprocess.PIPE, env=_child_env()) for role in ("_flood", "_victim")]
             outs = [json.loads((await p.communicate())[0]) for p in procs]
         return {"what": "flood", "loop_stall_ms": round(probe.longest_s * 1e3, 1),
+                "loop_stall_cpu_ms": round(probe.longest_cpu_s * 1e3, 1),
                 **outs[0], **outs[1]}
     finally:
         await daemon.stop(1.0)
@@ -176,18 +239,20 @@ async def hints(root: Path, num_hints: int = 50, num_blocks: int = 48) -> dict:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         role, address, seconds, channels = sys.argv[1:5]
-        run = _flood(address, float(seconds), int(channels)) if role == "_flood" else \
-            _victim(address, float(seconds))
+        run = {"_flood": lambda: _flood(address, float(seconds), int(channels)),
+               "_victim": lambda: _victim(address, float(seconds)),
+               "_rpc": lambda: _rpc_client(address, int(seconds))}[role]()
         asyncio.run(run)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="*", default=["stall", "flood", "hints"])
+    parser.add_argument("what", nargs="*", default=["stall", "rpc", "flood", "hints"])
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     for what in args.what:
         root = Path(tempfile.mkdtemp(prefix="kvf", dir="/tmp"))
         try:
-            run = {"stall": partial(stall, root), "hints": partial(hints, root),
+            run = {"stall": partial(stall, root), "rpc": partial(rpc, root),
+                   "hints": partial(hints, root),
                    "flood": partial(flood, root, args.seconds)}[what]
             print(json.dumps(asyncio.run(run())), flush=True)
         finally:

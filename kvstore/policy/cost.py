@@ -162,17 +162,41 @@ def advise(block_paths: Sequence[str], block_bytes: Sequence[int], block_tokens:
         paths: the path models by name.
         prefill: the namespace's prefill model.
     """
-    if len(block_paths) != len(block_bytes):
-        raise InvalidArgument("block_paths and block_bytes must be the same length")
-    baseline = prefill.time_s(num_tokens, 0)
-    best = Advice(0, 0.0, baseline, baseline)
-    per_path: dict[str, float] = {}
-    for k, (name, nbytes) in enumerate(zip(block_paths, block_bytes), start=1):
-        per_path[name] = per_path.get(name, 0.0) + nbytes
-        # Paths move one after the other (a conservative sum); each pays its fixed cost once.
-        fetch = sum(paths[p].time_s(b) for p, b in per_path.items())
-        cached = k * block_tokens
-        recompute = prefill.time_s(max(0, num_tokens - cached), min(cached, num_tokens))
-        if fetch + recompute < best.fetch_s + best.recompute_s:
-            best = Advice(cached, fetch, recompute, baseline)
-    return best
+    scan = AdviceScan(block_tokens, num_tokens, paths, prefill)
+    scan.feed(block_paths, block_bytes)
+    return scan.best
+
+
+class AdviceScan:
+    """``advise`` over a chain fed in pieces, in order (a long chain's scan costs a few
+    microseconds a block: its caller may yield between pieces)."""
+
+    def __init__(self, block_tokens: int, num_tokens: int, paths: Mapping[str, PathModel],
+                 prefill: PrefillModel) -> None:
+        self._block_tokens = block_tokens
+        self._num_tokens = num_tokens
+        self._paths = paths
+        self._prefill = prefill
+        baseline = prefill.time_s(num_tokens, 0)
+        self.best = Advice(0, 0.0, baseline, baseline)
+        self._per_path: dict[str, float] = {}
+        self._num_blocks = 0
+
+    def feed(self, block_paths: Sequence[str], block_bytes: Sequence[int]) -> None:
+        """The next blocks of the chain: the path each comes over and its bytes there."""
+        if len(block_paths) != len(block_bytes):
+            raise InvalidArgument("block_paths and block_bytes must be the same length")
+        per_path, paths, prefill = self._per_path, self._paths, self._prefill
+        num_tokens, best = self._num_tokens, self.best
+        for k, (name, nbytes) in enumerate(zip(block_paths, block_bytes),
+                                           start=self._num_blocks + 1):
+            per_path[name] = per_path.get(name, 0.0) + nbytes
+            # Paths move one after the other (a conservative sum); each pays its fixed cost
+            # once.
+            fetch = sum(paths[p].time_s(b) for p, b in per_path.items())
+            cached = k * self._block_tokens
+            recompute = prefill.time_s(max(0, num_tokens - cached), min(cached, num_tokens))
+            if fetch + recompute < best.fetch_s + best.recompute_s:
+                best = Advice(cached, fetch, recompute, best.all_recompute_s)
+        self._num_blocks += len(block_paths)
+        self.best = best

@@ -168,9 +168,14 @@ def _namespace_from_proto(msg: pb.Namespace) -> Namespace:
                      tp_rank=msg.tp_rank, tp_size=msg.tp_size, extra_salt=msg.extra_salt)
 
 
-def lookup_to_proto(result: LookupResult, packed: bool = False) -> pb.LookupResponse:
-    """The reply to a Lookup; ``packed``: the keys as one bytes field (the request asked)."""
-    keys = {"packed_keys": b"".join(result.keys)} if packed else {"keys": list(result.keys)}
+def lookup_to_proto(result: LookupResult, packed: bool = False,
+                    packed_keys: bytes | None = None) -> pb.LookupResponse:
+    """The reply to a Lookup; ``packed``: the keys as one bytes field (the request asked),
+    ``packed_keys`` where the caller joined them already."""
+    if packed:
+        keys = {"packed_keys": b"".join(result.keys) if packed_keys is None else packed_keys}
+    else:
+        keys = {"keys": list(result.keys)}
     return pb.LookupResponse(num_tokens=result.num_tokens, matched_tokens=result.matched_tokens,
                              tokens_per_tier=result.tokens_per_tier,
                              advised_tokens=result.advised_tokens,

@@ -186,9 +186,10 @@ def encode_metadata(pairs: tuple[tuple[str, str], ...]) -> bytes:
     return CALL_METADATA.pack(len(raw)) + raw
 
 
-def split_metadata(body: bytes) -> tuple[tuple[tuple[str, str], ...], bytes]:
-    """``(metadata pairs, request body)`` of a frame body that starts with metadata;
-    InvalidArgument where the prefix is malformed."""
+def split_metadata(body: bytes | bytearray
+                   ) -> tuple[tuple[tuple[str, str], ...], memoryview]:
+    """``(metadata pairs, request body)`` of a frame body that starts with metadata (the
+    request body a view of it, not a copy); InvalidArgument where the prefix is malformed."""
     if len(body) < CALL_METADATA.size:
         raise InvalidArgument("a call frame flagged with metadata is shorter than its prefix")
     (length,) = CALL_METADATA.unpack_from(body)
@@ -203,7 +204,7 @@ def split_metadata(body: bytes) -> tuple[tuple[tuple[str, str], ...], bytes]:
     pairs = tuple(tuple(line.split("=", 1)) for line in text.split("\n") if line)
     if any(len(pair) != 2 for pair in pairs):
         raise InvalidArgument("call frame metadata holds a line that is not key=value")
-    return pairs, body[end:]  # type: ignore[return-value]
+    return pairs, memoryview(body)[end:]
 
 
 def method_byte(method: str) -> int:

@@ -129,7 +129,6 @@ class DescriptorServer:
                            "was never handed out)")
         tenant, fd = found
         caller.check_tenant(tenant, "map the arena of tenant")
-        self._regions.sent_to(region, pid)
         _log.debug("sent arena %s of tenant %s to pid %d (uid %d)", region, shown(tenant), pid,
                    uid)
         return encode_grant(tenant, region), [fd]

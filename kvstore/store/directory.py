@@ -28,9 +28,14 @@ from kvstore.policy.base import EvictionOrder
 from kvstore.policy.lru import LruOrder
 from kvstore.room import Footprint, RoomNeed
 
+# A piece of a chain used: its keys and entries (the whole chain's), the piece's bounds in
+# them, the namespace, and whether it counts as a hit.
+_Touch = tuple[Sequence[BlockKey], Sequence["BlockEntry"], int, int, bytes | None, bool]
+
 # Blocks of a chain one loop turn re-ranks: a turn of 8,192 took 5-6.6 ms (hit counters and
-# the LRU order of one tier, 2-core box, 2026-12-05), so a piece holds the loop near 3 ms.
-TOUCH_SLICE_BLOCKS = 4096
+# the LRU order of one tier, 2-core box, 2026-12-05), and one of 4,096 3.7-5.4 ms of the loop
+# thread's CPU time under the fairness bench, so a piece of 2,048 holds the loop near 2 ms.
+TOUCH_SLICE_BLOCKS = 2048
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: C code scans lists of entries
@@ -84,9 +89,9 @@ class BlockDirectory:
         self._rank = {name: i for i, name in enumerate(tier_names)}  # chain position
         # Bytes each tenant is charged in each tier: its blocks' footprints and open slots.
         self._usage: dict[str, dict[str, int]] = {name: {} for name in tier_names}
-        # Chains used and not yet applied to the orders, oldest first (see the module doc):
-        # (keys, entries, namespace, whether it counts as a hit).
-        self._touches: list[tuple[Sequence[BlockKey], list[BlockEntry], bytes | None, bool]] = []
+        # Pieces of chains used and not yet applied to the orders, oldest first (see the
+        # module doc): (keys, entries, start, stop, namespace, whether it counts as a hit).
+        self._touches: list[_Touch] = []
         self._evicting = 0  # entries evict has taken and not finished with
         self._applying = False  # a turn of _apply_some is scheduled
 
@@ -213,9 +218,11 @@ class BlockDirectory:
         # a 262,144-block lookup does not hold the loop while every order re-ranks it (LRU
         # ranks the pieces exactly as one chain; ARC and the value order judge each piece as
         # a chain of its own).
+        # Each piece is cut out when it is applied: cutting all of them here copied every
+        # entry and key once more, 4 ms of this turn at 262,144 blocks.
         step = TOUCH_SLICE_BLOCKS
         for start in reversed(range(0, len(entries), step)):
-            self._touches.append((keys[start:start + step], entries[start:start + step],
+            self._touches.append((keys, entries, start, min(start + step, len(entries)),
                                   group, hit))
         if self._applying:
             return  # already scheduled
@@ -233,7 +240,7 @@ class BlockDirectory:
         while self._touches and budget > 0:
             touch = self._touches.pop(0)
             self._apply(touch)
-            budget -= len(touch[0])
+            budget -= touch[3] - touch[2]
         if self._touches:
             asyncio.get_running_loop().call_soon(self._apply_some)
             self._applying = True
@@ -246,14 +253,14 @@ class BlockDirectory:
             for touch in touches:
                 self._apply(touch)
 
-    def _apply(self, touch: tuple[Sequence[BlockKey], list[BlockEntry], bytes | None, bool]
-               ) -> None:
-        keys, entries, group, hit = touch
+    def _apply(self, touch: _Touch) -> None:
+        keys, entries, start, stop, group, hit = touch
         if hit:
-            for entry in entries:
+            for entry in entries[start:stop]:
                 entry.hits += 1
+        piece = keys[start:stop]
         for order in self._orders.values():
-            order.touch_chain(keys, group)
+            order.touch_chain(piece, group)
 
     def pin(self, entries: Iterable[BlockEntry]) -> None:
         for entry in entries:

@@ -197,9 +197,9 @@ class Placement:
         """
         quota = self.quota_bytes(link)
         is_protected = self._dir.is_protected
-        # Memory a tenant's clients keep after the tier gave it back is the tenant's: charged
-        # to its share, it cannot grow past it again and leave others less. (Asked at every
-        # room-making, also without quotas: the tier looks whether they let go since.)
+        # Memory of a tenant's that the tier gave back but could not free yet is the tenant's:
+        # charged to its share, it cannot grow past it again and leave others less. (Asked at
+        # every room-making, also without quotas: the tier looks whether it is freed since.)
         outside = await link.tier.held_outside()
         if quota is not None:
             if nbytes > quota:

@@ -18,11 +18,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from operator import attrgetter
+from typing import TypeVar
 
 import numpy as np
 
 from kvstore.keys import BlockKey, Namespace, chain_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
+
+T = TypeVar("T")
+_KEY_OF = attrgetter("meta.key")
 
 # Blocks per slice: hashing a block's key costs about 0.5 us and probing and counting it less
 # (block keys cost about 1 ms per 32k tokens, 2,048 blocks of 16 tokens, on the 2-core box,
@@ -123,13 +128,45 @@ class LoopShare:
                 break
         return entries, _in_chain_order(per_tier, directory)
 
-    async def each(self, keys: Sequence[BlockKey],
-                   visit: Callable[[Sequence[BlockKey]], object]) -> None:
-        """``visit`` each slice of ``keys`` in order, yielding between them."""
-        for start in range(0, len(keys), self.slice_blocks):
+    async def each(self, items: Sequence[T], visit: Callable[[Sequence[T]], object]) -> None:
+        """``visit`` each slice of ``items`` in order, yielding between them."""
+        for start in range(0, len(items), self.slice_blocks):
             if start:
                 await self.pause()
-            visit(keys[start:start + self.slice_blocks])
+            visit(items[start:start + self.slice_blocks])
+
+    async def stored_keys(self, entries: Sequence[BlockEntry]) -> tuple[BlockKey, ...]:
+        """The keys of ``entries`` (the directory's own key objects: whoever drops the tuple
+        later frees no key; freeing 262,144 freshly hashed ones took 2-3 ms), gathered a
+        slice at a time."""
+        keys: list[BlockKey] = []
+        await self.each(entries, lambda piece: keys.extend(map(_KEY_OF, piece)))
+        heavy = self.is_heavy(len(keys))
+        if heavy:
+            await self.pause()
+        stored = tuple(keys)
+        if heavy:
+            await self.pause()
+        await self.truncate(keys, 0)
+        return stored
+
+    async def truncate(self, items: list, length: int) -> None:
+        """Cut ``items`` down to its first ``length``, a slice at a time from the end: what
+        goes may be freed with it (262,144 unmatched keys took 4 ms to free at once)."""
+        while len(items) > length:
+            del items[max(length, len(items) - self.slice_blocks):]
+            if len(items) > length:
+                await self.pause()
+
+    async def joined(self, keys: Sequence[bytes]) -> bytes:
+        """``b"".join(keys)``, joined a slice at a time (262,144 keys: 4 MiB, about 3 ms at
+        once); the last join copies the slices' bytes once more."""
+        if len(keys) <= self.slice_blocks:
+            return b"".join(keys)
+        parts: list[bytes] = []
+        await self.each(keys, lambda piece: parts.append(b"".join(piece)))
+        await self.pause()
+        return b"".join(parts)
 
 
 def _in_chain_order(per_tier: dict[str, int], directory: BlockDirectory) -> dict[str, int]:

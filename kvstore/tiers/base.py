@@ -112,8 +112,8 @@ class Tier(ABC):
         return self.room_for(nbytes)
 
     async def held_outside(self) -> dict[str, int]:
-        """Bytes of the tier's capacity that each tenant's clients still hold after the tier
-        gave them back (memory they keep mapped), charged to that tenant's share; tenants
+        """Bytes of the tier's capacity that each tenant's memory still holds after the tier
+        gave it back (memory it could not free yet), charged to that tenant's share; tenants
         holding none are left out. Default: none."""
         return {}
 
@@ -396,17 +396,14 @@ class FdRegions(Protocol):
     may have it (``kvstore.server.fdpass``). A region that holds stored pages is sealed against
     every writer but the tier (``F_SEAL_FUTURE_WRITE``) and opens with a header page
     (``kvstore.page.is_published``); when the tier gives such a region back, its header says
-    so (``kvstore.page.is_retired``) and clients drop their mappings of it."""
+    so (``kvstore.page.is_retired``) and clients drop their mappings of it; its memory is
+    freed then, whoever still holds it (a client may pass a descriptor on to processes the
+    daemon never sees), so clients get a description that cannot resize it."""
 
     def region_fd(self, region: str) -> tuple[str, int] | None:
         """``(tenant, fd)`` of ``region``, or None if there is no such region (or it was given
         back). The tier keeps owning the descriptor: callers send or duplicate it, never close
         it."""
-
-    def sent_to(self, region: str, pid: int) -> None:
-        """``region``'s descriptor went to client process ``pid`` (0: one this daemon cannot
-        see): given back, the region stays charged while that process still maps it or holds
-        the descriptor (``kvstore.tiers.dram.lingering``)."""
 
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """Have ``listener(tenant)`` called, on the event loop, each time the tier gives back

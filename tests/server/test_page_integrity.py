@@ -1,15 +1,12 @@
 """Pages a client could tamper with: stored pages lie in published memory no client can write
-by any route (and a client lets go of such memory once the daemon gives it back), and Commit
-refuses pages that would not decode."""
+by any route, and Commit refuses pages that would not decode. (What a client keeps of published
+memory given back: ``test_passed_descriptors.py``.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,9 +18,8 @@ from kvstore.errors import CorruptPage
 from kvstore.page import HEADER_BYTES, PageMeta, encode_page, parse_page, verify_page, write_page
 from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.server.daemon import serve
-from kvstore.tiers.dram import growth as dram_module
 
-from ..conftest import REPO_ROOT, random_kv, random_tokens
+from ..conftest import random_kv, random_tokens
 from ..tiers.published_attacks import all_refused, attack
 from .helpers import DaemonThread, MiB, small_config, wait_for
 from .hostile import eventually
@@ -319,66 +315,3 @@ async def test_commit_finds_a_nan_in_any_piece_of_the_copy(root, ns, spec, monke
             assert torch.equal(await acme.get(ns, tokens, zero_copy=True), kv)
     finally:
         await daemon.stop(1.0)
-
-
-def test_a_step_a_client_keeps_mapped_stays_charged_until_it_lets_go(root, ns, spec,
-                                                                     monkeypatch):
-    """A client process that keeps given-back steps mapped (it ignores the daemon's word)
-    holds their memory: the steps stay charged to the tier (``lingering_bytes``), so the
-    memory the daemon holds and lends never exceeds its capacity, until the process lets go
-    (here, exits). Regression: the daemon lent those bytes again at once, so one tenant's
-    client could grow the daemon's memory past its capacity, step by step, without bound."""
-    monkeypatch.setattr(dram_module, "LINGER_CHECK_S", 0.0)  # look again at every write
-    config = small_config(root, dram_bytes=4 * MiB, tenant_tokens=TOKENS)
-    zeta_ns = dataclasses.replace(ns, tenant="zeta")
-    thread = DaemonThread(config)
-    with thread as daemon, Client(daemon.unix_address, token="tok-zeta") as zeta:
-        dram = daemon.store.tiers["dram"]
-        script = textwrap.dedent(f"""
-            import mmap
-            import os
-            import sys
-            from kvstore.client import Client
-            from kvstore.keys import Namespace
-            from kvstore.spec import KVSpec
-            from tests.conftest import random_kv, random_tokens
-            spec = KVSpec(num_layers={spec.num_layers}, num_kv_heads={spec.num_kv_heads},
-                          head_dim={spec.head_dim}, block_tokens={spec.block_tokens})
-            ns = Namespace(model_id={ns.model_id!r}, spec=spec, tenant="acme")
-            c = Client({daemon.unix_address!r}, token="tok-acme")
-            tokens, kv = random_tokens(16 * 200), random_kv(spec, 16 * 200)
-            c.put(ns, tokens, kv, zero_copy=False)
-            assert c.get(ns, tokens, zero_copy=True).equal(kv)
-            maps = c._zero_copy.maps
-            kept = []  # a mapping and a descriptor of every region, kept whatever it is told
-            for region in maps.regions:
-                fd = os.dup(maps._fds[region])
-                kept.append((fd, mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)))
-            c.flush_releases()
-            print(" ".join(maps.regions), flush=True)
-            sys.stdin.read()
-        """)
-        path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
-        client = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  env={**os.environ, "PYTHONPATH": path})
-        try:
-            mapped = set(client.stdout.readline().split())
-            steps = mapped & set(dram.published_regions("acme"))
-            assert steps, mapped
-            assert thread.call(daemon.store.evict(tenant="acme")) == 200
-            zeta.put(zeta_ns, random_tokens(16 * 400, seed=5),
-                     random_kv(spec, 16 * 400, seed=5), zero_copy=False)
-            given_back = steps - set(dram.published_regions("acme"))
-            assert given_back
-            held = dram.stats().extra
-            assert held["lingering_bytes"] >= len(given_back) * MiB  # 1 MiB steps
-            assert held["arena_bytes"] <= 4 * MiB  # what is lent, and what it holds, fit
-        finally:
-            client.stdin.close()
-            client.wait(timeout=30)
-        # the next look (what the tier makes before it takes memory back for a write) finds
-        # the process gone, and the bytes come back to the budget
-        assert dram.stats().extra["lingering_bytes"] > 0  # nothing looked since it exited
-        thread.call(dram._settle_lingering(wait=False))
-        assert dram.stats().extra["lingering_bytes"] == 0

@@ -27,6 +27,7 @@ from kvstore.rpc import kvstore_pb2_grpc as pbg
 from kvstore.rpc.convert import namespace_to_proto, tokens_to_bytes
 from kvstore.rpc.descriptors import fd_socket_path
 from kvstore.rpc.tensors import tensor_view
+from kvstore.store.slices import LoopShare
 
 from ..conftest import random_kv, random_tokens
 
@@ -83,6 +84,28 @@ async def test_lookup_answers_packed_keys_to_who_asks_and_repeated_keys_to_older
     assert new.packed_keys == b"".join(expected) and not new.keys
     assert (old.matched_tokens, new.matched_tokens) == (48, 48)
     assert (await aclient.lookup(ns, tokens)).keys == tuple(expected)
+
+async def test_a_long_lookups_reply_is_built_in_slices_and_holds_every_key(daemon, aclient, ns,
+                                                                           spec):
+    """A chain longer than a slice: the reply's keys are joined (packed) or added (repeated)
+    a slice at a time, with a loop turn between slices, and both forms hold every key in
+    order."""
+    daemon.store.share = LoopShare(slice_blocks=2)  # 7 blocks: 4 slices
+    tokens = random_tokens(16 * 7 + 5)
+    await aclient.put(ns, tokens, random_kv(spec, len(tokens)))
+    expected = block_keys(ns, tokens)
+    request = pb.LookupRequest(namespace=namespace_to_proto(ns), tokens=tokens_to_bytes(tokens))
+    async with grpc.aio.insecure_channel(daemon.unix_address) as channel:
+        stub = pbg.KVStoreStub(channel)
+        pauses = daemon.store.share.num_pauses
+        old = await stub.Lookup(request)
+        unpacked_pauses = daemon.store.share.num_pauses - pauses
+        request.packed = True
+        new = await stub.Lookup(request)
+    assert list(old.keys) == expected and new.packed_keys == b"".join(expected)
+    assert unpacked_pauses >= 4 * 3  # hashing, probing, the sightings and the reply: 3 each
+    assert (await aclient.lookup(ns, tokens)).keys == tuple(expected)
+
 
 async def test_stats_list_evict_hint_health(aclient, ns, spec):
     tokens = random_tokens(48)

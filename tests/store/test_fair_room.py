@@ -14,9 +14,8 @@ import torch
 from kvstore import codecs
 from kvstore.config import KVStoreConfig, QuotaConfig, ServerConfig, TierConfig
 from kvstore.errors import CapacityError
-from kvstore.page import PageMeta, encode_page
+from kvstore.page import PUBLISHED_HEADER_BYTES, PageMeta, encode_page
 from kvstore.store import Store
-from kvstore.tiers.dram import growth
 
 from ..conftest import random_kv, random_tokens
 from .test_chain import BLOCKS_PER_MIB, SPEC, MiB, dram, namespace
@@ -174,15 +173,14 @@ async def _put_if_room(store: Store, ns, seed: int) -> None:
 
 
 @pytest.mark.parametrize("quotas", [True, False])
-async def test_steps_a_tenants_client_keeps_mapped_are_charged_to_it(monkeypatch, quotas):
+async def test_steps_a_tenants_client_keeps_mapped_are_freed_when_given_back(quotas):
     """acme's client maps every step acme is given and never lets go; each round acme fills
     3/4 of DRAM, then globex, and each empties its memory again. Regression: acme's emptied
     steps, given back to globex's growth, lingered (its client held them), and acme grew again
     into what globex let go, to hoard that too: by the second round all 8 MiB lingered and
-    globex could store nothing. Now what acme's clients keep is charged to acme: to its share
-    with quotas, and without them acme grows no more into memory others let go. acme hurts
-    only itself; globex keeps the rest."""
-    monkeypatch.setattr(growth, "LINGER_WAIT_S", 0.0)  # it never lets go: do not wait for it
+    globex could store nothing. Now a step given back is cut down to its header page, so what
+    acme's client keeps of it is 4 KiB: globex stores as much every round, and the memory
+    the client holds of given-back steps stays within those pages."""
     acme, globex = namespace(1, "acme"), namespace(2, "globex")
     capacity, share = 8 * MiB, 0.75  # shares that overlap: emptied steps go to the other
     config = KVStoreConfig(tiers=(TierConfig("mem", "dram", dram(capacity)),))
@@ -198,7 +196,6 @@ async def test_steps_a_tenants_client_keeps_mapped_are_charged_to_it(monkeypatch
             for region in tier.published_regions("acme"):
                 if region not in kept:
                     fd = os.dup(tier.region_fd(region)[1])
-                    tier.sent_to(region, os.getpid())
                     kept[region] = (fd, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
 
         globex_blocks = []
@@ -213,9 +210,14 @@ async def test_steps_a_tenants_client_keeps_mapped_are_charged_to_it(monkeypatch
                 globex_blocks.append(store.stats(tenant="globex").num_blocks)
                 await store.evict(tenant="globex")  # its steps empty: anyone may take them
             held = tier.stats().extra["lingering_bytes"]
-            print(f"lingering {held / MiB:.1f} MiB; globex's blocks by round {globex_blocks}")
+            given_back = set(kept) - set(tier.published_regions("acme"))
+            outside = sum(os.fstat(kept[region][0]).st_blocks * 512 for region in given_back)
+            print(f"lingering {held / MiB:.1f} MiB; the client keeps {outside} bytes of "
+                  f"{len(given_back)} steps given back; globex's blocks by round "
+                  f"{globex_blocks}")
             assert min(globex_blocks[1:]) >= globex_blocks[0]
-            assert held + store.stats(tenant="acme").tiers["mem"].used_bytes <= share * capacity
+            assert held == 0 and given_back
+            assert outside <= len(given_back) * PUBLISHED_HEADER_BYTES
         finally:
             for fd, mapped in kept.values():
                 mapped.close()

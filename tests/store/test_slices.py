@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.api import ModelProfile
 from kvstore.config import KVStoreConfig
 from kvstore.keys import Namespace, block_keys
 from kvstore.spec import KVSpec
 from kvstore.store import Store
+from kvstore.store import directory as directory_module
 from kvstore.store.directory import BlockDirectory
 from kvstore.store.slices import LoopShare
 
@@ -85,6 +87,83 @@ async def test_a_long_lookup_yields_and_other_work_runs_between_its_slices(store
     # hashing, probing and sightings: a yield between every two slices of each
     assert store.share.num_pauses - pauses >= 3 * (num_blocks // SLICE - 1)
     assert ticks >= num_blocks // SLICE
+
+
+class TurnCounter:
+    """Counts calls of a function between two turns of a ticker task: the most seen. (Two
+    steps of other tasks can fall between two ticks, one each side of a turn's end: a slice
+    per step shows as at most two slices here.)"""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.most = 0
+        self.turns = 0
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.turns += 1
+            self.most, self.calls = max(self.most, self.calls), 0
+
+    def count(self, n: int = 1) -> None:
+        self.calls += n
+
+    def stop(self) -> None:
+        self.most = max(self.most, self.calls)
+        self._task.cancel()
+
+
+async def test_a_long_lookups_advice_and_touch_take_a_slice_a_turn(store, monkeypatch):
+    """Regression (issue 28, item 7): after the sliced hashing and probing, a long lookup
+    scored every block for its advice (a few microseconds each: over a second at 262,144
+    blocks) and cut its touch into pieces in one turn of the loop. Now no turn scores or
+    touches more than a slice's blocks, and another tenant's short lookup runs meanwhile."""
+    monkeypatch.setattr(directory_module, "TOUCH_SLICE_BLOCKS", SLICE)
+    ns, other = namespace(), namespace(tenant="zeta")
+    num_blocks = 20 * SLICE
+    arr = tokens(num_blocks, seed=4)
+    await store.put(ns, arr, torch.zeros(SPEC.shape(arr.size), dtype=SPEC.torch_dtype))
+    store.set_model_profile(ns, ModelProfile(num_params=8e9, num_layers=32, hidden_size=4096,
+                                             flops_per_s=4e14))
+    await store.lookup(ns, arr[:SPEC.block_tokens])  # the directory's touches applied
+    await asyncio.sleep(0)
+    scored, touched = TurnCounter(), TurnCounter()
+    placement, directory = store._placement, store._dir
+    fastest, apply = placement.fastest_holder, directory._apply
+    monkeypatch.setattr(placement, "fastest_holder",
+                        lambda entry: (scored.count(), fastest(entry))[1])
+    monkeypatch.setattr(directory, "_apply",
+                        lambda touch: (touched.count(touch[3] - touch[2]), apply(touch))[1])
+    order: list[str] = []
+
+    async def short() -> None:
+        await asyncio.sleep(0)  # the long one has begun
+        await store.lookup(other, tokens(4, seed=5))
+        order.append("short")
+
+    long = await asyncio.gather(store.lookup(ns, arr), short())
+    order.append("long")
+    for _ in range(num_blocks // SLICE + 2):  # the last pieces of the touch
+        await asyncio.sleep(0)
+    scored.stop()
+    touched.stop()
+    assert long[0].matched_tokens == arr.size and long[0].advised_tokens is not None
+    assert scored.calls + scored.most > 0 and touched.most > 0
+    assert scored.most <= 2 * SLICE and touched.most <= 2 * SLICE, (scored.most, touched.most)
+    assert order == ["short", "long"]
+
+
+async def test_a_list_is_joined_and_cut_a_slice_a_turn():
+    """``joined`` and ``truncate``, the reply's keys and a freed chain: a slice per turn."""
+    share = LoopShare(SLICE)
+    keys = [i.to_bytes(16, "little") for i in range(10 * SLICE + 5)]
+    assert await share.joined(keys) == b"".join(keys) and share.num_pauses >= 10
+    items, pauses = list(range(10 * SLICE + 5)), share.num_pauses
+    await share.truncate(items, 7)
+    assert items == list(range(7)) and share.num_pauses - pauses == 9  # 10 cuts
+    await share.truncate(items, 7)
+    assert items == list(range(7))
 
 
 async def test_a_tenants_queued_heavy_lookups_do_not_hold_up_another_tenants(store):

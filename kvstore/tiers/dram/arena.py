@@ -10,7 +10,7 @@ import errno
 import fcntl
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,10 +33,15 @@ _ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # F_SEAL_FUTURE_WRITE (Linux 5.1+): added after the owner mapped a memfd
 # writable, it refuses every later way to write it (write, pwrite, a new writable mapping,
 # mprotect to writable, a writable reopen through /proc) while the owner's mapping keeps
-# writing; it also refuses freeing its memory (MADV_REMOVE, hole punching): a sealed memfd
-# goes back whole, when its last descriptor and mapping close.
-_STEP_SEALS = _ARENA_SEALS | F_SEAL_FUTURE_WRITE
-
+# writing. It also refuses freeing part of its memory (MADV_REMOVE, hole punching), but not
+# shrinking it: a published step leaves F_SEAL_SHRINK off, so that the tier can cut it down to
+# its header page when it gives it back and so free its memory for real, whoever still holds
+# a descriptor or mapping of it (issue 28: a client passed its descriptors on to a process the
+# daemon could not see, which kept 112 MiB of given-back steps outside the budget). Nobody
+# else can shrink it: clients get a read-only description of it (``client_fd``; ftruncate
+# needs a writable one), and its mode (``STEP_MODE``) refuses another user a writable reopen.
+_STEP_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL | F_SEAL_FUTURE_WRITE
+STEP_MODE = 0o400  # a memfd is made 0777: anyone holding it could reopen it writable
 
 
 class ShmArena:
@@ -179,8 +184,10 @@ class SealedStep:
     """One growth step of published memory: a memfd of its own, backed and mapped writable here,
     then sealed (``_STEP_SEALS``) so that nobody else can ever write it, resize it or free part
     of it. Its first page is the header clients read (``kvstore.page.is_retired``); slots
-    follow. It goes back whole: ``retire`` marks the header, unmaps and closes it, and the
-    memory is freed once the last client mapping of it is gone too.
+    follow. It goes back whole: ``retire`` marks the header, unmaps it and cuts the memfd down
+    to that header page, which frees the slots' memory at once whoever else still maps it (a
+    client reading past the header of a step given back then gets SIGBUS; a client only reads
+    slots its lease pins, and a step goes back only once it holds no page).
     """
 
     def __init__(self, name: str, nbytes: int) -> None:
@@ -189,6 +196,7 @@ class SealedStep:
         self.name = name
         self.nbytes = nbytes
         self._fd = -1
+        self._client_fd = -1
         self._mmap: mmap.mmap | None = None
         self._base = 0
         self.view = memoryview(b"")
@@ -197,6 +205,17 @@ class SealedStep:
     def fd(self) -> int:
         """The memfd (owned by this step: duplicate it to keep it past ``retire``)."""
         return self._fd
+
+    @property
+    def client_fd(self) -> int:
+        """A read-only description of the memfd, the one clients are sent: with it nobody can
+        shrink the step (ftruncate) or add a seal (owned by this step, like ``fd``)."""
+        return self._client_fd
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory the memfd holds now (the kernel's count of its pages; -1 once closed)."""
+        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else -1
 
     def base_address(self) -> int:
         return self._base
@@ -225,26 +244,44 @@ class SealedStep:
             except OSError as exc:
                 raise Unavailable(f"the DRAM tier needs F_SEAL_FUTURE_WRITE (Linux 5.1 or "
                                   f"later) to publish pages: {os.strerror(exc.errno)}") from None
+            # A new open file description, read-only (a process may always reopen its own
+            # descriptors, non-dumpable or not), before the mode takes write access away.
+            self._client_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+            os.fchmod(self._fd, STEP_MODE)
         except BaseException:
-            self.retire()
+            self.retire(free=False)
             raise
         self.view = memoryview(self._mmap)
 
-    def retire(self) -> None:
+    def retire(self, free: bool = True) -> bool:
         """Mark the step given back (clients holding a mapping see it and drop theirs), unmap
-        it (once no view of it is held here) and close the memfd. Blocking: call it in a
-        thread."""
+        it and, with ``free``, cut the memfd down to its header page (its slots' memory goes
+        at once, whoever holds it), then close it. True once done; False (nothing closed,
+        call again later) while a view of it is still held in this process: a reader of a
+        page deleted meanwhile may still be reading it, and cutting the memory under it would
+        kill the daemon with SIGBUS. Without ``free`` (the tier closing, clients may still be
+        reading under their leases) the memory goes with the last mapping of it, as a memfd's
+        does. Blocking: call it in a thread."""
         self.view.release()
         self.view = memoryview(b"")
         if self._mmap is not None:
             self._mmap[PUBLISHED_STATE_OFFSET] = PUBLISHED_RETIRED
-            with contextlib.suppress(BufferError):  # a reader's page view: goes with the last
+            try:
                 self._mmap.close()
+            except BufferError:  # a view here still reads it
+                if free:
+                    return False
             self._mmap = None
             self._base = 0
         if self._fd >= 0:
+            if free and os.fstat(self._fd).st_size > PUBLISHED_HEADER_BYTES:
+                os.ftruncate(self._fd, PUBLISHED_HEADER_BYTES)
             os.close(self._fd)
             self._fd = -1
+        if self._client_fd >= 0:
+            os.close(self._client_fd)
+            self._client_fd = -1
+        return True
 
 
 @dataclass(slots=True, eq=False)
@@ -255,7 +292,6 @@ class Step:
     region: str
     memory: SealedStep
     chunk: Chunk | None = None
-    fetchers: set[int] = field(default_factory=set)  # client pids its descriptor went to
 
     @property
     def nbytes(self) -> int:

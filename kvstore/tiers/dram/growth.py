@@ -27,7 +27,7 @@ from kvstore.errors import CapacityError, shown
 from kvstore.keys import BlockKey
 from kvstore.page import PUBLISHED_HEADER_BYTES
 from kvstore.tiers.dram.arena import SealedStep, ShmArena, Step, StepPool
-from kvstore.tiers.dram.lingering import LingeringSteps, holders
+from kvstore.tiers.dram.lingering import LingeringSteps
 from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator, Slot, round_down, round_up
 
 log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these are its messages
@@ -39,11 +39,11 @@ log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these a
 # worst, while the tier grew, against 0.57 and 0.62 once it had grown.
 AHEAD_NICE = 10
 
-# A published step given back while client processes map it stays charged until they let go
-# (``kvstore.tiers.dram.lingering``). Told at once (a Hold event), a client reading its session's
-# stream drops it as the event arrives: the write that needed the memory waits up to this long
-# for that. Later writes look again at most every LINGER_CHECK_S (a look reads
-# /proc/<pid>/maps and /proc/<pid>/fd of the step's clients).
+# A published step given back while a view of it is still read in this process stays charged
+# until that view goes (``kvstore.tiers.dram.lingering``). Such a reader (a Get sending a page
+# deleted meanwhile) is usually done within a few loop turns: the write that needed the memory
+# tries again every LINGER_POLL_S for up to LINGER_WAIT_S; later writes that take memory back
+# try at most every LINGER_CHECK_S.
 LINGER_WAIT_S = 0.25
 LINGER_POLL_S = 0.01
 LINGER_CHECK_S = 1.0
@@ -127,10 +127,11 @@ class Growth:
                 self._unpin(arena)
                 arena.memory.close()
                 for step in arena.steps.take_all():
-                    self.retire(step)
+                    self.retire(step, free=False)  # clients may read under their leases still
+            for held in self.lingering.take_all():
+                held.memory.retire(free=False)
             self.arenas.clear()
             self.regions.clear()
-            self.lingering.clear()
         self._grower.shutdown(wait=False)
 
     def arena(self, tenant: str) -> TenantMemory:
@@ -170,9 +171,8 @@ class Growth:
         return spare
 
     def may_take_from_others(self, arena: TenantMemory | None) -> bool:
-        """Whether ``arena`` may grow into memory other tenants let go: not while its clients
-        keep given-back steps of its own mapped, since what it takes would likely end the
-        same way, unusable to all (issue 28)."""
+        """Whether ``arena`` may grow into memory other tenants let go: not while given-back
+        steps of its own are still held (``lingering``), so what they hold is its own loss."""
         return arena is None or not self.lingering.nbytes_of(arena.tenant)
 
     def fits(self, nbytes: int) -> bool:
@@ -256,15 +256,15 @@ class Growth:
         empty published steps of other tenants, then its own empty steps: ``spare_bytes``)
         until it holds ``need_bytes``; False (nothing given back) when all of it would not be
         enough."""
-        if self.lingering:  # steps given back earlier whose clients let go since
-            await self.settle_lingering(wait=False)
+        if self.lingering:  # steps given back earlier whose last view here went since
+            await self.settle_lingering()
         short = need_bytes - self.budget.room_bytes
         if short <= 0 or self.spare_bytes(arena) < need_bytes:
             return False
         donors = sorted((a for a in self.arenas.values()
                          if a is arena or self.may_take_from_others(arena)),
                         key=lambda a: (a is arena, -a.releasable_bytes))
-        lingering = False
+        held_here = False
         for donor in donors:
             retired = False
             staging = donor.alloc.release_free(short) if short > 0 and donor is not arena else ()
@@ -274,42 +274,36 @@ class Growth:
                          donor.region)
                 short -= size
             for step in donor.steps.take_empty(short) if short > 0 else ():
-                await asyncio.to_thread(self.retire, step)
                 self.regions.pop(step.region, None)
                 donor.keys_by_step.pop(step.region, None)
-                if step.fetchers:  # its memory lives while they map it: charged until then
-                    self.lingering.add(step.region, step.nbytes, donor.tenant, step.fetchers)
-                    lingering = True
-                else:
+                if await asyncio.to_thread(self.retire, step):  # its memory is gone
                     self.budget.grown_bytes -= step.nbytes
+                else:  # read here still: charged until its last view goes
+                    self.lingering.add(step.region, step.memory, donor.tenant)
+                    held_here = True
                 log.info("dram: gave back published step %s (%d bytes) of tenant %s",
                          step.region, step.nbytes, shown(donor.tenant))
                 short -= step.nbytes
                 retired = True
-            if retired:  # its clients' mappings keep the memory until they drop them
+            if retired:  # clients drop their mappings of the header pages left
                 for listener in self._retired_listeners:
                     listener(donor.tenant)
-        if lingering:  # clients just told to drop them: those that read their session do
-            await self.settle_lingering(wait=True)
+        if held_here:
+            deadline = time.monotonic() + LINGER_WAIT_S
+            while self.lingering and time.monotonic() < deadline:
+                await asyncio.sleep(LINGER_POLL_S)
+                await self.settle_lingering(now=True)
+            self.lingering.warn()
         return True
 
-    async def settle_lingering(self, wait: bool) -> None:
-        """Give the budget back the given-back steps no client process holds any more:
-        ``wait``ing up to ``LINGER_WAIT_S`` for clients just told to drop them, else one look
-        at most every ``LINGER_CHECK_S``."""
-        now = time.monotonic()
-        if not wait and now - self._lingering_checked < LINGER_CHECK_S:
+    async def settle_lingering(self, now: bool = False) -> None:
+        """Give the budget back the given-back steps no view here reads any more (cut down to
+        their header page now): at most every ``LINGER_CHECK_S`` unless ``now``."""
+        if not now and time.monotonic() - self._lingering_checked < LINGER_CHECK_S:
             return
-        deadline = now + (LINGER_WAIT_S if wait else 0.0)
-        while True:
-            still = await asyncio.to_thread(holders, self.lingering.snapshot())
-            self.budget.grown_bytes -= self.lingering.release(still)
-            if not self.lingering or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(LINGER_POLL_S)
+        freed = await asyncio.to_thread(self.lingering.try_free)
+        self.budget.grown_bytes -= self.lingering.forget(freed)
         self._lingering_checked = time.monotonic()
-        if wait and self.lingering:
-            self.lingering.warn()
 
     # --- growing -----------------------------------------------------------------------------
 
@@ -368,7 +362,9 @@ class Growth:
             except CapacityError as exc:  # the bytes stay usable, only DMA from them is slower
                 log.warning("dram: step %s stays pageable: %s", step.region, exc)
 
-    def retire(self, step: Step) -> None:
+    def retire(self, step: Step, free: bool = True) -> bool:
+        """Unpin and retire ``step`` (``SealedStep.retire``): True once its memory is freed
+        (or, without ``free``, let go). Blocking: call it in a thread."""
         if self._pin_cuda and step.memory.base_address():
             cudart = torch.cuda.cudart()
             err = int(cudart.cudaHostUnregister(step.memory.base_address()))
@@ -376,7 +372,7 @@ class Growth:
                 cudart.cudaGetLastError()  # a refusal must not fail a later CUDA call
             if err not in (0, 713):  # 713: cudaErrorHostMemoryNotRegistered (it stayed pageable)
                 log.warning("dram: cudaHostUnregister failed (cudaError %d)", err)
-        step.memory.retire()
+        return step.memory.retire(free)
 
     async def _grow_locked(self, arena: TenantMemory, nbytes: int,
                            offset: int | None = None) -> bool:

@@ -1,52 +1,56 @@
-"""Published steps given back while a client process may still map them.
+"""Published steps given back whose memory the tier could not free yet, charged until it can.
 
-A published step is sealed against writers (``F_SEAL_FUTURE_WRITE``), which also refuses to
-free its memory while anything maps it: once the tier gives a step back, its memory lives on
-for as long as a client keeps a mapping or a descriptor of it. Honest clients drop them at
-once (the daemon tells their sessions); one that does not would hold memory the budget has
-already lent to another tenant, without bound. So a step that went to client processes stays
-charged to the budget until none of them maps it or holds its descriptor any more, as their
-``/proc/<pid>/maps`` and ``/proc/<pid>/fd`` show.
+A published step goes back by being cut down to its header page (``SealedStep.retire``): that
+frees its memory for real, whoever else still maps it or holds its descriptor, a client
+process the daemon never saw included (one a client passed the descriptor on to over a Unix
+socket, in another pid namespace, of another user). The kernel says so: the memfd's block
+count (``SealedStep.held_bytes``) drops to the header page the moment it is cut. So the
+budget no longer has to guess from ``/proc/<pid>/maps`` who still holds a step.
 
-What this cannot see, and so takes on trust as before: a process it was never told of (a
-client in another pid namespace, whose peer pid is 0), one whose ``/proc`` entries it may not
-read (another user's, for a daemon that is not root), and a child a client forked after
-mapping the step.
+What it cannot cut at once is a step this process itself still reads: a reader that took a
+page's view before the page was deleted (a streamed Get, a copy down the chain) keeps the
+daemon's mapping open, and cutting the memory under it would kill the daemon with SIGBUS. Such
+a step lingers here, charged to the budget, until its last view here is gone; the tier tries
+again before it next takes memory back, at most every ``LINGER_CHECK_S``.
+
+What a holder still keeps of a step given back is its header page (4 KiB of a 64 MiB step),
+and pages it pinned before the cut (cudaHostRegister, vmsplice, io_uring buffers), which the
+kernel frees only when it unpins them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 
 from kvstore.errors import shown
+from kvstore.tiers.dram.arena import SealedStep
 
 log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these are its messages
-
-# A step remembers at most this many client processes it went to (each asked for its
-# descriptor): a tenant's engine processes, a few dozen at most on one host.
-MAX_FETCHERS = 1024
 
 
 @dataclass(slots=True)
 class Lingering:
-    """One given-back step still held: its bytes, whose it was, who may hold it."""
+    """One given-back step not freed yet: its memory, whose it was."""
 
     region: str
-    nbytes: int
+    memory: SealedStep
     tenant: str
-    pids: set[int] = field(default_factory=set)
     warned: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
 
 
 class LingeringSteps:
-    """The given-back steps whose memory client processes may still hold. Not thread-safe:
-    the tier adds and forgets on its event loop; ``holders`` (blocking) runs in a thread."""
+    """The given-back steps whose memory is still held here. Not thread-safe: the tier adds
+    and forgets on its event loop (``try_free`` blocks: it runs in a thread)."""
 
     def __init__(self) -> None:
         self._steps: dict[str, Lingering] = {}
+        self._freeing = threading.Lock()  # two looks at once must not close a step twice
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -56,8 +60,7 @@ class LingeringSteps:
         return sum(step.nbytes for step in self._steps.values())
 
     def nbytes_of(self, tenant: str) -> int:
-        """Bytes of ``tenant``'s steps still held (its clients keep that memory: it is the
-        tenant's, charged to its share, and the tenant takes no other tenant's memory)."""
+        """Bytes of ``tenant``'s steps still held (charged to its share)."""
         return sum(step.nbytes for step in self._steps.values() if step.tenant == tenant)
 
     def nbytes_by_tenant(self) -> dict[str, int]:
@@ -67,64 +70,38 @@ class LingeringSteps:
             held[step.tenant] = held.get(step.tenant, 0) + step.nbytes
         return held
 
-    def add(self, region: str, nbytes: int, tenant: str, pids: set[int]) -> None:
-        self._steps[region] = Lingering(region, nbytes, tenant, set(pids))
+    def add(self, region: str, memory: SealedStep, tenant: str) -> None:
+        self._steps[region] = Lingering(region, memory, tenant)
 
-    def snapshot(self) -> list[Lingering]:
-        """The steps held now (copies: a thread may look at them while the loop adds more)."""
-        return [Lingering(s.region, s.nbytes, s.tenant, set(s.pids))
-                for s in self._steps.values()]
+    def try_free(self) -> list[str]:
+        """Cut the steps no view here reads any more; return their regions (``forget``
+        them). Blocking: run it in a thread; it changes nothing the loop reads."""
+        with self._freeing:
+            return [region for region, step in list(self._steps.items())
+                    if step.memory.retire()]
 
-    def release(self, still_held: dict[str, set[int]]) -> int:
-        """Forget the steps that no process holds any more, given ``still_held`` (region ->
-        the pids still holding it, from ``holders``); return the bytes they free."""
+    def forget(self, regions: list[str]) -> int:
+        """Forget ``regions`` (cut by ``try_free``); the bytes they free."""
         freed = 0
-        for region, pids in still_held.items():
-            step = self._steps.get(region)
-            if step is None:
-                continue
-            if pids:
-                step.pids = pids
-                continue
-            del self._steps[region]
-            freed += step.nbytes
+        for region in regions:
+            step = self._steps.pop(region, None)
+            if step is not None:
+                freed += step.nbytes
         return freed
 
     def warn(self) -> None:
-        """Log each step still held once (a client that keeps them is worth an operator's
-        look; saying so at every write that needs room is not)."""
+        """Log each step still held once (a view kept past its page is worth a look; saying
+        so at every write that needs room is not)."""
         for step in self._steps.values():
-            if step.warned:
-                continue
-            step.warned = True
-            log.warning("dram: tenant %s's published step %s (%d bytes) was given back, but "
-                        "process(es) %s still map it: its memory stays charged to the tier",
-                        shown(step.tenant), step.region, step.nbytes, sorted(step.pids))
+            if not step.warned:
+                step.warned = True
+                log.warning("dram: tenant %s's published step %s (%d bytes) was given back, "
+                            "but a reader here still holds a view of it: its memory stays "
+                            "charged to the tier until that view goes", shown(step.tenant),
+                            step.region, step.nbytes)
 
-    def clear(self) -> None:
+    def take_all(self) -> list[Lingering]:
+        """Forget every step (the tier closing: they go with their last view)."""
+        steps = list(self._steps.values())
         self._steps.clear()
-
-
-def holders(steps: list[Lingering]) -> dict[str, set[int]]:
-    """For each step, the processes of its ``pids`` that still map its memfd or hold a
-    descriptor of it. Blocking: reads ``/proc``. A process that is gone holds nothing; one
-    whose entries may not be read is taken at its word, like any process this cannot see."""
-    return {step.region: {pid for pid in step.pids if _holds(pid, step.region)}
-            for step in steps}
-
-
-def _holds(pid: int, region: str) -> bool:
-    # /proc shows a memfd as "/memfd:<name> (deleted)"; the tier names a step's memfd
-    # "kvstore-<region>", and region names are unique.
-    name = f"/memfd:kvstore-{region} "
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-            if any(name in line for line in maps):
-                return True
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):  # closed meanwhile
-                if f"{os.readlink(f'/proc/{pid}/fd/{fd}')} ".startswith(name):
-                    return True
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-        pass  # gone, or not ours to see (taken on trust)
-    return False
+        return steps

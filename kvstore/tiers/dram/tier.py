@@ -19,7 +19,9 @@ descriptors the daemon hands only to that tenant's clients (``region_fd``, serve
 All of it grows within the tier's capacity (a shared ``GrowthBudget``). A sealed step cannot
 give part of its memory back (the seal refuses MADV_REMOVE and hole punching): it goes back
 whole once none of its slots holds a page, when another tenant's memory needs to grow (or the
-tier closes); its header then says it is retired, so clients drop their mappings of it.
+tier closes); its header then says it is retired, so clients drop their mappings of it, and the
+step is cut down to that header page, so its memory is freed whoever still maps it
+(``kvstore.tiers.dram.lingering``).
 
 Making room is the store's job: the tier never evicts on its own. Slots come in size classes:
 when memory is full, deleting a page frees room for a page of the same class in its tenant's
@@ -61,9 +63,8 @@ from kvstore.page import (
 )
 from kvstore.room import Footprint, RoomNeed
 from kvstore.tiers.base import PageCheck, SlotTier, TierStats
-from kvstore.tiers.dram.arena import Step
+from kvstore.tiers.dram.arena import SealedStep, Step
 from kvstore.tiers.dram.growth import Growth, TenantMemory
-from kvstore.tiers.dram.lingering import MAX_FETCHERS
 from kvstore.tiers.dram.slabs import SlabAllocator, Slot
 from kvstore.tiers.dram.staging import ArenaSlot, PublishClaim, Staging
 
@@ -163,18 +164,14 @@ class DramTier(SlotTier):
 
     def region_fd(self, region: str) -> tuple[str, int] | None:
         """``(tenant, memfd)`` of the staging arena or published step named ``region``, or
-        None if there is none (or it was given back). The descriptor stays the tier's: send or
-        duplicate it, never close it."""
+        None if there is none (or it was given back); a published step's is read-only
+        (``SealedStep.client_fd``). The descriptor stays the tier's: send or duplicate it,
+        never close it."""
         found = self._regions.get(region) if self._is_open else None
-        return None if found is None else (found[0].tenant, found[1].fd)
-
-    def sent_to(self, region: str, pid: int) -> None:
-        """``FdRegions.sent_to``: a published step remembers the processes its descriptor
-        went to, so that, given back, it stays charged while one of them holds it."""
-        found = self._regions.get(region)
-        step = None if found is None else found[0].steps.steps.get(region)
-        if pid > 0 and step is not None and len(step.fetchers) < MAX_FETCHERS:
-            step.fetchers.add(pid)
+        if found is None:
+            return None
+        memory = found[1]
+        return found[0].tenant, memory.client_fd if isinstance(memory, SealedStep) else memory.fd
 
     def on_retired(self, listener: Callable[[str], None]) -> None:
         """``FdRegions.on_retired``: called with the tenant whose published steps went back."""
@@ -278,11 +275,10 @@ class DramTier(SlotTier):
         return any_need if donor is None else self._step_need(donor, protected)
 
     async def held_outside(self) -> dict[str, int]:
-        """Given-back steps client processes still map, by tenant (``lingering``; looked at
-        again at most every ``LINGER_CHECK_S``, so a tenant whose clients let go is neither
-        charged for them nor kept from others' memory for long)."""
+        """Given-back steps whose memory is not freed yet (a view here still reads them), by
+        tenant (``lingering``; tried again at most every ``LINGER_CHECK_S``)."""
         if self._growth.lingering:
-            await self._growth.settle_lingering(wait=False)
+            await self._growth.settle_lingering()
         return self._growth.lingering.nbytes_by_tenant()
 
     def footprint(self, key: BlockKey) -> Footprint | None:
@@ -465,7 +461,7 @@ class DramTier(SlotTier):
                 "staging_bytes": sum(a.alloc.backed_bytes for a in arenas),
                 "slot_classes": sum(a.steps.num_classes for a in arenas),
                 "free_slots": sum(a.steps.num_free_slots for a in arenas),
-                # given back, still mapped by client processes: charged until they let go
+                # given back, not freed yet (read here still): charged until it is
                 "lingering_bytes": self._growth.lingering.nbytes,
             },
         )
@@ -495,9 +491,9 @@ class DramTier(SlotTier):
         """Back a new published step (``Growth`` calls this in a growth thread)."""
         self._growth.back_step(step)
 
-    async def _settle_lingering(self, wait: bool) -> None:
-        """``Growth.settle_lingering``: look now whether given-back steps are still held."""
-        await self._growth.settle_lingering(wait)
+    async def _settle_lingering(self) -> None:
+        """``Growth.settle_lingering``: free now the given-back steps no view here reads."""
+        await self._growth.settle_lingering(now=True)
 
     def _step_need(self, arena: TenantMemory, protected: Callable[[BlockKey], bool] | None = None
                    ) -> RoomNeed:

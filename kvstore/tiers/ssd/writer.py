@@ -41,6 +41,7 @@ log = logging.getLogger("kvstore.tiers.ssd")  # the SSD tier's logger: these are
 # ran at 2.7 GB/s with 1-2 MiB blocks but 1.9 GB/s with 16 MiB blocks (2026-11-29).
 MAX_BATCH_BYTES = 4 << 20
 NUM_BUFFERS = 2  # appends in flight: one copies its pages while the other is written
+_WRITTEN = memoryview(b"")  # what a PendingWrite holds once its page is in the file
 # "batch" flushes early once this much appended data waits, so appends go on while a group
 # commits. 2 MiB pages, 8-64 in flight, work disk (2026-11-29): 4, 8 and 16 MiB all reached
 # 0.85-0.9 of dd; 32 MiB stalled at 8 in flight (0.28 GB/s) until the next interval.
@@ -68,10 +69,14 @@ class PendingWrite:
     segment: Segment | None = None
     offset: int = 0
     is_cancelled: bool = False  # deleted before it was committed: commit it as dead bytes
+    length: int = -1  # the page's bytes (``data`` is let go once they are in the file)
+
+    def __post_init__(self) -> None:
+        self.length = len(self.data)
 
     @property
     def padded(self) -> int:
-        return aligned(len(self.data))
+        return aligned(self.length)
 
 
 class SegmentWriter:
@@ -249,6 +254,8 @@ class SegmentWriter:
             return
         finally:
             self._buffers.put_nowait(buffer)
+        for p in batch:  # in the file now: a view of a tier's memory must not outlive that
+            p.data = _WRITTEN
         self._counts["bytes_written"] += nbytes
         self._counts["appends"] += 1
         await self._after_append(seg, batch, nbytes)
@@ -294,7 +301,7 @@ class SegmentWriter:
         if old is not None:
             self.release(old)  # a compaction victim is removed by its compactor, later
             self.moved.append(p.key)
-        entry = IndexRecord(p.meta, seg.segment_id, p.offset, len(p.data), p.checksum)
+        entry = IndexRecord(p.meta, seg.segment_id, p.offset, p.length, p.checksum)
         self._index[p.key] = entry
         seg.keys.add(p.key)
         self._lmdb.put(p.key, entry)
