@@ -280,7 +280,8 @@ def bench_scale(
 def bench_engine(
     python: Annotated[Path | None, typer.Option(
         dir_okay=False, show_default=False, envvar="KVSTORE_ENGINE_PYTHON",
-        help="The engine venv's python (vLLM installed) [default: .venv-vllm/bin/python]")
+        help="The engine venv's python (vLLM installed) [default: $KVSTORE_TEST_VLLM_PYTHON, "
+             "else .venv-vllm/bin/python]")
     ] = None,
     pythonpath: Annotated[str, typer.Option(
         envvar="KVSTORE_ENGINE_PYTHONPATH",

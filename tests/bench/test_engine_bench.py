@@ -8,6 +8,7 @@ vLLM runs in its own venv (``scripts/services/vllm.sh`` builds ``.venv-vllm`` an
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -15,8 +16,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstore.bench.engine.configs import CONFIG_NAMES
+from kvstore.bench.engine.configs import (
+    CONFIG_NAMES,
+    CONFIGS,
+    EngineOptions,
+    worker_env,
+    worker_spec,
+)
 from kvstore.bench.engine.tables import Comparison, percentile
+from kvstore.bench.engine.workloads import WorkloadSize, chat, documents
 from kvstore.cli import app
 
 VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
@@ -90,3 +98,31 @@ def test_comparison_reports_where_outputs_part():
 def test_percentile_interpolates():
     assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
     assert percentile([5.0], 0.9) == 5.0
+
+
+def test_workloads_extend_and_overflow_the_engine_cache():
+    size = WorkloadSize()
+    chat_rounds = chat(size, 4096).rounds
+    for before, after in itertools.pairwise(chat_rounds):
+        assert all(b == a[:len(b)] and len(a) > len(b) for b, a in zip(before, after, strict=True))
+    docs = documents(size, 4096).rounds
+    assert all(p[:size.document_tokens] == docs[0][i][:size.document_tokens]
+               for r in docs for i, p in enumerate(r))
+    blocks = EngineOptions(python=Path("python")).num_blocks(size)
+    per_document = -(-(size.document_tokens + size.question_tokens) // 32)
+    assert 2 * per_document < blocks < size.overflow_documents * per_document
+
+
+def test_cuda_engines_get_the_carried_vllm_settings():
+    """What a CUDA vLLM 0.26 run is started with: dummy weights redrawn in the engine, the
+    PYTHONPATH of the unpacked vLLM behind this checkout, no flashinfer sampler."""
+    options = EngineOptions(python=Path("python3"), pythonpath="/tmp/vw/site", shape="8b",
+                            device="cuda", dtype="bfloat16", weights="redraw")
+    raw = next(c for c in CONFIGS if c.name == "kvstore-raw")
+    spec = worker_spec(raw, options, Path("/m"), WorkloadSize(), "unix:///s")
+    assert spec["load_format"] == "dummy" and spec["redraw"] is True
+    assert spec["gpu_memory_utilization"] == 0.5
+    assert spec["kv_transfer"]["kv_connector_extra_config"]["address"] == "unix:///s"
+    env = worker_env(raw, options, Path("/repo"), {})
+    assert env["PYTHONPATH"] == "/repo:/tmp/vw/site"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and "VLLM_CPU_KVCACHE_SPACE" not in env

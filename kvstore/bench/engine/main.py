@@ -3,12 +3,12 @@ run, and its table, JSON and plot."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from kvstore.bench.engine.configs import CONFIG_NAMES, CONFIGS, EngineOptions
-from kvstore.bench.engine.run import DEFAULT_PYTHON, run_engines
+from kvstore.bench.engine.run import default_python, run_engines
 from kvstore.bench.engine.tables import build_report, plot
 from kvstore.bench.engine.workloads import QUICK, WorkloadSize
 from kvstore.bench.report import BenchReport
@@ -34,7 +34,7 @@ def run_engine_bench(*, python: Path | None = None, pythonpath: str = "", shape:
         size = replace(QUICK if quick else WorkloadSize(),
                        **{k: v for k, v in (sizes or {}).items() if v is not None})
         options = EngineOptions(
-            python=python or DEFAULT_PYTHON, pythonpath=pythonpath, shape=shape,
+            python=python or default_python(), pythonpath=pythonpath, shape=shape,
             device=device, dtype=dtype or ("float32" if device == "cpu" else "bfloat16"),
             weights=weights or ("checkpoint" if device == "cpu" else "redraw"),
             engine_blocks=engine_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -47,7 +47,7 @@ def run_engine_bench(*, python: Path | None = None, pythonpath: str = "", shape:
     params = {"shape": shape, "device": device, "dtype": options.dtype,
               "weights": options.weights, "block_size": options.block_size,
               "max_model_len": options.model_len(size), "python": str(options.python),
-              "pythonpath": pythonpath, "sizes": size.__repr__(), "quick": quick,
+              "pythonpath": pythonpath, "sizes": asdict(size), "quick": quick,
               "configs": [c.name for c in chosen], "interleave": options.interleave}
     return build_report(out, chosen, params, facts)
 

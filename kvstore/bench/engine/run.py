@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -52,6 +53,12 @@ def root_cause(log_path: Path) -> str | None:
         if found and "root cause" not in found.group(2):
             return f"{found.group(1)}: {found.group(2).strip()}"
     return None
+
+
+def default_python() -> Path:
+    """The vLLM venv ``scripts/services/vllm.sh`` exported, else this checkout's."""
+    exported = os.environ.get("KVSTORE_TEST_VLLM_PYTHON")
+    return Path(exported) if exported else DEFAULT_PYTHON
 
 
 class EngineWorker:
@@ -122,6 +129,9 @@ class RunResults:
 
     results: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # configuration -> why it did not run
+    # configuration -> the first exception its engine's log names, though it ran (a
+    # connector that failed inside a running engine serves no hits; this says why)
+    log_errors: dict[str, str] = field(default_factory=dict)
     init_s: dict[str, list[float]] = field(default_factory=dict)
     prompt_tokens: dict[str, list[int]] = field(default_factory=dict)  # workload -> per request
 
@@ -194,31 +204,63 @@ def start_engines(configs: tuple[EngineConfig, ...], options: EngineOptions,
 
 def run_rounds(workers: list[EngineWorker], workload: Workload, size: WorkloadSize,
                out: RunResults) -> None:
-    """Round by round, every configuration's engine in turn, the order rotated each round,
-    so drift on a shared box falls on all of them alike."""
-    live = [w for w in workers if w.error is None]
-    for index, prompts in enumerate(workload.rounds):
+    """Round by round, and within a round prompt by prompt, every configuration's engine in
+    turn, the order rotated each time: drift on a shared box falls on all of them alike,
+    and an engine's background saves of one request have the others' turns to end in
+    before its next request is timed."""
+    turn = 0
+    for prompts in workload.rounds:
         out.prompt_tokens.setdefault(workload.name, []).extend(len(p) for p in prompts)
-        shift = index % len(live) if live else 0
-        for worker in live[shift:] + live[:shift]:
-            if worker.error is not None:
-                continue
-            try:
-                reply = worker.call(op="generate", prompts=[list(p) for p in prompts],
-                                    max_tokens=size.max_tokens)
-            except KVStoreError as exc:
-                worker.error = str(exc)
-                continue
-            out.add(worker.config.name, workload.name, reply["results"])
+        for prompt in prompts:
+            live = [w for w in workers if w.error is None]
+            shift = turn % len(live) if live else 0
+            turn += 1
+            for worker in live[shift:] + live[:shift]:
+                try:
+                    reply = worker.call(op="generate", prompts=[list(prompt)],
+                                        max_tokens=size.max_tokens)
+                except KVStoreError as exc:
+                    worker.error = str(exc)
+                    continue
+                out.add(worker.config.name, workload.name, reply["results"])
 
 
 def _close_all(workers: list[EngineWorker], out: RunResults) -> None:
     for worker in workers:
         worker.close()
+        cause = root_cause(worker.log_path)
+        if worker.error is None and cause is not None:
+            out.log_errors.setdefault(worker.config.name, cause)
         if worker.error is not None:
             out.errors.setdefault(worker.config.name, worker.error)
         elif worker.init_s is not None:
             out.init_s.setdefault(worker.config.name, []).append(worker.init_s)
+
+
+@dataclass(slots=True)
+class Generations:
+    """Engines started, run and closed a generation at a time against the same daemons."""
+
+    options: EngineOptions
+    size: WorkloadSize
+    model_dir: Path
+    addresses: dict[str, str]
+    root: Path
+    out: RunResults
+
+    def generation(self, configs: tuple[EngineConfig, ...], workloads: tuple[Workload, ...],
+                   name: str) -> None:
+        """Every workload on a fresh engine per configuration: all at once, taking rounds
+        in turn, or one configuration after another (``options.interleave``)."""
+        groups = [configs] if self.options.interleave else [(c,) for c in configs]
+        for group in groups:
+            workers = start_engines(group, self.options, self.size, self.model_dir,
+                                    self.addresses, self.root, name)
+            try:
+                for workload in workloads:
+                    run_rounds(workers, workload, self.size, self.out)
+            finally:
+                _close_all(workers, self.out)
 
 
 def run_engines(configs: tuple[EngineConfig, ...], options: EngineOptions,
@@ -235,39 +277,25 @@ def run_engines(configs: tuple[EngineConfig, ...], options: EngineOptions,
     vocab = SHAPES[options.shape].vocab_size
     out = RunResults()
     started = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="kvbe-", dir=work_dir)
-    root = Path(tmp)
+    root = Path(tempfile.mkdtemp(prefix="kvbe-", dir=work_dir))
     try:
         model_dir = root / "model"
         build_model(options, size, model_dir, root / "build.log")
         with daemons(configs, root) as addresses:
-            def generation(chosen: tuple[EngineConfig, ...], workloads: tuple[Workload, ...],
-                           name: str) -> None:
-                groups = [chosen] if options.interleave else [(c,) for c in chosen]
-                for group in groups:
-                    workers = start_engines(group, options, size, model_dir, addresses, root,
-                                            name)
-                    try:
-                        for workload in workloads:
-                            run_rounds(workers, workload, size, out)
-                    finally:
-                        _close_all(workers, out)
-
-            generation(configs, warm_workloads(size, vocab), "a")
+            run = Generations(options, size, model_dir, addresses, root, out)
+            run.generation(configs, warm_workloads(size, vocab), "a")
             # A fresh engine finds only what outlived the last one: the others would repeat
             # their docs rows (the same prompts on an empty cache), so only the baseline
             # runs again beside them, for ratios measured at the same time.
             again = tuple(c for c in configs if c.outlives_engine or c.name == BASELINE)
             if any(c.outlives_engine for c in again):
-                generation(again, (restart_workload(size, vocab),), "b")
+                run.generation(again, (restart_workload(size, vocab),), "b")
     finally:
         if not keep_dir:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
     facts = {"engine_blocks": options.num_blocks(size), "work_dir": str(root) if keep_dir
              else None, "wall_s": time.perf_counter() - started}
     return out, facts
 
 
-__all__ = ["DEFAULT_PYTHON", "EngineWorker", "RunResults", "run_engines"]
+__all__ = ["DEFAULT_PYTHON", "EngineWorker", "RunResults", "default_python", "run_engines"]

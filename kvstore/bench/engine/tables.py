@@ -28,6 +28,8 @@ COLUMNS = (
     Column("ttft_p50_ms", "TTFT p50 ms", 1),
     Column("ttft_p90_ms", "TTFT p90 ms", 1),
     Column("speedup_p50", "x no-cache p50", 2),
+    Column("hit_ttft_p50_ms", "hits: TTFT p50 ms", 1),
+    Column("hit_speedup_p50", "hits: x no-cache", 2),
     Column("hit_tokens", "hit tokens/req", 0),
     Column("hit_pct", "hit %", 0),
     Column("requests", "reqs", 0),
@@ -133,11 +135,22 @@ def rows(out: RunResults, configs: tuple[EngineConfig, ...],
                 row["status"] = "no results"
             else:
                 row.update(_stats(results, prompts, base))
-                row["status"] = "ok"
+                row["status"] = _ran(out, config)
                 if workload in comparisons.get(config.name, {}):
                     row["outputs"] = comparisons[config.name][workload].summary()
             found.append(row)
     return found
+
+
+def _ran(out: RunResults, config: EngineConfig) -> str:
+    """"ok", or for a cache that served no hit anywhere while its engine's log names an
+    error, that error."""
+    served = sum(r["num_cached_tokens"] for results in out.results[config.name].values()
+                 for r in results)
+    cause = out.log_errors.get(config.name)
+    if config.name != BASELINE and not served and cause:
+        return f"ran, no hits; its log: {cause}"
+    return "ok"
 
 
 def _stats(results: list[dict[str, Any]], prompts: list[int], base: list[float]
@@ -150,6 +163,13 @@ def _stats(results: list[dict[str, Any]], prompts: list[int], base: list[float]
              "ttft_ms": [1e3 * t for t in ttft], "cached_tokens": cached}
     if base:
         stats["speedup_p50"] = percentile(base, 0.5) / percentile(ttft, 0.5)
+    hits = [i for i, c in enumerate(cached) if c]
+    if hits:  # the requests that hit, against the baseline's time for the same prompts
+        stats["hit_ttft_p50_ms"] = 1e3 * percentile([ttft[i] for i in hits], 0.5)
+        same = [base[i] for i in hits if i < len(base)]
+        if same:
+            stats["hit_speedup_p50"] = (percentile(same, 0.5)
+                                        / percentile([ttft[i] for i in hits], 0.5))
     return stats
 
 
@@ -169,7 +189,8 @@ def build_report(out: RunResults, configs: tuple[EngineConfig, ...], params: dic
         params={**params, **facts}, notes=tuple(notes), section_key="workload")
     extra = {"comparisons": {name: {w: asdict(c) for w, c in per.items()}
                              for name, per in comparisons.items()},
-             "errors": dict(out.errors), "init_s": dict(out.init_s),
+             "errors": dict(out.errors), "log_errors": dict(out.log_errors),
+             "init_s": dict(out.init_s),
              "results": out.results, "prompt_tokens": out.prompt_tokens}
     return report, extra
 

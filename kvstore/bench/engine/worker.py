@@ -13,10 +13,10 @@ bench shows the message in that configuration's row). Commands:
   time, each timed from ``add_request`` to the step that returns its first token; the reply
   holds per prompt its tokens, their log-probabilities, ``num_cached_tokens`` and ``ttft_s``.
 - ``{"op": "reset"}``: empty vLLM's prefix cache (after the warm-up prompts).
-- ``{"op": "exit"}``: shut the engine down (the connector drains its saves) and leave.
+- ``{"op": "exit"}``: shut the engine down and leave.
 
-Only the standard library, vLLM and ``weights.py`` are imported here (the kvstore connector is loaded by vLLM
-from ``kv_connector_module_path`` with this checkout on PYTHONPATH).
+Only the standard library, vLLM and ``weights.py`` are imported here (vLLM loads the kvstore
+connector from ``kv_connector_module_path``, this checkout being on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ from kvstore.bench.engine.weights import init_weights
 
 
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    """``LLM(...)`` arguments of one configuration (``run.EngineSpec.as_dict``)."""
+    """``LLM(...)`` arguments of one configuration (``configs.worker_spec``)."""
     kwargs: dict[str, Any] = {
         "model": spec["model_dir"], "load_format": spec["load_format"],
-        "skip_tokenizer_init": True,
-        "enforce_eager": True, "dtype": spec["dtype"], "seed": 0,
+        "skip_tokenizer_init": True, "enforce_eager": True, "dtype": spec["dtype"], "seed": 0,
         "block_size": spec["block_size"], "max_model_len": spec["max_model_len"],
         "max_num_seqs": 4, "enable_prefix_caching": spec["prefix_caching"],
     }
@@ -53,7 +52,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(spec: dict[str, Any]) -> Any:
-    """The engine, its weights drawn again (``init_weights``)."""
+    """The engine; with ``redraw``, its dummy weights drawn again (``init_weights``)."""
     for module in spec.get("requires", ()):
         __import__(module)  # an optional connector's package: a clear ImportError up front
     from vllm import LLM
@@ -135,9 +134,10 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM's prints and its children's go to the log, never into a reply
-    # apply_model sends init_weights to the engine core's process: allowed for callables only
-    # with this switch (the bench's own function, never input from elsewhere).
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if spec["redraw"]:
+        # apply_model sends init_weights to the engine core's process: allowed for callables
+        # only with this switch (the bench's own function, never input from elsewhere).
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     start = time.perf_counter()
     try:
         llm = build(spec)
