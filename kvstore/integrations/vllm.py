@@ -65,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
+from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_kernels import KernelTransfers, check_gpu_layers
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
@@ -143,6 +144,7 @@ class BlockTransfer:
     first_block: int
     cache_salt: str | None = None
     adapter_id: str = ""
+    stored: StoredBlocks | None = None  # vLLM's hashes of a save's blocks, for its events
 
 
 @dataclass(slots=True)
@@ -237,6 +239,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = DeadlineLookups(self._client.lookup, LookupDeadlines.from_extra_config(
                 self._kv_transfer_config.kv_connector_extra_config or {}))
+        self._events: KVStoreKVEvents | None = None  # workers' stored blocks, not yet taken
         self.num_hit_tokens = 0  # tokens promised to vLLM from kvstore, all requests
         self._reported_hit_tokens = 0  # of those, already in connector stats
         if role == KVConnectorRole.SCHEDULER and \
@@ -397,8 +400,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         first = tracked.saved_tokens // self._block_size
         tracked.saved_tokens = full
         tracked.has_saves = True
+        stored = StoredBlocks.of(tracked.request, first, full // self._block_size,
+                                 self._block_size)
         return BlockTransfer(req_id, ids, tracked.block_ids[: full // self._block_size], first,
-                             *self._identity(tracked))
+                             *self._identity(tracked), stored=stored)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -513,10 +518,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             def gather(lo: int = lo, hi: int = hi) -> SaveJob:
                 token_ids, block_ids = save.token_ids[:hi * bt], save.block_ids[:hi]
+                event = save.stored.event(lo, hi) if save.stored is not None else None
                 if self._kernels is not None:
-                    return self._kernels.gather(save.req_id, ns, token_ids, block_ids, lo)
+                    return self._kernels.gather(save.req_id, ns, token_ids, block_ids, lo, event)
                 kv = gather_blocks(self._block_views(), ns.spec, block_ids[lo:])
-                return SaveJob(save.req_id, ns, token_ids, kv, lo)
+                return SaveJob(save.req_id, ns, token_ids, kv, lo, event=event)
 
             num_bytes = (hi - lo) * ns.spec.block_bytes
             if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
@@ -552,6 +558,35 @@ class KVStoreConnector(KVConnectorBase_V1):
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                            ) -> KVStorePromMetrics:
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> KVStoreKVEvents | None:
+        """Worker side: a ``BlockStored`` for each piece of a save whose put landed since the
+        last call (``vllm_block_events``)."""
+        events = self._saves.take_events() if self._saves is not None else []
+        if not events:
+            return None
+        report = KVStoreKVEvents(num_workers=1)
+        report.add_events(events)
+        return report
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler side: keep the workers' reports of stored blocks for ``take_events``."""
+        report = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(report, KVStoreKVEvents):
+            return
+        if self._events is None:
+            self._events = report
+        else:
+            self._events.add_events(report.get_all_events())
+            self._events.increment_workers(report.get_number_of_workers())
+
+    def take_events(self):
+        """Scheduler side: the blocks every worker stored since the last call, as vLLM's
+        ``BlockStored`` events of medium ``kvstore``; vLLM publishes them with its own."""
+        events, self._events = self._events, None
+        if events is None:
+            return ()
+        return events.aggregate().get_all_events()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -102,7 +102,7 @@ class KernelTransfers:
             handle.wait_for_layer(self.cache.layout.num_layers - 1, stream)
 
     def gather(self, req_id: str, ns: Namespace, token_ids: list[int], block_ids: list[int],
-               first_block: int) -> SaveJob:
+               first_block: int, event: object = None) -> SaveJob:
         """Queue the copy-out of blocks ``first_block ..`` behind the step's forward pass;
         the job's put waits for its ``ready`` event."""
         stream = self._save_stream
@@ -110,7 +110,7 @@ class KernelTransfers:
             if self._cuda:
                 stream.wait_stream(self._engine_stream())
             kv, ready = self.cache.gather(block_ids[first_block:], stream)
-        return SaveJob(req_id, ns, token_ids, kv, first_block, ready)
+        return SaveJob(req_id, ns, token_ids, kv, first_block, ready, event)
 
     def close(self) -> None:
         self.cache.close()

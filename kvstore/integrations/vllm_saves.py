@@ -99,6 +99,7 @@ class SaveJob:
     kv: torch.Tensor
     first_block: int
     ready: Any = None  # a CUDA event: ``kv`` holds the blocks once it passed (the put waits)
+    event: Any = None  # reported once the put landed (``AsyncSaves.take_events``)
 
     @property
     def num_bytes(self) -> int:
@@ -133,6 +134,7 @@ class _State:
     requests: dict[str, _Request] = field(default_factory=dict)
     queued_bytes: int = 0
     counters: SaveCounters = field(default_factory=SaveCounters)
+    events: list[Any] = field(default_factory=list)  # of the puts that landed
 
 
 Put = Callable[[Namespace, list[int], torch.Tensor, int], object]
@@ -205,6 +207,12 @@ class AsyncSaves:
                     del requests[req_id]
         return done
 
+    def take_events(self) -> list[Any]:
+        """The events of the jobs whose puts landed since the last call."""
+        with self._lock:
+            events, self._state.events = self._state.events, []
+        return events
+
     def take_stats(self) -> SaveCounters:
         """The counters since the last call, reset."""
         with self._lock:
@@ -241,9 +249,11 @@ class AsyncSaves:
                 self._done(job.req_id, job.num_bytes, ok=False)
             else:
                 self._done(job.req_id, job.num_bytes, ok=True,
-                           num_blocks=job.kv.shape[2] // job.ns.spec.block_tokens)
+                           num_blocks=job.kv.shape[2] // job.ns.spec.block_tokens,
+                           event=job.event)
 
-    def _done(self, req_id: str, num_bytes: int, *, ok: bool, num_blocks: int = 0) -> None:
+    def _done(self, req_id: str, num_bytes: int, *, ok: bool, num_blocks: int = 0,
+              event: Any = None) -> None:
         with self._lock:
             state = self._state
             state.queued_bytes -= num_bytes
@@ -252,6 +262,8 @@ class AsyncSaves:
                 entry.num_in_flight -= 1
                 entry.restart = entry.restart or not ok
             if ok:
+                if event is not None:
+                    state.events.append(event)
                 state.counters.saved_blocks += num_blocks
                 state.counters.saved_bytes += num_bytes
             else:

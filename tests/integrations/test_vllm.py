@@ -160,7 +160,8 @@ def test_requests_differing_in_identity_never_share_a_block():
     real daemon, B shares only the blocks vLLM's own hashes would share; a request like A hits
     all 128 tokens, and one whose extra keys have no canonical form is neither saved nor
     loaded. Beside them, engines of each kv_role: a producer never loads, a consumer never
-    saves (before, every role both loaded and saved)."""
+    saves (before, every role both loaded and saved); and a save that landed comes back as
+    vLLM's BlockStored events under vLLM's own block hashes (before, none)."""
     root = short_tmpdir()
     daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
     try:
@@ -179,6 +180,9 @@ def test_requests_differing_in_identity_never_share_a_block():
     assert roles["producer_loads"] == 0  # its own prompt is stored, yet it loads nothing
     assert roles["consumer_loads"] > 0  # it loads what the producer stored
     assert roles["consumer_saved"] == 0  # and stores nothing of its own
+    events = results.pop("events")
+    assert events == {"media": ["kvstore"], "hashes_match": True, "tokens_match": True,
+                      "taken_again": 0}
     assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
     controls = {name: r["control"] for name, r in results.items()}
     assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}

@@ -209,6 +209,39 @@ def roles_keep_to_their_side(model: str, address: str) -> dict:
             "consumer_saved": both.hit(make_request("role-c2", consumed, {}))}
 
 
+def events_of_landed_saves(model: str, address: str) -> dict:
+    """A save that landed comes back through vLLM's event path as BlockStored events of medium
+    kvstore, under vLLM's own block hashes, with the request's token ids."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        maybe_convert_block_hash,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    engine = Engine(model, address, lookup_deadline_ms=30_000, lookup_give_up_ms=60_000)
+    tokens = [3 + (17 * j) % 500 for j in range(PROMPT_TOKENS)]
+    request = Request("events", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn))
+    engine.save(request)
+    report = engine.worker.get_kv_connector_kv_cache_events()
+    engine.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=report))
+    events = list(engine.scheduler.take_events())
+    hashes = [h for e in events for h in e.block_hashes]
+    ids = [t for e in events for t in e.token_ids]
+    full = len(tokens) // BLOCK_SIZE
+    return {"media": sorted({e.medium for e in events}),
+            "hashes_match": hashes == [maybe_convert_block_hash(h)
+                                       for h in request.block_hashes[:full]],
+            "tokens_match": ids == tokens[:full * BLOCK_SIZE],
+            "taken_again": len(list(engine.scheduler.take_events()))}
+
+
 def main(model: str, address: str, out: Path) -> None:
     # Lookups are answered in full here, however slow the box (vllm_lookup_cases tests the
     # deadline).
@@ -221,6 +254,7 @@ def main(model: str, address: str, out: Path) -> None:
                          "control": engine.hit(make_request(f"{name}-a2", tokens, a))}
     results["plain_keys_unchanged"] = plain_keys_unchanged(engine, list(range(3, 3 + 128)))
     results["roles"] = roles_keep_to_their_side(model, address)
+    results["events"] = events_of_landed_saves(model, address)
     results["ids_grow_with_the_request"] = ids_grow_with_the_request(
         [3 + (7 * j) % 500 for j in range(8 * BLOCK_SIZE)])
     out.write_text(json.dumps(results))
