@@ -242,6 +242,20 @@ def events_of_landed_saves(model: str, address: str) -> dict:
             "taken_again": len(list(engine.scheduler.take_events()))}
 
 
+def reset_drops_what_was_stored(model: str, address: str) -> dict:
+    """vLLM's reset of the external cache (after a weight update) invalidates the engine's
+    blocks in kvstore, under any salt: no later lookup finds them."""
+    engine = Engine(model, address, lookup_deadline_ms=30_000, lookup_give_up_ms=60_000)
+    tokens = [3 + (19 * j) % 500 for j in range(PROMPT_TOKENS)]
+    engine.save(make_request("reset-a", tokens, {}))
+    engine.save(make_request("reset-s", tokens, {"cache_salt": "s"}))
+    before = engine.hit(make_request("reset-b", tokens, {}))
+    reset = engine.scheduler.reset_cache()
+    return {"before": before, "reset": reset,
+            "after": engine.hit(make_request("reset-c", tokens, {})),
+            "after_salted": engine.hit(make_request("reset-d", tokens, {"cache_salt": "s"}))}
+
+
 def main(model: str, address: str, out: Path) -> None:
     # Lookups are answered in full here, however slow the box (vllm_lookup_cases tests the
     # deadline).
@@ -255,6 +269,7 @@ def main(model: str, address: str, out: Path) -> None:
     results["plain_keys_unchanged"] = plain_keys_unchanged(engine, list(range(3, 3 + 128)))
     results["roles"] = roles_keep_to_their_side(model, address)
     results["events"] = events_of_landed_saves(model, address)
+    results["reset"] = reset_drops_what_was_stored(model, address)
     results["ids_grow_with_the_request"] = ids_grow_with_the_request(
         [3 + (7 * j) % 500 for j in range(8 * BLOCK_SIZE)])
     out.write_text(json.dumps(results))
