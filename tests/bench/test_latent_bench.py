@@ -3,6 +3,7 @@ through a real ``Store`` as a latent group's pages; rows and errors, never timin
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from kvstore.bench.codecs import CODECS, run_codec_bench, size_notes
 from kvstore.bench.latent import (
     KV_LORA_RANK,
     REAL_NOTE,
+    SOFTMAX_SCALE,
     LatentSizes,
     absorbed_attention,
     latent_dataset,
@@ -20,9 +22,11 @@ from kvstore.bench.latent import (
     latent_quality_row,
     stored_and_back,
 )
+from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
 from kvstore.errors import InvalidArgument
 from kvstore.groups import CacheGroup, CacheSpec
 from kvstore.keys import Namespace
+from kvstore.store import Store
 
 TINY = LatentSizes(num_layers=2, num_tokens=32, num_heads=2, num_queries=3, block_tokens=16,
                    outlier_channels=4)
@@ -91,8 +95,6 @@ def test_absorbed_attention_equals_the_expanded_form(data) -> None:
     k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1, -1)), dim=-1)
     v = torch.einsum("lhvc,ltc->lhtv", w_uv, c_kv)
     q = torch.cat((q_nope, q_rope), dim=-1)
-    from kvstore.bench.latent import SOFTMAX_SCALE
-
     expanded = torch.softmax(q @ k.transpose(-1, -2) * SOFTMAX_SCALE, dim=-1) @ v
     assert torch.allclose(absorbed, expanded, rtol=1e-4, atol=1e-5)
 
@@ -100,11 +102,6 @@ def test_absorbed_attention_equals_the_expanded_form(data) -> None:
 def test_the_store_refuses_lossy_codecs_on_an_fp8_latent(tmp_path) -> None:
     """What the section does not measure: a latent kept in fp8 by the engine (uint8 with a
     scale) is stored as bytes, and a lossy tier codec is refused with a clear error."""
-    import asyncio
-
-    from kvstore.config import DramConfig, KVStoreConfig, SsdConfig
-    from kvstore.store import Store
-
     group = CacheGroup.latent(2, [("kv", KV_LORA_RANK, "float8_e4m3fn"), ("pe", 64, "bfloat16")])
     assert group.is_lossless_only and group.storage_spec(16).dtype == "uint8"
     gns = Namespace(model_id="m", spec=CacheSpec((group,), 16)).group(0)
