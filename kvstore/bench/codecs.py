@@ -7,6 +7,9 @@ Sections (one table each, all rows in one JSON):
   the attention output ``softmax(Q K^T / sqrt(d)) V`` against the bf16 original (full, not
   causal, attention per layer and head, float32). Synthetic K carries KIVI-style outlier
   channels; the MiniLM data is real (``kvstore.bench.realkv``).
+- ``quality-latent``: DeepSeek-V3-shaped MLA latents stored through a ``Store`` as a latent
+  group's pages, and the relative error of MLA's absorbed attention output
+  (``kvstore.bench.latent``).
 - ``cpu-speed``: encode and decode MB/s (bf16 bytes per second) of the torch references.
 - ``gpu-speed``: the Triton kernels' GB/s against a device copy (``kvstore.bench.kernels``).
 - ``gpu-check``: whether the Triton encoder writes the same blob as the CPU reference, and how
@@ -226,6 +229,8 @@ COLUMNS = (
     Column("compression_ratio", "vs bf16", 2),
     Column("k_rel_l2", "K rel L2", 4),
     Column("v_rel_l2", "V rel L2", 4),
+    Column("c_kv_rel_l2", "c_kv rel L2", 4),
+    Column("k_rope_rel_l2", "k_rope rel L2", 4),
     Column("max_abs_err", "max abs", 4),
     Column("attn_rel_err", "attn rel", 4),
     Column("megabytes", "MB", 1),
@@ -280,7 +285,7 @@ def _params(quick: bool, sizes: BenchSizes, names: tuple[str, ...],
 
 def run_codec_bench(*, quick: bool = False, real: bool = True, gpu: bool | None = None,
                     minilm_dir: str | os.PathLike[str] | None = None,
-                    codec_names: tuple[str, ...] = CODECS) -> BenchReport:
+                    codec_names: tuple[str, ...] = CODECS, latent: bool = True) -> BenchReport:
     """Measure every codec's size, error and speed; the report prints one table per section.
 
     Args:
@@ -289,6 +294,7 @@ def run_codec_bench(*, quick: bool = False, real: bool = True, gpu: bool | None 
         gpu: run the GPU sections; None runs them when CUDA is available.
         minilm_dir: the MiniLM files (default: ``$KVSTORE_MINILM_DIR``, then the package).
         codec_names: codec chains to measure.
+        latent: measure the ``quality-latent`` section (MLA latents, ``kvstore.bench.latent``).
 
     Returns:
         The report; rows carry a ``section`` key (see the module docstring).
@@ -310,6 +316,15 @@ def run_codec_bench(*, quick: bool = False, real: bool = True, gpu: bool | None 
         notes.append("quality-minilm: skipped: --no-real")
     datasets.insert(0, synthetic_dataset(sizes))
     rows = [quality_row(name, data) for data in datasets for name in codec_names]
+    params = _params(quick, sizes, codec_names, datasets, use_gpu)
+    if latent:
+        from kvstore.bench import latent as mla
+
+        latent_sizes = mla.LATENT_QUICK if quick else mla.LATENT_FULL
+        latent_data = mla.latent_dataset(latent_sizes)
+        rows += [mla.latent_quality_row(name, latent_data) for name in codec_names]
+        params["latent"] = mla.latent_params(latent_sizes)
+        notes.append(mla.REAL_NOTE)
     notes += size_notes(rows)
     rows += [cpu_speed_row(name, datasets[0].kv, sizes.cpu_repeats) for name in codec_names]
     if use_gpu:
@@ -322,7 +337,7 @@ def run_codec_bench(*, quick: bool = False, real: bool = True, gpu: bool | None 
         notes.append(f"gpu-speed, gpu-check: skipped: {gpu_reason}")
     return BenchReport(
         name="codecs", title="codecs", columns=COLUMNS, rows=tuple(rows),
-        params=_params(quick, sizes, codec_names, datasets, use_gpu), notes=tuple(notes),
+        params=params, notes=tuple(notes),
         section_key="section")
 
 

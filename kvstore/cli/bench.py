@@ -106,12 +106,15 @@ def bench_codecs(
     codec: Annotated[list[str] | None, typer.Option(
         show_default=False, help="Only this codec chain (repeatable), e.g. fp8_e4m3+zstd.")
     ] = None,
+    latent: Annotated[bool, typer.Option(
+        help="Also measure MLA latents by absorbed-attention error (kvstore.bench.latent).")
+    ] = True,
     json_path: JsonPathOpt = None,
 ) -> None:
     """Size, error and encode/decode speed of each codec (kvstore.bench.codecs)."""
     run = load_runner("kvstore.bench.codecs", "run_codec_bench", "kvstore bench codecs")
     options: dict[str, Any] = {"quick": quick, "real": real, "gpu": gpu,
-                               "minilm_dir": minilm_dir}
+                               "minilm_dir": minilm_dir, "latent": latent}
     if codec:
         options["codec_names"] = tuple(codec)
     _publish(run(**options), json_path)

@@ -35,10 +35,10 @@ def test_bench_codecs_runs_the_module_it_finds(monkeypatch, tmp_path: Path) -> N
     monkeypatch.setitem(sys.modules, "kvstore.bench.codecs", fake)
     out = tmp_path / "codecs.json"
     result = invoke("bench", "codecs", "--quick", "--no-real", "--codec", "fp8_e4m3",
-                    "--codec", "raw+zstd", "--json", str(out))
+                    "--codec", "raw+zstd", "--no-latent", "--json", str(out))
     assert result.exit_code == 0, result.output
     assert seen == {"quick": True, "real": False, "gpu": None, "minilm_dir": None,
-                    "codec_names": ("fp8_e4m3", "raw+zstd")}
+                    "latent": False, "codec_names": ("fp8_e4m3", "raw+zstd")}
     written = json.loads(out.read_text())
     assert written["bench"] == "codecs" and written["rows"] == [{"codec": "raw"}]
     assert {"date", "host", "command", "environment", "params"} <= set(written)
