@@ -63,9 +63,10 @@ for _ in sys.stdin:
 """
 
 
-def _daemon_memfd_bytes() -> int:
+def _daemon_memfd_bytes(before: frozenset = frozenset()) -> int:
     """Memory of the daemon's memfds (it runs in this process, beside a client that holds
-    descriptors of some of them too: each memfd counted once), read through /proc."""
+    descriptors of some of them too: each memfd counted once), read through /proc; memfds in
+    ``before`` (other daemons' of this process, still being collected) are not counted."""
     held = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -74,7 +75,19 @@ def _daemon_memfd_bytes() -> int:
                 held[stat.st_dev, stat.st_ino] = stat.st_blocks * 512
         except OSError:  # closed meanwhile
             continue
-    return sum(held.values())
+    return sum(size for inode, size in held.items() if inode not in before)
+
+
+def _memfd_inodes() -> frozenset:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
+                stat = os.fstat(int(fd))
+                inodes.add((stat.st_dev, stat.st_ino))
+        except OSError:
+            continue
+    return frozenset(inodes)
 
 
 def _python(script: str, passing: socket.socket) -> subprocess.Popen:
@@ -96,6 +109,7 @@ def test_steps_passed_to_a_process_the_daemon_cannot_see_are_freed_when_given_ba
     hold plus what the second process still holds of the steps given back stays within the
     capacity, and zeta reads back what it stored."""
     capacity = 4 * MiB
+    others = _memfd_inodes()  # of daemons earlier tests left to the collector
     config = small_config(root, dram_bytes=capacity, tenant_tokens=TOKENS)
     zeta_ns = dataclasses.replace(ns, tenant="zeta")
     thread = DaemonThread(config)
@@ -124,7 +138,7 @@ def test_steps_passed_to_a_process_the_daemon_cannot_see_are_freed_when_given_ba
             holder.stdin.flush()
             held = json.loads(holder.stdout.readline())
             outside = sum(held[region][0] for region in given_back)
-            in_use = _daemon_memfd_bytes() + outside
+            in_use = _daemon_memfd_bytes(others) + outside
             print(f"{len(given_back)} steps given back; the holder keeps {outside} bytes of "
                   f"them; in use {in_use / MiB:.2f} MiB against {capacity / MiB:.0f} MiB; "
                   f"lingering {dram.stats().extra['lingering_bytes']}")
