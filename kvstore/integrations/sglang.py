@@ -24,6 +24,12 @@ expanded to ``page_size`` ids), so a batch is one prefix: ``batch_exists`` is on
 shared DRAM arena into the host pages, ``batch_set_v1`` one reservation for the batch's pages
 behind the stored prefix (a page whose prefix kvstore does not hold is not stored: no prefix
 lookup could reach it). Pages move through the client's zero-copy path on the daemon's host.
+
+An MLA host pool (``MLATokenToKVPoolHost``, ``page_first`` or ``page_first_direct``) is stored
+as one replicated ``latent`` cache group (``kvstore.integrations.sglang_mla``): keyed without
+the tensor-parallel rank, written by SGLang's storage writer only (``is_storage_writer``: rank
+0, as SGLang's own cache controller skips the backup on the other ranks) and loaded by every
+rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.sglang_mla import MLAPages, is_mla_pool, latent_cache
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -73,9 +80,13 @@ class KVStoreHiCache(HiCacheStorage):
         self._extra = extra
         self._client = Client(extra.get("address"), token=extra.get("token"))
         self.namespace: Namespace | None = None
+        self._mla: MLAPages | None = None  # set for an MLA host pool
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host pool's geometry for the namespace; refuse layouts this cannot read."""
+        if is_mla_pool(mem_pool_host):
+            self._register_mla(mem_pool_host)
+            return
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise InvalidArgument(f"host pool layout {layout!r}: kvstore reads {SUPPORTED_LAYOUTS}")
@@ -89,6 +100,22 @@ class KVStoreHiCache(HiCacheStorage):
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
             tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}")
 
+    def _register_mla(self, pool: Any) -> None:
+        if getattr(self._config, "dcp_size", 1) > 1:
+            raise InvalidArgument(
+                f"MLA host pool under decode context parallelism (dcp_size="
+                f"{self._config.dcp_size}): each rank holds a slice of every page, which "
+                "kvstore does not key yet; run without DCP")
+        cache = latent_cache(pool)
+        super().register_mem_pool_host(pool)
+        self._mla = MLAPages(pool, cache)
+        # The layout is not in the key: pages are stored in the group's own layout.
+        self.namespace = Namespace(
+            model_id=self._config.model_name or "sglang", spec=cache,
+            revision=str(self._extra.get("revision", "main")),
+            tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
+            tp_size=self._config.tp_size, extra_salt="sglang/mla")
+
     def _ns(self) -> Namespace:
         if self.namespace is None:
             raise InvalidArgument("register_mem_pool_host must be called before any transfer")
@@ -96,6 +123,10 @@ class KVStoreHiCache(HiCacheStorage):
 
     def _tokens(self, key: str) -> np.ndarray:
         return page_tokens(key, self._ns().spec.block_tokens)
+
+    def _pages_ns(self) -> Namespace:
+        """The namespace pages are put and read in: an MLA pool's latent group's own."""
+        return self._ns().group(0) if self._mla is not None else self._ns()
 
     def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
         """The token ids of the chain ``prefix_keys + keys`` and the number of pages before
@@ -173,6 +204,8 @@ class KVStoreHiCache(HiCacheStorage):
         """Load each key's page into its host page; a miss or a failed load is False (and so
         is every page after it)."""
         tokens, first = self._chain(keys, extra_info)
+        if self._mla is not None:
+            return self._mla_get(keys, tokens, first, host_indices)
         pages = self._host_views(*self._pages(host_indices))
         loaded = 0
 
@@ -199,9 +232,49 @@ class KVStoreHiCache(HiCacheStorage):
         tokens, first = self._chain(keys, extra_info)
         if not keys:
             return []
+        if self._mla is not None:
+            return self._mla_set(keys, tokens, first, host_indices, extra_info)
         kv = self._canonical(*self._pages(host_indices))
         try:
             self._client.put(self._ns(), tokens, kv, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore put failed: %s", exc)
+            return [False] * len(keys)
+        return [True] * len(keys)
+
+    # ------------------------------------------------------------- MLA host pools
+
+    def _mla_get(self, keys: list[str], tokens: np.ndarray, first: int,
+                 host_indices: torch.Tensor) -> list[bool]:
+        mla = self._mla
+        assert mla is not None
+        views = mla.views(host_indices)
+        loaded = 0
+
+        def copy_in(block_index: int, kv: torch.Tensor) -> None:
+            nonlocal loaded
+            mla.load(kv, views[block_index - first])
+            loaded += 1
+
+        try:
+            self._client.read_blocks(self._pages_ns(), tokens, copy_in, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore get failed after %d of %d pages: %s", loaded, len(keys),
+                           exc)
+        return [i < loaded for i in range(len(keys))]
+
+    def _mla_set(self, keys: list[str], tokens: np.ndarray, first: int,
+                 host_indices: torch.Tensor, extra_info: Any) -> list[bool]:
+        mla = self._mla
+        assert mla is not None
+        if not self._config.is_storage_writer:
+            # One copy per TP group: the writer rank stores it; another rank that is asked
+            # anyway moves nothing and reports the pages the writer has stored.
+            stored = self.batch_exists(keys, extra_info)
+            return [i < stored for i in range(len(keys))]
+        stored_pages = mla.stored(mla.views(host_indices))
+        try:
+            self._client.put(self._pages_ns(), tokens, stored_pages, first_block=first)
         except KVStoreError as exc:
             logger.warning("kvstore put failed: %s", exc)
             return [False] * len(keys)
