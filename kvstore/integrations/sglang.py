@@ -98,7 +98,7 @@ class KVStoreHiCache(HiCacheStorage):
             model_id=self._config.model_name or "sglang", spec=spec,
             revision=str(self._extra.get("revision", "main")),
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}")
+            tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}{_stage(self._config)}")
 
     def _register_mla(self, pool: Any) -> None:
         if getattr(self._config, "dcp_size", 1) > 1:
@@ -114,7 +114,7 @@ class KVStoreHiCache(HiCacheStorage):
             model_id=self._config.model_name or "sglang", spec=cache,
             revision=str(self._extra.get("revision", "main")),
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size, extra_salt="sglang/mla")
+            tp_size=self._config.tp_size, extra_salt=f"sglang/mla{_stage(self._config)}")
 
     def _ns(self) -> Namespace:
         if self.namespace is None:
@@ -307,6 +307,19 @@ class KVStoreHiCache(HiCacheStorage):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _stage(config: HiCacheStorageConfig) -> str:
+    """The pipeline stage and attention context-parallel rank a pool holds, for the key: each
+    stage holds other layers, each CP rank another slice of every page, so they never share
+    (as SGLang's own file backend keys them); nothing without PP or CP, so those keys are
+    unchanged."""
+    out = ""
+    if config.pp_size > 1:
+        out += f"/pp{config.pp_rank}of{config.pp_size}"
+    if config.attn_cp_size > 1:
+        out += f"/cp{config.attn_cp_rank}of{config.attn_cp_size}"
+    return out
 
 
 def _pre_v1(method: str) -> InvalidArgument:

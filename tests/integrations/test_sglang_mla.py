@@ -99,8 +99,9 @@ def backend(address: str, pool, *, tp_rank: int = 0, tp_size: int = 1, mla: bool
             **config: object) -> KVStoreHiCache:
     """The backend as SGLang creates it for an MLA model (``is_mla_model`` is SGLang's flag
     for a rank-replicated cache): its factory's dynamic loading, then the host pool."""
+    config = {"pp_rank": 0, "pp_size": 1, **config}
     storage_config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        tp_rank=tp_rank, tp_size=tp_size, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
         is_page_first_layout=pool.layout == "page_first", model_name="tiny/mla",
         extra_config={"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
@@ -213,3 +214,18 @@ def test_mla_pools_the_backend_cannot_key_are_refused(daemon):
     with pytest.raises(InvalidArgument, match="dcp_size=2"):
         backend(daemon.unix_address, MLAHostPool(), tp_rank=1, tp_size=2, dcp_size=2,
                 dcp_rank=1, logical_page_size=2 * PAGE_SIZE)
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_pipeline_stages_never_share_pages(daemon, mla):
+    """Two pipeline stages whose pools have the same geometry hold different layers: a page
+    one stage stored is not found or loaded by the other (it was, keyed alike)."""
+    pool = MLAHostPool(seed=7) if mla else HostPool(seed=7)
+    stage0 = backend(daemon.unix_address, pool, mla=mla, pp_rank=0, pp_size=2)
+    stage1 = backend(daemon.unix_address, MLAHostPool() if mla else HostPool(), mla=mla,
+                     pp_rank=1, pp_size=2)
+    assert stage0.batch_set_v1(["s0"], pages(0), START) == [True]
+    assert stage1.batch_exists(["s0"], START) == 0
+    assert stage1.batch_get_v1(["s0"], pages(1), START) == [False]
+    assert backend(daemon.unix_address, MLAHostPool() if mla else HostPool(), mla=mla,
+                   pp_rank=0, pp_size=2).batch_exists(["s0"], START) == 1
