@@ -248,12 +248,12 @@ class KVStoreHiCache(HiCacheStorage):
                  host_indices: torch.Tensor) -> list[bool]:
         mla = self._mla
         assert mla is not None
-        views = mla.views(host_indices)
+        ptrs = mla.pointers(host_indices)
         loaded = 0
 
         def copy_in(block_index: int, kv: torch.Tensor) -> None:
             nonlocal loaded
-            mla.load(kv, views[block_index - first])
+            mla.load(kv, ptrs[block_index - first])
             loaded += 1
 
         try:
@@ -272,7 +272,7 @@ class KVStoreHiCache(HiCacheStorage):
             # anyway moves nothing and reports the pages the writer has stored.
             stored = self.batch_exists(keys, extra_info)
             return [i < stored for i in range(len(keys))]
-        stored_pages = mla.stored(mla.views(host_indices))
+        stored_pages = mla.stored(mla.pointers(host_indices))
         try:
             self._client.put(self._pages_ns(), tokens, stored_pages, first_block=first)
         except KVStoreError as exc:

@@ -229,3 +229,23 @@ def test_pipeline_stages_never_share_pages(daemon, mla):
     assert stage1.batch_get_v1(["s0"], pages(1), START) == [False]
     assert backend(daemon.unix_address, MLAHostPool() if mla else HostPool(), mla=mla,
                    pp_rank=0, pp_size=2).batch_exists(["s0"], START) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_pages_are_the_latent_groups_format(daemon, dtype):
+    """What the backend stores is the groups format itself: ``GroupCache`` over the same
+    namespace loads the rows, part by part, as the pool holds them."""
+    from kvstore.client.groups import GroupCache
+
+    source = MLAHostPool(seed=8, dtype=dtype, kv_cache_dim=None if dtype.itemsize > 1 else 56)
+    storage = backend(daemon.unix_address, source)
+    keys = ["g0", "g1"]
+    assert storage.batch_set_v1(keys, pages(3, 5), START) == [True, True]
+    tokens = np.concatenate([page_tokens(k, PAGE_SIZE) for k in keys])
+    with Client(daemon.unix_address) as client:
+        cache = GroupCache(client, storage.namespace)
+        assert cache.lookup(tokens).matched_tokens == 2 * PAGE_SIZE
+        (loaded,) = cache.load(tokens, 2)
+    rows = torch.cat([loaded.parts[p.name] for p in storage.namespace.cache.groups[0].parts],
+                     dim=2)
+    assert same_bits(rows, torch.cat([source.page(3), source.page(5)], dim=1))
