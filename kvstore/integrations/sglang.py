@@ -100,6 +100,15 @@ class KVStoreHiCache(HiCacheStorage):
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
             tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}{_stage(self._config)}")
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Refuse a hybrid model's further host pools (Mamba state, SWA, draft, indexer): they
+        move through SGLang's v2 batch calls, which this backend does not serve, so serving
+        would fail at the first prefetch instead of here."""
+        raise InvalidArgument(
+            f"SGLang host pool {str(host_pool_name)!r} ({type(host_pool).__name__}): kvstore's "
+            "HiCache backend stores one MHA or MLA KV pool; hybrid models' extra pools "
+            "(mamba, swa, draft, indexer) are not supported yet")
+
     def _register_mla(self, pool: Any) -> None:
         if getattr(self._config, "dcp_size", 1) > 1:
             raise InvalidArgument(

@@ -249,3 +249,14 @@ def test_pages_are_the_latent_groups_format(daemon, dtype):
     rows = torch.cat([loaded.parts[p.name] for p in storage.namespace.cache.groups[0].parts],
                      dim=2)
     assert same_bits(rows, torch.cat([source.page(3), source.page(5)], dim=1))
+
+
+def test_a_hybrid_models_extra_pools_are_refused_at_attach(daemon):
+    """SGLang registers a hybrid model's Mamba (or SWA, draft) host pool after the KV pool and
+    then calls the v2 batch methods this backend does not serve: the registration is refused
+    with the pool's name, instead of a NotImplementedError at the first prefetch."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    storage = backend(daemon.unix_address, MLAHostPool())
+    with pytest.raises(InvalidArgument, match="'mamba'"):
+        storage.register_mem_host_pool_v2(object(), PoolName.MAMBA)
