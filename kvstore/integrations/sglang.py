@@ -29,7 +29,10 @@ An MLA host pool (``MLATokenToKVPoolHost``, ``page_first`` or ``page_first_direc
 as one replicated ``latent`` cache group (``kvstore.integrations.sglang_mla``): keyed without
 the tensor-parallel rank, written by SGLang's storage writer only (``is_storage_writer``: rank
 0, as SGLang's own cache controller skips the backup on the other ranks) and loaded by every
-rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused.
+rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused,
+and so are other host pools (a hybrid model's Mamba, SWA, draft or indexer pools, which SGLang
+moves through its v2 batch calls; DeepSeek V4's compressed pools). The pipeline stage and the
+attention context-parallel rank are part of the key where there are several.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ class KVStoreHiCache(HiCacheStorage):
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise InvalidArgument(f"host pool layout {layout!r}: kvstore reads {SUPPORTED_LAYOUTS}")
+        if not all(hasattr(mem_pool_host, a) for a in ("layer_num", "head_num", "head_dim")):
+            # e.g. DeepSeek V4's compressed pools: neither an MHA nor an MLA host pool.
+            raise InvalidArgument(f"host pool {type(mem_pool_host).__name__}: kvstore's HiCache "
+                                  "backend reads MHA and MLA host pools only")
         super().register_mem_pool_host(mem_pool_host)
         spec = KVSpec(num_layers=mem_pool_host.layer_num, num_kv_heads=mem_pool_host.head_num,
                       head_dim=mem_pool_host.head_dim, block_tokens=mem_pool_host.page_size,

@@ -260,3 +260,11 @@ def test_a_hybrid_models_extra_pools_are_refused_at_attach(daemon):
     storage = backend(daemon.unix_address, MLAHostPool())
     with pytest.raises(InvalidArgument, match="'mamba'"):
         storage.register_mem_host_pool_v2(object(), PoolName.MAMBA)
+
+
+def test_a_pool_neither_mha_nor_mla_is_refused_by_name(daemon):
+    class CompressedPool:  # as DeepSeek V4's host pools: a layout, no MHA or MLA geometry
+        layout, page_size, dtype = "page_first", PAGE_SIZE, torch.bfloat16
+
+    with pytest.raises(InvalidArgument, match="CompressedPool"):
+        backend(daemon.unix_address, CompressedPool())
