@@ -24,6 +24,15 @@ expanded to ``page_size`` ids), so a batch is one prefix: ``batch_exists`` is on
 shared DRAM arena into the host pages, ``batch_set_v1`` one reservation for the batch's pages
 behind the stored prefix (a page whose prefix kvstore does not hold is not stored: no prefix
 lookup could reach it). Pages move through the client's zero-copy path on the daemon's host.
+
+An MLA host pool (``MLATokenToKVPoolHost``, ``page_first`` or ``page_first_direct``) is stored
+as one replicated ``latent`` cache group (``kvstore.integrations.sglang_mla``): keyed without
+the tensor-parallel rank, written by SGLang's storage writer only (``is_storage_writer``: rank
+0, as SGLang's own cache controller skips the backup on the other ranks) and loaded by every
+rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused,
+and so are other host pools (a hybrid model's Mamba, SWA, draft or indexer pools, which SGLang
+moves through its v2 batch calls; DeepSeek V4's compressed pools). The pipeline stage and the
+attention context-parallel rank are part of the key where there are several.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.sglang_mla import MLAPages, is_mla_pool, latent_cache
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -73,12 +83,20 @@ class KVStoreHiCache(HiCacheStorage):
         self._extra = extra
         self._client = Client(extra.get("address"), token=extra.get("token"))
         self.namespace: Namespace | None = None
+        self._mla: MLAPages | None = None  # set for an MLA host pool
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host pool's geometry for the namespace; refuse layouts this cannot read."""
+        if is_mla_pool(mem_pool_host):
+            self._register_mla(mem_pool_host)
+            return
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise InvalidArgument(f"host pool layout {layout!r}: kvstore reads {SUPPORTED_LAYOUTS}")
+        if not all(hasattr(mem_pool_host, a) for a in ("layer_num", "head_num", "head_dim")):
+            # e.g. DeepSeek V4's compressed pools: neither an MHA nor an MLA host pool.
+            raise InvalidArgument(f"host pool {type(mem_pool_host).__name__}: kvstore's HiCache "
+                                  "backend reads MHA and MLA host pools only")
         super().register_mem_pool_host(mem_pool_host)
         spec = KVSpec(num_layers=mem_pool_host.layer_num, num_kv_heads=mem_pool_host.head_num,
                       head_dim=mem_pool_host.head_dim, block_tokens=mem_pool_host.page_size,
@@ -87,7 +105,32 @@ class KVStoreHiCache(HiCacheStorage):
             model_id=self._config.model_name or "sglang", spec=spec,
             revision=str(self._extra.get("revision", "main")),
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}")
+            tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}{_stage(self._config)}")
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Refuse a hybrid model's further host pools (Mamba state, SWA, draft, indexer): they
+        move through SGLang's v2 batch calls, which this backend does not serve, so serving
+        would fail at the first prefetch instead of here."""
+        raise InvalidArgument(
+            f"SGLang host pool {str(host_pool_name)!r} ({type(host_pool).__name__}): kvstore's "
+            "HiCache backend stores one MHA or MLA KV pool; hybrid models' extra pools "
+            "(mamba, swa, draft, indexer) are not supported yet")
+
+    def _register_mla(self, pool: Any) -> None:
+        if getattr(self._config, "dcp_size", 1) > 1:
+            raise InvalidArgument(
+                f"MLA host pool under decode context parallelism (dcp_size="
+                f"{self._config.dcp_size}): each rank holds a slice of every page, which "
+                "kvstore does not key yet; run without DCP")
+        cache = latent_cache(pool)
+        super().register_mem_pool_host(pool)
+        self._mla = MLAPages(pool, cache)
+        # The layout is not in the key: pages are stored in the group's own layout.
+        self.namespace = Namespace(
+            model_id=self._config.model_name or "sglang", spec=cache,
+            revision=str(self._extra.get("revision", "main")),
+            tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
+            tp_size=self._config.tp_size, extra_salt=f"sglang/mla{_stage(self._config)}")
 
     def _ns(self) -> Namespace:
         if self.namespace is None:
@@ -96,6 +139,10 @@ class KVStoreHiCache(HiCacheStorage):
 
     def _tokens(self, key: str) -> np.ndarray:
         return page_tokens(key, self._ns().spec.block_tokens)
+
+    def _pages_ns(self) -> Namespace:
+        """The namespace pages are put and read in: an MLA pool's latent group's own."""
+        return self._ns().group(0) if self._mla is not None else self._ns()
 
     def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
         """The token ids of the chain ``prefix_keys + keys`` and the number of pages before
@@ -173,6 +220,8 @@ class KVStoreHiCache(HiCacheStorage):
         """Load each key's page into its host page; a miss or a failed load is False (and so
         is every page after it)."""
         tokens, first = self._chain(keys, extra_info)
+        if self._mla is not None:
+            return self._mla_get(keys, tokens, first, host_indices)
         pages = self._host_views(*self._pages(host_indices))
         loaded = 0
 
@@ -199,9 +248,49 @@ class KVStoreHiCache(HiCacheStorage):
         tokens, first = self._chain(keys, extra_info)
         if not keys:
             return []
+        if self._mla is not None:
+            return self._mla_set(keys, tokens, first, host_indices, extra_info)
         kv = self._canonical(*self._pages(host_indices))
         try:
             self._client.put(self._ns(), tokens, kv, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore put failed: %s", exc)
+            return [False] * len(keys)
+        return [True] * len(keys)
+
+    # ------------------------------------------------------------- MLA host pools
+
+    def _mla_get(self, keys: list[str], tokens: np.ndarray, first: int,
+                 host_indices: torch.Tensor) -> list[bool]:
+        mla = self._mla
+        assert mla is not None
+        ptrs = mla.pointers(host_indices)
+        loaded = 0
+
+        def copy_in(block_index: int, kv: torch.Tensor) -> None:
+            nonlocal loaded
+            mla.load(kv, ptrs[block_index - first])
+            loaded += 1
+
+        try:
+            self._client.read_blocks(self._pages_ns(), tokens, copy_in, first_block=first)
+        except KVStoreError as exc:
+            logger.warning("kvstore get failed after %d of %d pages: %s", loaded, len(keys),
+                           exc)
+        return [i < loaded for i in range(len(keys))]
+
+    def _mla_set(self, keys: list[str], tokens: np.ndarray, first: int,
+                 host_indices: torch.Tensor, extra_info: Any) -> list[bool]:
+        mla = self._mla
+        assert mla is not None
+        if not self._config.is_storage_writer:
+            # One copy per TP group: the writer rank stores it; another rank that is asked
+            # anyway moves nothing and reports the pages the writer has stored.
+            stored = self.batch_exists(keys, extra_info)
+            return [i < stored for i in range(len(keys))]
+        stored_pages = mla.stored(mla.pointers(host_indices))
+        try:
+            self._client.put(self._pages_ns(), tokens, stored_pages, first_block=first)
         except KVStoreError as exc:
             logger.warning("kvstore put failed: %s", exc)
             return [False] * len(keys)
@@ -234,6 +323,19 @@ class KVStoreHiCache(HiCacheStorage):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _stage(config: HiCacheStorageConfig) -> str:
+    """The pipeline stage and attention context-parallel rank a pool holds, for the key: each
+    stage holds other layers, each CP rank another slice of every page, so they never share
+    (as SGLang's own file backend keys them); nothing without PP or CP, so those keys are
+    unchanged."""
+    out = ""
+    if config.pp_size > 1:
+        out += f"/pp{config.pp_rank}of{config.pp_size}"
+    if config.attn_cp_size > 1:
+        out += f"/cp{config.attn_cp_rank}of{config.attn_cp_size}"
+    return out
 
 
 def _pre_v1(method: str) -> InvalidArgument:
