@@ -198,6 +198,7 @@ class DramTier(SlotTier):
         if not hasattr(os, "memfd_create"):
             raise Unavailable("the dram tier needs memfd_create (Linux 3.17 or later)")
         self._growth.is_open = True
+        self._growth.overreach.start()
 
     async def close(self) -> None:
         """Wait for growth in flight, unpin and close all memory. Pages are dropped."""
@@ -463,6 +464,10 @@ class DramTier(SlotTier):
                 "free_slots": sum(a.steps.num_free_slots for a in arenas),
                 # given back, not freed yet (read here still): charged until it is
                 "lingering_bytes": self._growth.lingering.nbytes,
+                # held by staging arenas outside what was lent (touched by a client): charged
+                # until a sweep punches it out (``kvstore.tiers.dram.overreach``)
+                "staging_outside_bytes": self._growth.overreach.nbytes,
+                "staging_punched_bytes": self._growth.overreach.punched_bytes,
             },
         )
 
