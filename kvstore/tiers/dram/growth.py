@@ -70,10 +70,11 @@ class TenantMemory:
     steps: StepPool
     pinned: list[int] = field(default_factory=list)  # registered staging addresses
     keys_by_step: dict[str, set[BlockKey]] = field(default_factory=dict)  # region -> keys
+    outside_bytes: int = 0  # staging held outside what was lent, charged (``overreach``)
 
     @property
     def backed_bytes(self) -> int:
-        return self.alloc.backed_bytes + self.steps.backed_bytes
+        return self.alloc.backed_bytes + self.steps.backed_bytes + self.outside_bytes
 
     @property
     def releasable_bytes(self) -> int:

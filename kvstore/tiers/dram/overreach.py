@@ -7,10 +7,13 @@ descriptor, makes the memfd allocate it (issue 28: with 8 MiB lent, one read of 
 made a 64 MiB arena hold 64 MiB outside the budget). The daemon cannot stop the touch; it can
 see it and undo it. The memfd's block count (``ShmArena.held_bytes``) says what it holds; when
 that is more than what was lent, every range not lent is punched out (``ShmArena.punch``; a
-client reading there again reads zeros, no page it was lent changes), and whatever it still
-holds past what was lent (touched again meanwhile) is charged to the budget until a later
-sweep finds it gone. Sweeps run every ``SWEEP_S`` under the grow lock (growth and take-back
-change the lent ranges), one fstat per arena when nothing is amiss.
+client reading there again reads zeros, no page it was lent changes), and what it still holds
+past what was lent once punched is charged to the budget, as the tenant's own memory, until a
+sweep finds it gone. What this does not bound: a client touching its whole mapping in a loop
+refills it within about a millisecond of each punch (bench/staging_overreach.py), so between
+sweeps its arena holds most of the capacity again; only memory the client cannot reach (a
+memfd per lent chunk) would bound that. Sweeps run every ``SWEEP_S`` under the grow lock (growth and take-back change
+the lent ranges), one fstat per arena when nothing is amiss.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class StagingOverreach:
             self._task = None
         self._budget.grown_bytes -= self.nbytes
         self.charged.clear()
+        for arena in self._arenas.values():
+            arena.outside_bytes = 0
 
     async def _run(self) -> None:
         while True:
@@ -93,19 +98,26 @@ class StagingOverreach:
         memory = arena.memory
         lent = arena.alloc.backed_bytes
         held = memory.held_bytes
-        if held > lent:
+        # Charged: what it still holds outside once punched (touched again meanwhile), as the
+        # tenant's own memory (``TenantMemory.backed_bytes``), so it is the first to give
+        # memory back when another tenant needs room. Not what the punch freed: charging that
+        # until the next sweep would take room from every other tenant for a memory that is
+        # gone (a client touching its mapping in a loop fills it again within milliseconds of
+        # each punch all the same: module docstring).
+        outside = max(0, held - lent)
+        if outside:
             ranges = unlent_ranges(arena.alloc.backed_ranges(), memory.capacity_bytes)
             await asyncio.to_thread(memory.punch, ranges)
             after = memory.held_bytes
             self.punched_bytes += max(0, held - after)
+            outside = max(0, after - lent)
             if arena.tenant not in self._warned:
                 self._warned.add(arena.tenant)
                 log.warning("dram: tenant %s's staging arena %s held %d bytes, %d of them "
                             "outside the %d lent to it: punched out", shown(arena.tenant),
                             arena.region, held, held - lent, lent)
-            held = after
-        outside = max(0, held - lent) if held >= 0 else 0
         before = self.charged.pop(arena.tenant, 0)
         if outside:
             self.charged[arena.tenant] = outside
+        arena.outside_bytes = outside
         self._budget.grown_bytes += outside - before
