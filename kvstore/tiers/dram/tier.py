@@ -14,7 +14,8 @@ descriptors the daemon hands only to that tenant's clients (``region_fd``, serve
   mapping is possible.
 - staging memory is today's writable arena (one memfd per tenant, ``ShmArena`` carved by a
   ``SlabAllocator``): slots lent to zero-copy writers (reservations) and nothing else. No page
-  is ever served from it.
+  is ever served from it. What a client makes it hold outside the slots lent (its mapping
+  spans the whole arena) is punched out and charged (``kvstore.tiers.dram.overreach``).
 
 All of it grows within the tier's capacity (a shared ``GrowthBudget``). A sealed step cannot
 give part of its memory back (the seal refuses MADV_REMOVE and hole punching): it goes back
