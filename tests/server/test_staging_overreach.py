@@ -22,7 +22,8 @@ TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 # The tenant's client: stores 40 blocks zero-copy (so it maps its staging arena writable), then
 # for each line on stdin touches every page of that mapping ("read": one read a page; "write":
 # one write a page; "fallocate": allocates the whole file through its descriptor), prints
-# "done", and keeps the mapping; at the end it checks its blocks read back right.
+# "done", and keeps the mapping; at the end it checks its blocks read back right and stores
+# more zero-copy.
 _ATTACKER = """
 import mmap, os, sys
 from kvstore.client import Client
@@ -53,6 +54,9 @@ with Client({address!r}, token="tok-acme") as c:
             except OSError:
                 pass
         print("done", flush=True)
+    assert c.get(ns, tokens, zero_copy=False).equal(kv)
+    tokens, kv = random_tokens(16 * 40, seed=4), random_kv(spec, 16 * 40, seed=4)
+    assert c.put(ns, tokens, kv, zero_copy=True) == 16 * 40  # its staging still lent, right
     assert c.get(ns, tokens, zero_copy=False).equal(kv)
 """
 

@@ -59,6 +59,8 @@ class StagingOverreach:
         self.punched_bytes = 0  # memory freed by punching, in all
         self._warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self._sweeping = False  # the task is inside a sweep: not to be cancelled there
+        self._stopping = False
 
     @property
     def nbytes(self) -> int:
@@ -66,25 +68,33 @@ class StagingOverreach:
 
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """End the sweeps (the tier closing): one under way runs to its end first, since a
+        punch cancelled in its thread could go on into a mapping closed and reused meanwhile."""
+        task, self._task = self._task, None
+        if task is not None:
+            self._stopping = True
+            if not self._sweeping:
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         self._budget.grown_bytes -= self.nbytes
         self.charged.clear()
         for arena in self._arenas.values():
             arena.outside_bytes = 0
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(SWEEP_S)
+            self._sweeping = True
             try:
                 await self.sweep()
             except Exception:  # logged; the next sweep tries again, the tier goes on serving
                 log.exception("dram: staging sweep failed")
+            finally:
+                self._sweeping = False
 
     async def sweep(self) -> int:
         """Punch out what every arena holds outside its lent ranges and charge what is left;
