@@ -84,8 +84,10 @@ async def test_what_cannot_be_punched_yet_is_charged_until_it_goes(tier, monkeyp
     assert growth.arenas["acme"].backed_bytes == 64 * MiB
     assert growth.budget.room_bytes == 0
     assert not growth.may_take_from_others(growth.arenas["acme"])
+    assert (await tier.held_outside())["acme"] == 64 * MiB - lent  # counts in its quota share
     monkeypatch.setattr(ShmArena, "punch", real_punch)
     assert await growth.overreach.sweep() == 0
     assert tier.stats().extra["arena_bytes"] == lent
     assert growth.may_take_from_others(growth.arenas["acme"])
+    assert await tier.held_outside() == {}
     tier.abort(slot)

@@ -278,10 +278,15 @@ class DramTier(SlotTier):
 
     async def held_outside(self) -> dict[str, int]:
         """Given-back steps whose memory is not freed yet (a view here still reads them), by
-        tenant (``lingering``; tried again at most every ``LINGER_CHECK_S``)."""
+        tenant (``lingering``; tried again at most every ``LINGER_CHECK_S``), and staging memory
+        a tenant's client holds outside what was lent that a punch could not free
+        (``overreach``)."""
         if self._growth.lingering:
             await self._growth.settle_lingering()
-        return self._growth.lingering.nbytes_by_tenant()
+        held = self._growth.lingering.nbytes_by_tenant()
+        for tenant, nbytes in self._growth.overreach.charged.items():
+            held[tenant] = held.get(tenant, 0) + nbytes
+        return held
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
