@@ -4,6 +4,7 @@ never saw stays within the DRAM tier's budget once the daemon gives the steps ba
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -67,6 +68,7 @@ def _daemon_memfd_bytes(before: frozenset = frozenset()) -> int:
     """Memory of the daemon's memfds (it runs in this process, beside a client that holds
     descriptors of some of them too: each memfd counted once), read through /proc; memfds in
     ``before`` (other daemons' of this process, still being collected) are not counted."""
+    gc.collect()  # memfds of earlier tests' clients that only a collection closes
     held = {}
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -139,6 +139,19 @@ class ShmArena:
         """Virtual address of the mapping's first byte in this process (0 if none)."""
         return self._base
 
+    @property
+    def held_bytes(self) -> int:
+        """Memory the memfd holds now, wherever a mapping touched it (the kernel's count of
+        its pages; -1 once closed): more than the grown part when a client touched the rest."""
+        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else -1
+
+    def punch(self, ranges: list[tuple[int, int]]) -> None:
+        """Free the memory of ``(offset, nbytes)`` ranges outside the grown part, which only a
+        client touching pages it was not lent can have made the memfd hold (a punched hole
+        reads as zeros again; the file keeps its size). Blocking: call it in a thread."""
+        for offset, nbytes in ranges:
+            self._release(offset, nbytes)
+
     def close(self) -> None:
         """Unmap (if no view is still held) and close the memfd; its memory goes with the
         last mapping of it, here or in a client."""

@@ -28,6 +28,7 @@ from kvstore.keys import BlockKey
 from kvstore.page import PUBLISHED_HEADER_BYTES
 from kvstore.tiers.dram.arena import SealedStep, ShmArena, Step, StepPool
 from kvstore.tiers.dram.lingering import LingeringSteps
+from kvstore.tiers.dram.overreach import StagingOverreach
 from kvstore.tiers.dram.slabs import GrowthBudget, SlabAllocator, Slot, round_down, round_up
 
 log = logging.getLogger("kvstore.tiers.dram")  # the DRAM tier's logger: these are its messages
@@ -69,10 +70,11 @@ class TenantMemory:
     steps: StepPool
     pinned: list[int] = field(default_factory=list)  # registered staging addresses
     keys_by_step: dict[str, set[BlockKey]] = field(default_factory=dict)  # region -> keys
+    outside_bytes: int = 0  # staging held outside what was lent, charged (``overreach``)
 
     @property
     def backed_bytes(self) -> int:
-        return self.alloc.backed_bytes + self.steps.backed_bytes
+        return self.alloc.backed_bytes + self.steps.backed_bytes + self.outside_bytes
 
     @property
     def releasable_bytes(self) -> int:
@@ -105,6 +107,8 @@ class Growth:
         self.lingering = LingeringSteps()
         self._make_step = make_step
         self._grow_lock = asyncio.Lock()  # one for all memory: it grows within one budget
+        # Staging memory clients made their arenas hold outside what was lent: punched, charged.
+        self.overreach = StagingOverreach(self.budget, self.arenas, lambda: self._grow_lock)
         self._grow_task: asyncio.Task[None] | None = None
         self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvstore-dram-grow",
                                           initializer=_lower_priority)
@@ -119,6 +123,7 @@ class Growth:
         """Wait for growth in flight, then (under the grow lock, after ``forget``: the tier
         drops its pages) unpin and close all memory."""
         self.is_open = False
+        await self.overreach.stop()
         if self._grow_task is not None:  # it takes the lock itself, then sees the tier closed
             await asyncio.gather(self._grow_task, return_exceptions=True)
         async with self._grow_lock:  # a write may still be growing
@@ -172,8 +177,10 @@ class Growth:
 
     def may_take_from_others(self, arena: TenantMemory | None) -> bool:
         """Whether ``arena`` may grow into memory other tenants let go: not while given-back
-        steps of its own are still held (``lingering``), so what they hold is its own loss."""
-        return arena is None or not self.lingering.nbytes_of(arena.tenant)
+        steps of its own are still held (``lingering``), nor while its staging arena holds
+        memory outside what was lent (``overreach``), so what they hold is its own loss."""
+        return arena is None or not (self.lingering.nbytes_of(arena.tenant)
+                                     or self.overreach.charged.get(arena.tenant))
 
     def fits(self, nbytes: int) -> bool:
         """Whether a page of ``nbytes`` fits now without deleting pages: for any tenant when

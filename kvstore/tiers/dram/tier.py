@@ -14,7 +14,8 @@ descriptors the daemon hands only to that tenant's clients (``region_fd``, serve
   mapping is possible.
 - staging memory is today's writable arena (one memfd per tenant, ``ShmArena`` carved by a
   ``SlabAllocator``): slots lent to zero-copy writers (reservations) and nothing else. No page
-  is ever served from it.
+  is ever served from it. What a client makes it hold outside the slots lent (its mapping
+  spans the whole arena) is punched out and charged (``kvstore.tiers.dram.overreach``).
 
 All of it grows within the tier's capacity (a shared ``GrowthBudget``). A sealed step cannot
 give part of its memory back (the seal refuses MADV_REMOVE and hole punching): it goes back
@@ -198,6 +199,7 @@ class DramTier(SlotTier):
         if not hasattr(os, "memfd_create"):
             raise Unavailable("the dram tier needs memfd_create (Linux 3.17 or later)")
         self._growth.is_open = True
+        self._growth.overreach.start()
 
     async def close(self) -> None:
         """Wait for growth in flight, unpin and close all memory. Pages are dropped."""
@@ -276,10 +278,15 @@ class DramTier(SlotTier):
 
     async def held_outside(self) -> dict[str, int]:
         """Given-back steps whose memory is not freed yet (a view here still reads them), by
-        tenant (``lingering``; tried again at most every ``LINGER_CHECK_S``)."""
+        tenant (``lingering``; tried again at most every ``LINGER_CHECK_S``), and staging memory
+        a tenant's client holds outside what was lent that a punch could not free
+        (``overreach``)."""
         if self._growth.lingering:
             await self._growth.settle_lingering()
-        return self._growth.lingering.nbytes_by_tenant()
+        held = self._growth.lingering.nbytes_by_tenant()
+        for tenant, nbytes in self._growth.overreach.charged.items():
+            held[tenant] = held.get(tenant, 0) + nbytes
+        return held
 
     def footprint(self, key: BlockKey) -> Footprint | None:
         entry = self._entries.get(key)
@@ -463,6 +470,10 @@ class DramTier(SlotTier):
                 "free_slots": sum(a.steps.num_free_slots for a in arenas),
                 # given back, not freed yet (read here still): charged until it is
                 "lingering_bytes": self._growth.lingering.nbytes,
+                # held by staging arenas outside what was lent (touched by a client): charged
+                # until a sweep punches it out (``kvstore.tiers.dram.overreach``)
+                "staging_outside_bytes": self._growth.overreach.nbytes,
+                "staging_punched_bytes": self._growth.overreach.punched_bytes,
             },
         )
 
