@@ -67,7 +67,12 @@ from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
-from kvstore.integrations.vllm_kernels import KernelTransfers, check_gpu_layers
+from kvstore.integrations.vllm_kernels import (
+    KernelTransfers,
+    check_gpu_layers,
+    check_mla_layers,
+    mla_namespace,
+)
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
 from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits, pieces
 from kvstore.integrations.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
@@ -105,16 +110,28 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise InvalidArgument(f"kvstore stores model-dtype K/V; cache_dtype="
                               f"{vllm_config.cache_config.cache_dtype!r} is not supported")
+    layout = _GPU_SALT if _device_type(vllm_config) == "cuda" else _LAYOUT
+    common = {"model_id": model.model,
+              "revision": str(extra.get("revision") or model.revision or "main"),
+              "adapter_id": adapter_id, "tenant": str(extra.get("tenant", "default")),
+              "tp_rank": tp_rank, "tp_size": parallel.tensor_parallel_size,
+              "extra_salt": f"vllm/{layout}" + salt_suffix(cache_salt)}
+    if is_mla(vllm_config):
+        # the latent group's pages: one copy whatever the TP rank and size
+        text = model.hf_text_config
+        return mla_namespace(num_layers=model.get_num_layers(parallel),
+                             kv_lora_rank=text.kv_lora_rank, rope_dim=text.qk_rope_head_dim,
+                             block_tokens=vllm_config.cache_config.block_size,
+                             dtype=model.dtype, **common).group(0)
     spec = KVSpec(num_layers=model.get_num_layers(parallel),
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                   block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
-    layout = _GPU_SALT if _device_type(vllm_config) == "cuda" else _LAYOUT
-    return Namespace(model_id=model.model, spec=spec,
-                     revision=str(extra.get("revision") or model.revision or "main"),
-                     adapter_id=adapter_id,
-                     tenant=str(extra.get("tenant", "default")), tp_rank=tp_rank,
-                     tp_size=parallel.tensor_parallel_size,
-                     extra_salt=f"vllm/{layout}" + salt_suffix(cache_salt))
+    return Namespace(spec=spec, **common)
+
+
+def is_mla(vllm_config: VllmConfig) -> bool:
+    """Whether the model keeps MLA's latent cache (DeepSeek V2/V3 and the like)."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
 def _device_type(vllm_config: VllmConfig) -> str:
@@ -250,6 +267,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[torch.Tensor] = []
         self._kernels: KernelTransfers | None = None  # a GPU cache: kvstore's kernels move it
+        self._replicated = False  # an MLA latent: the same on every TP rank, saved by rank 0
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._load_counts = {"loaded_blocks": 0, "load_error_blocks": 0}
@@ -428,7 +446,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise InvalidArgument(f"{len(ordered)} cache layers registered, the model has "
                                   f"{spec.num_layers}")
         self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
-        if ordered and ordered[0][1].device.type == "cuda":
+        on_gpu = bool(ordered) and ordered[0][1].device.type == "cuda"
+        if is_mla(self._vllm_config):
+            if not on_gpu:
+                raise InvalidArgument("kvstore reads vLLM's MLA cache on CUDA only")
+            check_mla_layers(ordered, self._block_size, 2 * spec.head_dim)
+            self._layers = [tensor for _, tensor in ordered]
+            self._kernels = KernelTransfers(self._client, ns, self._layers, layout="mla")
+            self._replicated = True
+            return
+        if on_gpu:
             check_gpu_layers(ordered, spec.num_kv_heads, self._block_size, spec.head_dim)
             self._layers = [tensor for _, tensor in ordered]
             self._kernels = KernelTransfers(self._client, ns, self._layers)
@@ -510,6 +537,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Queue the blocks this step completed, to be stored behind the ones stored before;
         all of them from block 0 where an earlier save of the request was lost."""
         saves = self._saves
+        if self._replicated and self._tp_rank != 0:
+            return  # rank 0 saves the one copy every rank loads
         ns = self._namespace(save.cache_salt, save.adapter_id)
         first = 0 if saves.restarts(save.req_id) else save.first_block  # type: ignore[union-attr]
         bt = ns.spec.block_tokens

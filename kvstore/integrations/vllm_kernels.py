@@ -29,10 +29,43 @@ import torch
 
 from kvstore.client.engine import EngineCache, LoadHandle
 from kvstore.errors import InvalidArgument
+from kvstore.groups import CacheGroup, CacheSpec
 from kvstore.integrations.vllm_saves import SaveJob
 from kvstore.keys import Namespace
 
 VLLM_GPU_LAYOUT = "fused_hnd"  # logical [num_blocks, H, block_size, 2D], any memory order
+# vLLM's MLA backends: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] per layer,
+# the latent then its rope part. As [num_blocks, block_size, 1, 2 * half] it is the
+# ``fused_nhd`` layout of one head whose "K" is the row's first half and "V" its second: exactly
+# how a latent cache group's pages hold a row (``CacheGroup`` "rows" storage), so the existing
+# kernels move it, raw or through any codec a latent group allows.
+MLA_LAYOUT = "fused_nhd"
+
+
+def mla_namespace(*, model_id: str, revision: str, tenant: str, num_layers: int,
+                  kv_lora_rank: int, rope_dim: int, block_tokens: int, dtype,
+                  tp_rank: int = 0, tp_size: int = 1, adapter_id: str = "",
+                  extra_salt: str = "") -> Namespace:
+    """The namespace of an MLA model's cache: one latent group (``kv`` then ``pe``),
+    replicated across tensor-parallel ranks, so its pages (``.group(0)``) are keyed without
+    the rank and TP=8 stores and moves one copy."""
+    group = CacheGroup.latent(num_layers, [("kv", kv_lora_rank, dtype), ("pe", rope_dim, dtype)])
+    return Namespace(model_id=model_id, spec=CacheSpec((group,), block_tokens),
+                     revision=revision, adapter_id=adapter_id, tenant=tenant, tp_rank=tp_rank,
+                     tp_size=tp_size, extra_salt=extra_salt)
+
+
+def check_mla_layers(named: list[tuple[str, torch.Tensor]], block_size: int, width: int) -> None:
+    """Each registered layer is vLLM's MLA ``[num_blocks, block_size, width]`` with a
+    contiguous last dim; InvalidArgument names the first that is not (an fp8 cache with its
+    scales, a sparse indexer's cache)."""
+    for name, tensor in named:
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (block_size, width) \
+                or tensor.stride(-1) != 1 or tensor.dtype not in (torch.bfloat16, torch.float16):
+            raise InvalidArgument(
+                f"layer {name}: MLA cache {tuple(tensor.shape)} strides {tensor.stride()} "
+                f"{tensor.dtype}; kvstore reads vLLM's [num_blocks, {block_size}, {width}] "
+                "latent cache in bf16 or fp16")
 
 
 def check_gpu_layers(named: list[tuple[str, torch.Tensor]], num_kv_heads: int, block_size: int,
@@ -55,12 +88,19 @@ class KernelTransfers:
 
     Args:
         client: the worker's sync client (acquires and late releases).
-        ns: a namespace of the cache's geometry (requests bring their own, same spec).
+        ns: a namespace of the cache's geometry (requests bring their own, same spec); for
+            an MLA cache, its latent group's (``mla_namespace(...).group(0)``).
         layers: the per-layer tensors in layer order.
+        layout: "attention" (K and V side by side) or "mla" (a latent row per token).
     """
 
-    def __init__(self, client, ns: Namespace, layers: list[torch.Tensor]) -> None:
-        self.cache = EngineCache(client, ns, layers, layout=VLLM_GPU_LAYOUT)
+    def __init__(self, client, ns: Namespace, layers: list[torch.Tensor],
+                 layout: str = "attention") -> None:
+        if layout == "mla":
+            self.cache = EngineCache(client, ns, [t.unsqueeze(2) for t in layers],
+                                     layout=MLA_LAYOUT)
+        else:
+            self.cache = EngineCache(client, ns, layers, layout=VLLM_GPU_LAYOUT)
         self._block_tokens = ns.spec.block_tokens
         device = self.cache.layout.device
         self._cuda = device.type == "cuda"

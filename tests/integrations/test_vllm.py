@@ -186,6 +186,7 @@ def test_requests_differing_in_identity_never_share_a_block():
     reset = results.pop("reset")
     assert reset["before"] > 0 and reset["reset"] is True
     assert reset["after"] == reset["after_salted"] == 0
+    assert results.pop("mla_keys_are_one_copy") is True
     assert {name: r["hit"] for name, r in results.items()} == EXPECTED_SHARED_TOKENS
     controls = {name: r["control"] for name, r in results.items()}
     assert controls == {name: 0 if name == "unexpressible" else 128 for name in controls}

@@ -256,6 +256,26 @@ def reset_drops_what_was_stored(model: str, address: str) -> dict:
             "after_salted": engine.hit(make_request("reset-d", tokens, {"cache_salt": "s"}))}
 
 
+def mla_keys_are_one_copy(engine: Engine) -> bool:
+    """An MLA model's namespace is its latent group's: the same on every TP rank (so TP=2
+    stores one copy), rows of kv_lora_rank + rope halved into the pages' K and V."""
+    from types import SimpleNamespace as Fake
+
+    from kvstore.integrations.vllm import namespace_for
+
+    model = Fake(model="mla", revision=None, dtype=torch.bfloat16, use_mla=True,
+                 hf_text_config=Fake(kv_lora_rank=64, qk_rope_head_dim=16),
+                 get_num_layers=lambda parallel: 2)
+    config = Fake(model_config=model, parallel_config=Fake(tensor_parallel_size=2),
+                  cache_config=Fake(block_size=16, cache_dtype="auto"),
+                  kv_transfer_config=engine.config.kv_transfer_config,
+                  device_config=Fake(device_type="cuda"))
+    rank0, rank1 = namespace_for(config, None, 0), namespace_for(config, None, 1)
+    salted = namespace_for(config, "s", 1)
+    return (rank0.fingerprint == rank1.fingerprint != salted.fingerprint
+            and (rank0.spec.num_kv_heads, rank0.spec.head_dim) == (1, 40))
+
+
 def main(model: str, address: str, out: Path) -> None:
     # Lookups are answered in full here, however slow the box (vllm_lookup_cases tests the
     # deadline).
@@ -270,6 +290,7 @@ def main(model: str, address: str, out: Path) -> None:
     results["roles"] = roles_keep_to_their_side(model, address)
     results["events"] = events_of_landed_saves(model, address)
     results["reset"] = reset_drops_what_was_stored(model, address)
+    results["mla_keys_are_one_copy"] = mla_keys_are_one_copy(engine)
     results["ids_grow_with_the_request"] = ids_grow_with_the_request(
         [3 + (7 * j) % 500 for j in range(8 * BLOCK_SIZE)])
     out.write_text(json.dumps(results))
