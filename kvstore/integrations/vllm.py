@@ -144,6 +144,19 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+DEFAULT_LOAD_TIMEOUT_MS = 5_000.0  # 4 GiB (32k tokens of an 8B model) from an SSD fits
+
+
+def load_timeout_s(extra: dict[str, Any]) -> float:
+    """``load_timeout_ms`` of the extra config, in seconds; InvalidArgument if it is not a
+    number in [1, 600000]."""
+    value = extra.get("load_timeout_ms", DEFAULT_LOAD_TIMEOUT_MS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 1 <= value <= 600_000:
+        raise InvalidArgument(f"load_timeout_ms must be a number in [1, 600000], got {value!r}")
+    return value / 1000
+
+
 def _client(vllm_config: VllmConfig, **kwargs: Any) -> Client:
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     return Client(extra.get("address"), token=extra.get("token"), **kwargs)
@@ -249,7 +262,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._namespaces: dict[tuple[str | None, str], Namespace] = {}
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
         self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        self._client = _client(vllm_config)
+        # A worker's loads run inside the engine's step: a daemon that stops answering costs a
+        # step at most ``load_timeout_ms`` (extra config), then the blocks are recomputed.
+        self._client = _client(vllm_config, **(
+            {"timeout_s": load_timeout_s(self._kv_transfer_config.kv_connector_extra_config
+                                         or {})}
+            if role == KVConnectorRole.WORKER else {}))
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: DeadlineLookups | None = None

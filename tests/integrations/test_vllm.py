@@ -261,6 +261,17 @@ def test_a_stopped_daemon_does_not_stall_steps_and_saves_past_the_cap_are_droppe
     assert cap["stored"] == [128, 128, 0, 0, 0]
 
 
+def test_a_load_from_a_stopped_daemon_becomes_recompute_within_its_deadline(saves):
+    """Regression: a worker's load waited on the client's 60 s call deadline inside the
+    engine's step when the daemon stopped answering. With ``load_timeout_ms=300`` the step's
+    ``start_load_kv`` gives up and reports every planned block as a load error (vLLM
+    recomputes them); the bound below is a liveness bound, far from 60 s."""
+    stalled = saves["stalled_load"]
+    assert stalled["planned_tokens"] == 128
+    assert stalled["errors"] == [5, 6, 7, 8]
+    assert stalled["elapsed_s"] < 20
+
+
 def test_beside_another_connector_under_multiconnector():
     """kvstore's connector composed with vLLM's ExampleConnector under MultiConnector (as beside
     a P/D transport): engine A saves through both, a fresh engine B whose ExampleConnector has

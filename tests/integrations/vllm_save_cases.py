@@ -97,10 +97,41 @@ def cap(engine: Engine, address: str, pid: int) -> dict:
             "after_stats": after and after.data, "stored": stored}
 
 
+def stalled_load(engine: Engine, pid: int) -> dict:
+    """A load planned from a hit, then the daemon stops before the worker loads: the step's
+    ``start_load_kv`` returns after ``load_timeout_ms`` and reports every planned block as a
+    load error, which vLLM recomputes."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    tokens = prompt(9)
+    engine.save(make_request("stall-a", tokens, {}))
+    request = make_request("stall-b", tokens, {})
+    num, _ = engine.scheduler.get_num_new_matched_tokens(request, 0)
+    engine.scheduler.update_state_after_alloc(request, None, num)
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [NewRequestData.from_request(request, ([5, 6, 7, 8, 9],))]
+    output.num_scheduled_tokens = {request.request_id: request.num_tokens - num}
+    meta = engine.scheduler.build_connector_meta(output)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        engine.worker.bind_connector_metadata(meta)
+        start = time.monotonic()
+        engine.worker.start_load_kv(None)
+        elapsed = time.monotonic() - start
+        errors = engine.worker.get_block_ids_with_load_errors()
+        engine.worker.clear_connector_metadata()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return {"planned_tokens": num, "errors": sorted(errors), "elapsed_s": elapsed}
+
+
 def main(model: str, address: str, pid: int, out: Path) -> None:
     results = {"landed": landed(Engine(model, address), address, pid)}
     tight = Engine(model, address, save_queue_bytes=2 * 4 * BLOCK_BYTES, save_timeout_ms=60_000)
     results["cap"] = cap(tight, address, pid)
+    quick = Engine(model, address, load_timeout_ms=300, lookup_deadline_ms=30_000,
+                   lookup_give_up_ms=60_000)
+    results["stalled_load"] = stalled_load(quick, pid)
     out.write_text(json.dumps(results))
 
 
