@@ -66,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
+from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_kernels import (
     KernelTransfers,
@@ -195,56 +196,6 @@ class _Tracked:
     saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
     has_saves: bool = False  # a save was planned: its blocks are freed once workers report it
     load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
-
-
-def block_views(layers: list[torch.Tensor], spec: KVSpec) -> list[torch.Tensor]:
-    """Each layer's cache as ``[num_blocks, H, 2, N, D]``: index 0 of dim 2 is K, 1 is V."""
-    return [t.view(t.shape[0], spec.num_kv_heads, 2, spec.block_tokens, spec.head_dim)
-            for t in layers]
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(position, first block id, length)`` of each run of consecutive ids in ``block_ids``:
-    a run is copied as one slice instead of one block at a time."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, block_id in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((pos, block_id, 1))
-    return runs
-
-
-def gather_blocks(views: list[torch.Tensor], spec: KVSpec, block_ids: list[int]
-                  ) -> torch.Tensor:
-    """The blocks ``block_ids`` of every layer in the canonical ``[L, 2, T, H, D]`` layout, each
-    byte copied once from the cache."""
-    bs, n = spec.block_tokens, len(block_ids)
-    out = torch.empty(spec.shape(n * bs), dtype=views[0].dtype)
-    runs = block_runs(block_ids)
-    for layer_out, view in zip(out, views, strict=True):
-        # [2, n * N, H, D] seen as the cache's [n, H, 2, N, D]
-        dst = layer_out.view(2, n, bs, spec.num_kv_heads, spec.head_dim).permute(1, 3, 0, 2, 4)
-        for pos, first_id, length in runs:
-            dst[pos : pos + length].copy_(view[first_id : first_id + length])
-    return out
-
-
-def load_blocks(client: Client, ns: Namespace, views: list[torch.Tensor], token_ids: list[int],
-                block_ids: list[int], first_block: int, zero_copy: bool | None = None) -> int:
-    """Copy the stored blocks of ``token_ids`` from ``first_block`` on into the cache blocks
-    ``block_ids``, each page straight from the arena into every layer; returns how many of the
-    blocks (counted from the first) the store holds."""
-
-    def copy_in(i: int, kv: torch.Tensor) -> None:
-        if i >= len(block_ids):
-            return
-        for layer, view in zip(kv, views, strict=True):
-            view[block_ids[i]].copy_(layer.permute(2, 0, 1, 3))  # [2, N, H, D] -> [H, 2, N, D]
-
-    num_stored = client.read_blocks(ns, token_ids, copy_in, first_block=first_block,
-                                    zero_copy=zero_copy)
-    return min(num_stored, len(block_ids))
 
 
 class KVStoreConnector(KVConnectorBase_V1):

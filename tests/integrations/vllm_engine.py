@@ -85,7 +85,7 @@ def copies(address: str) -> None:
     import torch
 
     from kvstore.client import Client
-    from kvstore.integrations.vllm import block_views, gather_blocks, load_blocks
+    from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
     from kvstore.keys import Namespace
     from kvstore.spec import KVSpec
 
