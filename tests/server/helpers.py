@@ -4,6 +4,7 @@ real subprocess (``python -m kvstore.server.daemon``), all on small configs."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -153,3 +154,30 @@ class DaemonProcess:
         """The TCP address the daemon reported (``server.tcp_address`` with port 0)."""
         serving = next(e for e in self.events() if e["msg"] == "serving")
         return f"127.0.0.1:{serving['tcp_port']}"
+
+
+def _kvstore_memfds() -> dict[tuple[int, int], int]:
+    """This process's kvstore memfds, each once: (device, inode) -> allocated bytes."""
+    gc.collect()  # memfds of earlier tests' clients that only a collection closes
+    held = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
+                stat = os.fstat(int(fd))
+                held[stat.st_dev, stat.st_ino] = stat.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
+    return held
+
+
+def memfd_inodes() -> frozenset:
+    """The kvstore memfds open in this process now (take it before starting a daemon: the
+    daemons of earlier tests in the process may still hold theirs)."""
+    return frozenset(_kvstore_memfds())
+
+
+def memfd_bytes(before: frozenset = frozenset()) -> int:
+    """Memory of the kvstore memfds open in this process (an in-process daemon's, beside a
+    client that holds descriptors of some of them: each counted once), those in ``before``
+    left out."""
+    return sum(size for inode, size in _kvstore_memfds().items() if inode not in before)

@@ -4,7 +4,6 @@ never saw stays within the DRAM tier's budget once the daemon gives the steps ba
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import socket
@@ -17,7 +16,7 @@ from kvstore.client import Client
 from kvstore.page import PUBLISHED_HEADER_BYTES
 
 from ..conftest import REPO_ROOT, random_kv, random_tokens
-from .helpers import DaemonThread, MiB, small_config
+from .helpers import DaemonThread, MiB, memfd_bytes, memfd_inodes, small_config
 
 TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 
@@ -64,34 +63,6 @@ for _ in sys.stdin:
 """
 
 
-def _daemon_memfd_bytes(before: frozenset = frozenset()) -> int:
-    """Memory of the daemon's memfds (it runs in this process, beside a client that holds
-    descriptors of some of them too: each memfd counted once), read through /proc; memfds in
-    ``before`` (other daemons' of this process, still being collected) are not counted."""
-    gc.collect()  # memfds of earlier tests' clients that only a collection closes
-    held = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
-                stat = os.fstat(int(fd))
-                held[stat.st_dev, stat.st_ino] = stat.st_blocks * 512
-        except OSError:  # closed meanwhile
-            continue
-    return sum(size for inode, size in held.items() if inode not in before)
-
-
-def _memfd_inodes() -> frozenset:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
-                stat = os.fstat(int(fd))
-                inodes.add((stat.st_dev, stat.st_ino))
-        except OSError:
-            continue
-    return frozenset(inodes)
-
-
 def _python(script: str, passing: socket.socket) -> subprocess.Popen:
     path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
     return subprocess.Popen([sys.executable, "-c", script, str(passing.fileno())],
@@ -111,7 +82,7 @@ def test_steps_passed_to_a_process_the_daemon_cannot_see_are_freed_when_given_ba
     hold plus what the second process still holds of the steps given back stays within the
     capacity, and zeta reads back what it stored."""
     capacity = 4 * MiB
-    others = _memfd_inodes()  # of daemons earlier tests left to the collector
+    others = memfd_inodes()  # of daemons earlier tests left to the collector
     config = small_config(root, dram_bytes=capacity, tenant_tokens=TOKENS)
     zeta_ns = dataclasses.replace(ns, tenant="zeta")
     thread = DaemonThread(config)
@@ -140,7 +111,7 @@ def test_steps_passed_to_a_process_the_daemon_cannot_see_are_freed_when_given_ba
             holder.stdin.flush()
             held = json.loads(holder.stdout.readline())
             outside = sum(held[region][0] for region in given_back)
-            in_use = _daemon_memfd_bytes(others) + outside
+            in_use = memfd_bytes(others) + outside
             print(f"{len(given_back)} steps given back; the holder keeps {outside} bytes of "
                   f"them; in use {in_use / MiB:.2f} MiB against {capacity / MiB:.0f} MiB; "
                   f"lingering {dram.stats().extra['lingering_bytes']}")

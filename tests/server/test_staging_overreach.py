@@ -5,7 +5,6 @@ charged, so the DRAM tier's memfds stay within its capacity and nobody is served
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 from kvstore.client import Client
 
 from ..conftest import REPO_ROOT, random_kv, random_tokens
-from .helpers import DaemonThread, MiB, small_config
+from .helpers import DaemonThread, MiB, memfd_bytes, memfd_inodes, small_config
 
 TOKENS = {"acme": "tok-acme", "zeta": "tok-zeta"}
 
@@ -62,34 +61,6 @@ with Client({address!r}, token="tok-acme") as c:
 """
 
 
-def _memfd_bytes(before: frozenset = frozenset()) -> int:
-    """Memory of the daemon's memfds (it runs in this process), each counted once; memfds in
-    ``before`` (other daemons' of this process, from earlier tests) are not counted."""
-    gc.collect()  # memfds of earlier tests' clients that only a collection closes
-    held = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
-                stat = os.fstat(int(fd))
-                held[stat.st_dev, stat.st_ino] = stat.st_blocks * 512
-        except OSError:  # closed meanwhile
-            continue
-    return sum(size for inode, size in held.items() if inode not in before)
-
-
-def _memfd_inodes() -> frozenset:
-    gc.collect()
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvstore-"):
-                stat = os.fstat(int(fd))
-                inodes.add((stat.st_dev, stat.st_ino))
-        except OSError:
-            continue
-    return frozenset(inodes)
-
-
 def _attacker(spec, ns, address: str) -> subprocess.Popen:
     path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
     script = _ATTACKER.format(layers=spec.num_layers, heads=spec.num_kv_heads,
@@ -125,7 +96,7 @@ def test_a_client_touching_its_whole_staging_mapping_holds_no_more_than_was_lent
     and charges what it could not free yet: the daemon's memfds come back within the
     capacity, the tier keeps serving zeta, and both tenants read back what they stored."""
     capacity = 16 * MiB
-    others = _memfd_inodes()  # of daemons earlier tests in this process left behind
+    others = memfd_inodes()  # of daemons earlier tests in this process left behind
     config = small_config(root, dram_bytes=capacity, tenant_tokens=TOKENS)
     zeta_ns = dataclasses.replace(ns, tenant="zeta")
     with DaemonThread(config) as daemon, Client(daemon.unix_address, token="tok-zeta") as zeta:
@@ -135,14 +106,14 @@ def test_a_client_touching_its_whole_staging_mapping_holds_no_more_than_was_lent
             assert attacker.stdout.readline().strip() == "ready"
             for round_, how in enumerate(("read", "write", "fallocate")):
                 assert _ask(attacker, how) == "done"
-                peak = _memfd_bytes(others)
-                settled = _settles(lambda: _memfd_bytes(others) <= capacity)
+                peak = memfd_bytes(others)
+                settled = _settles(lambda: memfd_bytes(others) <= capacity)
                 extra = dram.stats().extra
-                print(f"{how}: {peak / MiB:.1f} MiB right after, {_memfd_bytes(others) / MiB:.1f} "
+                print(f"{how}: {peak / MiB:.1f} MiB right after, {memfd_bytes(others) / MiB:.1f} "
                       f"MiB settled against {capacity / MiB:.0f}; staging lent "
                       f"{extra['staging_bytes'] / MiB:.1f} MiB, charged outside "
                       f"{extra.get('staging_outside_bytes', 0)}")
-                assert settled, (how, _memfd_bytes(others))
+                assert settled, (how, memfd_bytes(others))
                 assert extra["arena_bytes"] <= capacity
                 tokens = random_tokens(16 * 40, seed=10 + round_)
                 kv = random_kv(spec, 16 * 40, seed=10 + round_)
