@@ -39,8 +39,9 @@ SHAPES = {  # layers, hidden, heads, kv heads, head dim, intermediate, vocab
     "tiny": (4, 1024, 8, 2, 128, 2816, 32000),
     "8b": (32, 4096, 32, 8, 128, 14336, 128256),
 }
-CONFIGS = ("prefix", "kvstore-raw", "kvstore-fp8", "kvstore-hbm", "offload")
+CONFIGS = ("prefix", "kvstore-raw", "kvstore-fp8", "kvstore-hbm", "offload", "lmcache")
 QUESTION_TOKENS = 32
+LMCACHE_PORT = 5555
 
 
 def write_model(path: Path, shape: str, max_len: int) -> Path:
@@ -107,6 +108,11 @@ def child(args) -> None:
             kv_connector_extra_config={"address": f"unix://{args.socket}", "revision": "r1"})
     elif args.child == "offload":
         kwargs["kv_offloading_size"] = args.offload_gib
+    elif args.child == "lmcache":  # LMCache's multi-process connector against its own server
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheMPConnector", kv_role="kv_both",
+            kv_connector_extra_config={"lmcache.mp.host": "tcp://localhost",
+                                       "lmcache.mp.port": LMCACHE_PORT})
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     init_s = time.perf_counter() - t0
@@ -130,6 +136,8 @@ def child(args) -> None:
     cold = [ttft(prefix + qs[0]) for prefix, qs in docs]
     if args.child.startswith("kvstore"):
         settle(args.socket)
+    elif args.child == "lmcache":
+        time.sleep(5)  # LMCache stores asynchronously too
     if args.child != "prefix":
         llm.reset_prefix_cache()
     warm = [ttft(prefix + qs[1]) for prefix, qs in docs]
@@ -207,6 +215,37 @@ def daemon_env() -> dict[str, str]:
     return env
 
 
+def lmcache_env() -> dict[str, str]:
+    """LMCache's packages (``KVSTORE_LMCACHE_SITE``) ahead of the engine's."""
+    env = dict(os.environ)
+    site = os.environ.get("KVSTORE_LMCACHE_SITE", "")
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")])
+    return env
+
+
+def start_lmcache(root: Path, dram_gib: int) -> subprocess.Popen:
+    """LMCache's server holding ``dram_gib`` of CPU memory; ready when its port answers."""
+    import socket as sockets
+
+    with open(root / "lmcache.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli.main", "server",
+                                 "--l1-size-gb", str(dram_gib), "--eviction-policy", "LRU",
+                                 "--port", str(LMCACHE_PORT)], stdout=log,
+                                stderr=subprocess.STDOUT, env=lmcache_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"LMCache's server ended: {(root / 'lmcache.log').read_text()}")
+        try:
+            sockets.create_connection(("localhost", LMCACHE_PORT), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("LMCache's server did not open its port in 120 s")
+
+
 def run_config(args, config: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvs-vllm-") as tmp:
         root = Path(tmp)
@@ -214,16 +253,21 @@ def run_config(args, config: str) -> dict:
         if config.startswith("kvstore"):
             codec = {"kvstore-fp8": "fp8_e4m3", "kvstore-hbm": "hbm"}.get(config, "raw")
             daemon, socket = start_daemon(root, codec, args.dram_gib, args.daemon_python)
+        elif config == "lmcache":
+            daemon = start_lmcache(root, args.dram_gib)
         try:
             cmd = [sys.executable, __file__, "--child", config, "--socket", socket,
                    *args.passthrough]
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout_s)
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                                  timeout=args.timeout_s,
+                                  env=lmcache_env() if config == "lmcache" else None)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 return {"config": config, "error": (proc.stdout + proc.stderr)[-4000:]}
             result = json.loads(line[len("RESULT "):])
-            if daemon is not None:
-                result["daemon_log_tail"] = (root / "daemon.log").read_text()[-1500:]
+            log = root / ("lmcache.log" if config == "lmcache" else "daemon.log")
+            if log.exists():
+                result["daemon_log_tail"] = log.read_text(errors="replace")[-1500:]
             return result
         finally:
             if daemon is not None:
