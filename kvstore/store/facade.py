@@ -262,7 +262,7 @@ class Store:
         """The longest stored prefix of ``tokens`` and which tier holds each of its blocks.
 
         A grouped namespace (``Namespace.is_grouped``) gets the longest prefix at which every
-        group is whole (``kvstore.store.groups``), from this daemon's tiers."""
+        group is whole (``kvstore.store.groups``), the shared tier's pages included."""
         self._check_open()
         arr = token_array(tokens)
         if ns.is_grouped:
@@ -301,15 +301,17 @@ class Store:
     async def _lookup_groups(self, ns: Namespace, arr: np.ndarray) -> LookupResult:
         bt = ns.spec.block_tokens
         async with self.share.turn(ns.tenant, arr.size // bt * len(ns.cache.groups)):
-            n, needed, keys = await match_groups(self._dir, self.share, ns, arr,
-                                                 self._placement.note)
+            n, needed, keys, from_shared = await match_groups(
+                self._dir, self.share, ns, arr, self._placement.note, self._shared)
         # A hit's pages are used together: each group's are touched as one chain, so the
         # eviction orders see them at the same recency (a state snapshot without its
         # attention prefix, or the reverse, is worth nothing).
         for entries in needed:
             self._dir.touch(entries)
         per_tier: dict[str, int] = {}
-        if n:  # the hit loads as fast as its slowest page: counted there
+        if from_shared:  # the hit loads as fast as its slowest page: counted there
+            per_tier[self._placement.shared_link().name] = n * bt
+        elif n:
             slowest = {name: i for i, name in enumerate(self._dir.tier_names)}
             worst = max((slowest[e.fastest] for group in needed for e in group), default=0)
             per_tier[self._dir.tier_names[worst]] = n * bt

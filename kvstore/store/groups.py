@@ -9,7 +9,10 @@ was evicted falls back to the last n that still has one. n = 0 is always whole.
 
 One call, one answer: the daemon hashes each group's keys and probes its directory for all
 groups in the same turn, so an engine pays one round trip for a lookup however many groups its
-model has.
+model has. With a shared tier (Redis/Valkey) in the chain, a prefix that other hosts stored goes
+on past the local hit: the prefix groups' next keys are asked in one batched probe each, and
+each candidate above the local hit in one probe for the window and state pages it lacks here,
+the top ``MAX_SHARED_CANDIDATES`` candidates at most. The get then brings those pages in.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from kvstore.groups import GroupKind, window_blocks
 from kvstore.keys import BlockKey, Namespace, snapshot_keys
 from kvstore.store.directory import BlockDirectory, BlockEntry
+from kvstore.store.shared import Shared
 from kvstore.store.slices import LoopShare
 
 # How far below the attention groups' match the fallback searches for a whole prefix, in
@@ -30,6 +34,9 @@ MAX_FALLBACK_BLOCKS = 4096
 # Blocks probed at once when the search steps below what it probed: a snapshot every block or
 # every few blocks is found within one probe.
 STEP_BLOCKS = 64
+# Candidates above the local hit asked of the shared tier, one round trip each, from the top:
+# a snapshot every block or every few blocks is found in the first.
+MAX_SHARED_CANDIDATES = 8
 
 
 class GroupMatch:
@@ -51,10 +58,7 @@ class GroupMatch:
         self._missing = {g: np.ones(upper, dtype=bool) for g in self._groups}
 
     def _blocks(self, g: int, n: int) -> range:
-        group = self._ns.cache.groups[g]
-        if group.kind is GroupKind.STATE:
-            return range(n - 1, n)
-        return window_blocks(n, group.window_tokens, self._ns.spec.block_tokens)
+        return needed_blocks(self._ns, g, n)
 
     async def _probe_down(self, g: int, first: int) -> None:
         """Probe group ``g``'s pages down to block ``first`` (at least a slice at a time)."""
@@ -91,14 +95,49 @@ class GroupMatch:
         return found
 
 
+def needed_blocks(ns: Namespace, g: int, n: int) -> range:
+    """The blocks window or state group ``g`` of grouped ``ns`` needs for a prefix of ``n``."""
+    group = ns.cache.groups[g]
+    if group.kind is GroupKind.STATE:
+        return range(n - 1, n)
+    return window_blocks(n, group.window_tokens, ns.spec.block_tokens)
+
+
+async def _shared_match(directory: BlockDirectory, shared: Shared, ns: Namespace,
+                        chains: list[list[BlockKey]], held: list[int], lower: int) -> int:
+    """The longest whole prefix above ``lower`` blocks counting the shared tier's pages too
+    (``held``: each prefix group's blocks held here); ``lower`` when there is none."""
+    cache = ns.cache
+    upper = len(chains[0])
+    for g, group in enumerate(cache.groups):
+        if group.is_prefix and upper > lower:
+            have = min(held[g], upper)
+            upper = have + await shared.extends(ns.group(g), chains[g][have:upper])
+    for candidate in range(upper, max(lower, upper - MAX_SHARED_CANDIDATES), -1):
+        missing: list[BlockKey] = []
+        for g, group in enumerate(cache.groups):
+            if group.is_prefix:
+                continue
+            picked = chains[g][needed_blocks(ns, g, candidate).start:candidate]
+            for key in snapshot_keys(ns.group(g), picked):
+                entry = directory.get(key)
+                if entry is None or not entry.live:
+                    missing.append(key)
+        if await shared.holds_all(ns, missing):
+            return candidate
+    return lower
+
+
 async def match_groups(directory: BlockDirectory, share: LoopShare, ns: Namespace,
-                       tokens: np.ndarray, note: Callable[[Sequence[BlockKey]], None]
-                       ) -> tuple[int, list[list[BlockEntry]], list[BlockKey]]:
+                       tokens: np.ndarray, note: Callable[[Sequence[BlockKey]], None],
+                       shared: Shared | None = None
+                       ) -> tuple[int, list[list[BlockEntry]], list[BlockKey], int]:
     """The longest whole prefix of ``tokens`` under grouped ``ns`` (the module docstring).
 
     Returns:
-        (n blocks, the entries the hit needs, a list per group, the keys of the first prefix
-        group's blocks below n, or of the first group's where there is none).
+        (n blocks, the entries held here that the hit needs, a list per group, the keys of the
+        first prefix group's blocks below n, or of the first group's where there is none, and
+        how many of the n blocks lie above what this host holds: the shared tier's).
     """
     cache = ns.cache
     chains = [await share.keys(ns.group(g), tokens) for g in range(len(cache.groups))]
@@ -120,7 +159,11 @@ async def match_groups(directory: BlockDirectory, share: LoopShare, ns: Namespac
             break
     for g, entries in enumerate(prefix_entries):
         needed[g] += entries[:n]
+    local = n
+    if shared is not None and shared.present and n < num_blocks:
+        held = [len(entries) for entries in prefix_entries]
+        n = await _shared_match(directory, shared, ns, chains, held, local)
     first = next((g for g, group in enumerate(cache.groups) if group.is_prefix), 0)
     keys = chains[first][:n]
     note(keys)
-    return n, needed, keys
+    return n, needed, keys, n - local

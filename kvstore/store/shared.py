@@ -60,6 +60,28 @@ class Shared:
                 cluster[host] = run * ns.spec.block_tokens
         return tuple(rest[:found]), cluster
 
+    @property
+    def present(self) -> bool:
+        """Whether the chain has a shared tier."""
+        return self._placement.shared_link() is not None
+
+    async def holds_all(self, ns: Namespace, keys: Sequence[BlockKey]) -> bool:
+        """Whether the shared tier holds every one of ``keys`` (one batched probe; False
+        without a shared tier or when it is unreachable)."""
+        link = self._placement.shared_link()
+        if link is None or not keys:
+            return link is not None
+        shared: SharedTier = link.tier  # type: ignore[assignment]
+        return await shared.exists_prefix(keys, ns.tenant) == len(keys)
+
+    async def extends(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the shared tier holds (0 without one)."""
+        link = self._placement.shared_link()
+        if link is None or not keys:
+            return 0
+        shared: SharedTier = link.tier  # type: ignore[assignment]
+        return await shared.exists_prefix(keys, ns.tenant)
+
     async def adopt(self, ns: Namespace, keys: Sequence[BlockKey]) -> None:
         """Bring the blocks the shared tier holds just past the local match into the fastest
         tier that takes them (verified by the shared tier: key, checksum, namespace), so the

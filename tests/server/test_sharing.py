@@ -75,3 +75,67 @@ def test_what_one_daemon_stores_the_other_serves(configs, zero_copy):
         assert got[("kvstore_tier_write_through_queue_blocks", remote)] == 0
         extra = first.stats().tiers["remote"].extra  # the same counters over the wire
         assert extra["write_through_written"] == 10 and extra["write_through_failed"] == 0
+
+
+def test_a_cache_of_groups_one_daemon_stored_hits_and_loads_on_the_other(configs):
+    """Attention, latent, window, state and fp8 groups saved through one daemon: the other's
+    lookup finds every group whole in the shared tier (counted there), its load brings each
+    group back bit-exact, and another tenant's lookup finds nothing."""
+    from kvstore.client.groups import GroupCache
+    from kvstore.groups import GroupKind
+
+    from ..test_groups import BT, cache, parts_of, same_bits
+
+    spec = cache()
+    ns = Namespace("m", spec)
+    ids = random_tokens(6 * BT + 5, seed=4)
+    data = [parts_of(group, 6 * BT, seed=i) for i, group in enumerate(spec.groups)]
+    with DaemonThread(configs[0]) as one, DaemonThread(configs[1]) as two, \
+            Client(one.unix_address) as first, Client(two.unix_address) as second:
+        GroupCache(first, ns).save(ids, 6, data)
+        other = GroupCache(second, ns)
+        assert wait_for(lambda: other.lookup(ids).matched_tokens == 6 * BT)
+        assert other.lookup(ids).tokens_per_tier == {"remote": 6 * BT}
+        loaded = other.load(ids, 6)
+        assert loaded is not None
+        for group, got, sent in zip(spec.groups, loaded, data):
+            for part in group.parts:
+                want = sent[part.name]
+                if group.kind is GroupKind.WINDOW:
+                    want = want[:, got.first_token:6 * BT]
+                assert same_bits(got.parts[part.name], want), (group.label, part.name)
+        # now held here: counted in the local tier
+        assert other.lookup(ids).tokens_per_tier == {"dram": 6 * BT}
+        stranger = GroupCache(second, dataclasses.replace(ns, tenant="other"))
+        assert stranger.lookup(ids).matched_tokens == 0
+
+
+def test_a_grouped_hit_in_the_shared_tier_stops_where_a_snapshot_is_missing(configs):
+    """The shared tier holds the prefix groups' 6 blocks, but the state snapshot and window
+    blocks only of a prefix of 4: the other daemon's hit is 4 blocks, never 6 without its
+    state, and what it loads is the state at 4."""
+    from kvstore.client.groups import GroupCache, _Plans
+    from kvstore.groups import GroupKind
+
+    from ..test_groups import BT, cache, parts_of, same_bits
+
+    spec = cache()
+    ns = Namespace("m", spec)
+    ids = random_tokens(6 * BT + 5, seed=5)
+    data = [parts_of(group, 6 * BT, seed=i) for i, group in enumerate(spec.groups)]
+    with DaemonThread(configs[0]) as one, DaemonThread(configs[1]) as two, \
+            Client(one.unix_address) as first, Client(two.unix_address) as second:
+        GroupCache(first, ns).save(ids, 4, data)
+        for put in _Plans(ns).save(ids, 6, data):  # the prefix groups' blocks 4 and 5 only
+            if spec.groups[put.group].is_prefix:
+                first.put(put.ns, put.tokens, put.stored)
+        other = GroupCache(second, ns)
+        assert wait_for(lambda: other.lookup(ids).matched_tokens == 4 * BT, timeout_s=10)
+        # every write-through has landed: still 4
+        assert wait_for(lambda: first.stats().tiers["remote"].extra["write_through_queued"]
+                        == first.stats().tiers["remote"].extra["write_through_written"])
+        assert other.lookup(ids).matched_tokens == 4 * BT
+        state = next(g for g, group in enumerate(spec.groups) if group.kind is GroupKind.STATE)
+        loaded = other.load(ids, 4)
+        for part in spec.groups[state].parts:
+            assert same_bits(loaded[state].parts[part.name], data[state][part.name])
