@@ -32,7 +32,7 @@ from kvstore.spec import FLOAT_DTYPE_NAMES, KVSpec
 from kvstore.store.demotion import Demoter
 from kvstore.store.directory import BlockDirectory, BlockEntry
 from kvstore.store.events import EventSink, tier_media
-from kvstore.store.groups import match_groups
+from kvstore.store.groups import match_groups, pin_keys, pin_order
 from kvstore.store.held import HeldTable
 from kvstore.store.hints import HintPolicy, Hints, hint_policy
 from kvstore.store.inventory import Inventory
@@ -409,14 +409,26 @@ class Store:
 
         CapacityError naming the bytes asked, pinned and the budget (``quota.pin_bytes``)
         when the tenant's pins would exceed it. A prefix with nothing stored pins nothing
-        (``num_blocks`` 0)."""
+        (``num_blocks`` 0). A grouped namespace pins, as one pin, every page of every group
+        that its lookup's hit needs (``kvstore.store.groups``)."""
         self._check_open()
-        return self._pins.pin(ns, await self._keys(ns, token_array(tokens)), ttl_s)
+        arr = token_array(tokens)
+        if ns.is_grouped:  # every page the grouped hit needs, whatever its group
+            async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
+                _, needed, _, _ = await match_groups(self._dir, self.share, ns, arr,
+                                                     lambda keys: None)
+            mine = [e for e in pin_order(ns, needed) if e.meta.tenant == ns.tenant]
+            return self._pins.pin_entries(ns, mine, ttl_s)
+        return self._pins.pin(ns, await self._keys(ns, arr), ttl_s)
 
     async def unpin(self, ns: Namespace, tokens: Tokens) -> int:
         """End ``ns``'s tenant's pins of every prefix of ``tokens``; return how many ended."""
         self._check_open()
-        return self._pins.unpin(ns.tenant, await self._keys(ns, token_array(tokens)))
+        arr = token_array(tokens)
+        if ns.is_grouped:
+            async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
+                return self._pins.unpin(ns.tenant, await pin_keys(self.share, ns, arr))
+        return self._pins.unpin(ns.tenant, await self._keys(ns, arr))
 
     def list_pins(self, tenant: str | None = None) -> list[PinInfo]:
         """TTL pins of ``tenant`` (None: all), soonest to expire first."""

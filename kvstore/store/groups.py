@@ -167,3 +167,21 @@ async def match_groups(directory: BlockDirectory, share: LoopShare, ns: Namespac
     keys = chains[first][:n]
     note(keys)
     return n, needed, keys, n - local
+
+
+def pin_order(ns: Namespace, needed: list[list[BlockEntry]]) -> list[BlockEntry]:
+    """A grouped hit's pages as one pin: every group's, the page that names the pin last
+    (``pin_key``'s: the first prefix group's block n-1, else group 0's last page)."""
+    first = next((g for g, group in enumerate(ns.cache.groups) if group.is_prefix), 0)
+    if not needed[first]:
+        return []
+    return [e for g, entries in enumerate(needed) if g != first for e in entries] + needed[first]
+
+
+async def pin_keys(share: LoopShare, ns: Namespace, tokens: np.ndarray) -> list[BlockKey]:
+    """The keys that may name a pin of a grouped prefix of ``tokens``: for each n, the key of
+    the page ``pin_order`` puts last."""
+    first = next((g for g, group in enumerate(ns.cache.groups) if group.is_prefix), None)
+    if first is not None:
+        return await share.keys(ns.group(first), tokens)
+    return snapshot_keys(ns.group(0), await share.keys(ns.group(0), tokens))

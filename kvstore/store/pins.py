@@ -98,6 +98,14 @@ class PinTable:
             raise InvalidArgument(f"ttl_s must be in (0, {MAX_PIN_TTL_S:g}] seconds, got "
                                   f"{ttl_s!r}")
         entries = [e for e in self.directory.match_prefix(keys) if e.meta.tenant == ns.tenant]
+        return self.pin_entries(ns, entries, ttl_s)
+
+    def pin_entries(self, ns: Namespace, entries: list[BlockEntry], ttl_s: float) -> PinInfo:
+        """Pin ``entries`` (``ns``'s tenant's) as one pin named by the last one's key: a cache
+        of groups pins every page its hit needs, whatever the group (``Store.pin``)."""
+        if not (isinstance(ttl_s, int | float) and 0 < ttl_s <= MAX_PIN_TTL_S):
+            raise InvalidArgument(f"ttl_s must be in (0, {MAX_PIN_TTL_S:g}] seconds, got "
+                                  f"{ttl_s!r}")
         if not entries:
             return PinInfo(ns.tenant, ns.model_id, BlockKey(b""), 0, 0, 0.0)
         asked = sum(entry_bytes(e) for e in entries if e.meta.key not in self._holds)

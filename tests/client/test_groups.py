@@ -274,3 +274,40 @@ def test_bytes_pages_demoted_to_a_lossy_tier_stay_bit_exact(root):
                         want = want[:, :hit // BT]
                     assert same_bits(loaded[g].parts[p.name], want)
         assert from_ssd, "no hit was served from the SSD"
+
+
+def test_a_pin_of_a_grouped_prefix_keeps_every_groups_pages(client):
+    """One pin covers every page the grouped hit needs (prefix blocks, the window's blocks,
+    the state snapshot): an evict leaves them all, so the hit stays whole; unpin ends it."""
+    spec = cache()
+    ns = Namespace("m", spec)
+    groups = GroupCache(client, ns)
+    ids = tokens(6 * BT + 5, seed=9)
+    groups.save(ids, 6, all_parts(spec, 6 * BT))
+    info = client.pin(ns, ids, 600)
+    assert info.num_blocks == 6 * 3 + 3 + 1  # as stored: attention, latent, fp8; window; state
+    assert len(client.list_pins()) == 1
+    client.evict(tenant="default")
+    assert groups.lookup(ids).matched_tokens == 6 * BT
+    assert groups.load(ids, 6) is not None
+    assert client.unpin(ns, ids) == 1
+    assert client.list_pins() == []
+    client.evict(tenant="default")
+    assert groups.lookup(ids).matched_tokens == 0
+    assert num_blocks(client) == 0
+
+
+def test_a_pin_of_a_cache_without_prefix_groups_is_named_and_ended_by_its_snapshot(client):
+    """A window and a state group only (no group keeps the whole prefix): the pin is named by
+    group 0's last page, and unpin finds it again from the tokens."""
+    spec = cache(groups=tuple(g for g in cache().groups if not g.is_prefix))
+    ns = Namespace("m", spec)
+    groups = GroupCache(client, ns)
+    ids = tokens(5 * BT, seed=10)
+    groups.save(ids, 5, all_parts(spec, 5 * BT))
+    assert client.pin(ns, ids, 600).num_blocks == 3 + 1
+    client.evict(tenant="default")
+    assert groups.lookup(ids).matched_tokens == 5 * BT
+    assert client.unpin(ns, ids) == 1
+    client.evict(tenant="default")
+    assert groups.lookup(ids).matched_tokens == 0
