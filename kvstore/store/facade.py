@@ -262,7 +262,8 @@ class Store:
         """The longest stored prefix of ``tokens`` and which tier holds each of its blocks.
 
         A grouped namespace (``Namespace.is_grouped``) gets the longest prefix at which every
-        group is whole (``kvstore.store.groups``), the shared tier's pages included."""
+        group is whole (``kvstore.store.groups``), the shared tier's pages included; its hints
+        and pins cover every page of that hit."""
         self._check_open()
         arr = token_array(tokens)
         if ns.is_grouped:
@@ -303,6 +304,8 @@ class Store:
         async with self.share.turn(ns.tenant, arr.size // bt * len(ns.cache.groups)):
             n, needed, keys, from_shared = await match_groups(
                 self._dir, self.share, ns, arr, self._placement.note, self._shared)
+            if self._hints.is_pending(ns.tenant):  # a hinted request is here: it loads itself
+                self._hints.arrived(ns.tenant, await pin_keys(self.share, ns, arr))
         # A hit's pages are used together: each group's are touched as one chain, so the
         # eviction orders see them at the same recency (a state snapshot without its
         # attention prefix, or the reverse, is worth nothing).
@@ -523,14 +526,30 @@ class Store:
         that landed in time. The hint ends when a lookup or acquire of the prefix by the same
         tenant arrives, or on ``cancel_hint``."""
         self._check_open()
-        return await self._hints.hint(ns, await self._keys(ns, token_array(tokens)), deadline_s,
-                                      hint_policy(policy))
+        arr = token_array(tokens)
+        if ns.is_grouped:  # every page the grouped hit needs, named as its pin would be
+            async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
+                _, needed, _, _ = await match_groups(self._dir, self.share, ns, arr,
+                                                     lambda keys: None)
+            keys = [e.meta.key for e in pin_order(ns, needed)]
+            if not keys:
+                return 0
+        else:
+            keys = await self._keys(ns, arr)
+        return await self._hints.hint(ns, keys, deadline_s, hint_policy(policy))
 
     async def cancel_hint(self, ns: Namespace, tokens: Tokens) -> int:
         """The hinted request for ``tokens`` was dropped: end the tenant's hints for that
         prefix (what had not landed counts as cancelled). Returns how many hints ended."""
         self._check_open()
-        return self._hints.arrived(ns.tenant, await self._keys(ns, token_array(tokens)))
+        return self._hints.arrived(ns.tenant, await self._hint_keys(ns, token_array(tokens)))
+
+    async def _hint_keys(self, ns: Namespace, arr: np.ndarray) -> list[BlockKey]:
+        """The keys that may name a hint (or pin) of a prefix of ``arr``."""
+        if not ns.is_grouped:
+            return await self._keys(ns, arr)
+        async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
+            return await pin_keys(self.share, ns, arr)
 
     def set_model_profile(self, ns: Namespace, profile: ModelProfile) -> None:
         """What prefill of ``ns``'s model costs; lookups in it then advise how much to fetch.

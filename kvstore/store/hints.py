@@ -111,6 +111,10 @@ class Hints:
         await asyncio.wait({hint.task})  # the hint ends itself at the deadline
         return hint.num_landed
 
+    def is_pending(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a hint still running."""
+        return bool(self._by_tenant.get(tenant))
+
     def arrived(self, tenant: str, keys: Sequence[BlockKey]) -> int:
         """The tenant's request for ``keys`` arrived (or was dropped): end every pending hint
         whose prefix it covers; what had not landed is counted cancelled. Returns how many

@@ -102,3 +102,33 @@ async def test_fifty_hints_of_one_prefix_read_it_from_the_ssd_once(restarted, ns
     assert landed[0] == NUM_BLOCKS and all(0 <= n <= NUM_BLOCKS for n in landed)
     assert (await client.stats()).tiers["ssd"].hits - reads == NUM_BLOCKS
     assert (await client.lookup(ns, tokens)).tokens_per_tier == {"dram": len(tokens)}
+
+
+async def test_a_hint_of_a_grouped_prefix_brings_every_groups_pages_up(config):
+    """A cache of groups on SSD only after a restart: one hint brings every page its hit needs
+    (prefix blocks, window blocks, the state snapshot) into DRAM; a lookup ends a pending one."""
+    from kvstore.client.groups import AsyncGroupCache
+    from kvstore.keys import Namespace
+
+    from ..test_groups import BT, cache, parts_of
+
+    spec = cache()
+    ns = Namespace("m", spec)
+    ids = random_tokens(6 * BT + 5, seed=8)
+    data = [parts_of(group, 6 * BT, seed=i) for i, group in enumerate(spec.groups)]
+    daemon = await serve(config)
+    try:
+        async with AsyncClient(daemon.unix_address) as client:
+            await AsyncGroupCache(client, ns).save(ids, 6, data)
+    finally:
+        await daemon.stop(1.0)
+    daemon = await serve(config)
+    try:
+        async with AsyncClient(daemon.unix_address) as client:
+            groups = AsyncGroupCache(client, ns)
+            assert (await groups.lookup(ids)).tokens_per_tier == {"ssd": 6 * BT}
+            assert await client.hint(ns, ids, deadline_s=60, policy="wait") == 6 * 3 + 3 + 1
+            assert (await groups.lookup(ids)).tokens_per_tier == {"dram": 6 * BT}
+            assert await client.cancel_hint(ns, ids) == 0
+    finally:
+        await daemon.stop(1.0)
