@@ -32,6 +32,10 @@ from kvstore.spec import ENGINE_DTYPES, KVSpec
 
 ENGINE_LAYOUT = "flash_hnd"  # the buffer's per-layer view: [2, num_blocks, H, block_tokens, D]
 GROWTH = 1.25  # a grown buffer is at least this much longer than the one it replaces
+# A save goes in pieces of at most this many bytes of K/V, as the vLLM connector's do: the
+# staging and pinned host memory a host save takes stay bounded (a 32k-token prompt of an 8B
+# model is 4 GiB), and each piece's put starts while the next is gathered.
+SAVE_PIECE_BYTES = 256 << 20
 
 
 def device_path_reason(spec: KVSpec | None, device: torch.device,
@@ -156,14 +160,24 @@ class DeviceKV:
     def save(self, tokens: list[int], first_block: int, ready: torch.cuda.Event | None) -> int:
         """Store the blocks of ``tokens`` from the buffer (blocks before ``first_block`` are
         stored already); runs on the saver thread. Returns the tokens newly written."""
-        stream = self._save_stream
-        if ready is not None and stream is not None:  # the staging copy wrote the buffer
-            stream.wait_event(ready)
-        ids = torch.arange(len(tokens) // self._spec.block_tokens)
+        if ready is not None and self._save_stream is not None:  # the staging copy wrote it
+            self._save_stream.wait_event(ready)
         try:
-            return self.engine.save(tokens, ids, stream, first_block=first_block)
+            return self._save_pieces(tokens, first_block)
         except NotFound:  # a stored block before first_block was evicted since: all of it
-            return self.engine.save(tokens, ids, stream)
+            return self._save_pieces(tokens, 0)
+
+    def _save_pieces(self, tokens: list[int], first_block: int) -> int:
+        bt = self._spec.block_tokens
+        num_blocks = len(tokens) // bt
+        ids = torch.arange(num_blocks)
+        step = max(1, SAVE_PIECE_BYTES // self._spec.block_bytes)
+        written = 0
+        for start in range(first_block, num_blocks, step):
+            end = min(num_blocks, start + step)
+            written += self.engine.save(tokens[:end * bt], ids[:end], self._save_stream,
+                                        first_block=start)
+        return written
 
     def close(self) -> None:
         self.finish_loads()

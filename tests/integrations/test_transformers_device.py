@@ -33,6 +33,7 @@ from kvstore.client.engine import EngineCache
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.config import DramConfig, HbmConfig, TierConfig
 from kvstore.errors import InvalidArgument
+from kvstore.integrations import transformers_device
 from kvstore.integrations.transformers import wrap
 from tests.server.helpers import DaemonThread, MiB, short_tmpdir, small_config
 
@@ -111,10 +112,13 @@ def test_generation_on_the_device_path_equals_plain_generation(root, name, tiers
         assert stats.active_leases == 0 and stats.active_reservations == 0
 
 
-def test_a_longer_prompt_reuses_the_stored_prefix_and_grows_the_buffer(client):
+def test_a_longer_prompt_reuses_the_stored_prefix_and_grows_the_buffer(client, monkeypatch):
+    """Saves go in pieces of two blocks here (SAVE_PIECE_BYTES), each behind the last."""
     model = tiny_model()
     ids = prompt(40)
     cached = wrap(model, client, revision="r1", device_path=True)
+    monkeypatch.setattr(transformers_device, "SAVE_PIECE_BYTES",
+                        2 * cached.namespace.spec.block_bytes)
     first = cached.generate(ids, max_new_tokens=10, **GREEDY)
     assert cached.last_stats.num_saved_tokens == 48
     turn = torch.cat([first.sequences, prompt(60, seed=2)], dim=1)  # 110 tokens
@@ -127,6 +131,30 @@ def test_a_longer_prompt_reuses_the_stored_prefix_and_grows_the_buffer(client):
     again = cached.generate(turn, max_new_tokens=4, **GREEDY)
     assert_same_generation(plain, again)
     assert cached.last_stats.num_reused_tokens == 96  # the last whole block before the last token
+
+
+def test_a_prefix_evicted_after_the_load_is_saved_whole_again(client, monkeypatch):
+    """Regression: a save from the first new block needs the blocks before it stored; when
+    they went between the load and the save (NotFound), the whole prefix is saved from the
+    buffer, which still holds it."""
+    model = tiny_model()
+    ids = prompt(70)
+    cached = wrap(model, client, revision="r1", device_path=True)
+    cached.generate(ids, max_new_tokens=1, **GREEDY)
+    load = transformers_device.DeviceKV.load
+
+    def load_then_evict(self, *args):
+        out = load(self, *args)
+        client.evict(namespace=cached.namespace)
+        return out
+
+    monkeypatch.setattr(transformers_device.DeviceKV, "load", load_then_evict)
+    longer = torch.cat([ids, prompt(30, seed=3)], dim=1)  # 100 tokens: 64 loaded, 96 saved
+    plain = model.generate(longer, max_new_tokens=1, **GREEDY)
+    assert_same_generation(plain, cached.generate(longer, max_new_tokens=1, **GREEDY))
+    assert cached.last_stats.num_reused_tokens == 64
+    assert cached.last_stats.num_saved_tokens == 96
+    assert client.lookup(cached.namespace, longer[0].tolist()).matched_tokens == 96
 
 
 def test_fp8_dram_pages_load_within_tolerance(root):
