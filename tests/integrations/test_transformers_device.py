@@ -49,10 +49,11 @@ MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2
 GREEDY = {"do_sample": False, "return_dict_in_generate": True, "output_logits": True}
 
 
-def tiny_model(name: str = "llama", dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+def tiny_model(name: str = "llama", dtype: torch.dtype = torch.bfloat16,
+               **overrides: object) -> torch.nn.Module:
     config_cls, model_cls = MODELS[name]
     torch.manual_seed(0)
-    return model_cls(config_cls(**COMMON)).to(DEVICE, dtype).eval()
+    return model_cls(config_cls(**{**COMMON, **overrides})).to(DEVICE, dtype).eval()
 
 
 def prompt(n: int, seed: int = 1) -> torch.Tensor:
@@ -157,20 +158,23 @@ def test_a_prefix_evicted_after_the_load_is_saved_whole_again(client, monkeypatc
     assert client.lookup(cached.namespace, longer[0].tolist()).matched_tokens == 96
 
 
-def test_fp8_dram_pages_load_within_tolerance(root):
-    model = tiny_model()
+@pytest.mark.parametrize(("codec", "tolerance"), [("fp8_e4m3", 0.05), ("nvfp4", 0.2)])
+def test_lossy_dram_pages_load_within_tolerance(root, codec, tolerance):
+    # Heads of 32: a block's fp4 scales fill whole 256-byte sections, as a real model's do
+    # (pages with padded sections load only through get).
+    model = tiny_model(hidden_size=128)
     ids = prompt(70)
     plain = model.generate(ids, max_new_tokens=1, **GREEDY)
     config = small_config(root)
-    config = dataclasses.replace(config, dram=dataclasses.replace(config.dram, codec="fp8_e4m3"))
+    config = dataclasses.replace(config, dram=dataclasses.replace(config.dram, codec=codec))
     with DaemonThread(config) as daemon, Client(daemon.unix_address) as kv:
         cached = wrap(model, kv, revision="r1", device_path=True)
         cached.generate(ids, max_new_tokens=1, **GREEDY)
         warm = cached.generate(ids, max_new_tokens=1, **GREEDY)
         assert cached.last_stats.reused_tokens_per_tier == {"dram": 64}
-        # e4m3 keeps 3 mantissa bits: the first logits move, but by little.
+        # e4m3 keeps 3 mantissa bits, e2m1 one: the first logits move, but by little.
         diff = (warm.logits[0].float() - plain.logits[0].float()).abs().max().item()
-        assert 0 < diff < 0.1, diff
+        assert 0 < diff < tolerance, diff
 
 
 CHILD = textwrap.dedent("""
