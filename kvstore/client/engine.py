@@ -386,7 +386,10 @@ class EngineCache:
             if not lease.blocks:
                 release()
                 break
-            if dev is None and lease.codec not in DEVICE_CODECS:  # zstd-framed pages
+            # zstd-framed pages, or pages whose sections a small shape pads apart (a blob's
+            # lie back to back, so the ring cannot move them as device pages): through get
+            if dev is None and (lease.codec not in DEVICE_CODECS
+                                or not device_layout(lease.codec, ns.spec).packed):
                 release()
                 return self._load_streamed(ns, tokens, ids, stream, first_block)
             try:
