@@ -133,7 +133,10 @@ def run_daemon(codec: str, names: list[str], model, prompts, args, device) -> li
                     cached = wrap(model, client, revision="r1", device_path=CONFIGS[name][1])
                     try:
                         for n, ids in prompts.items():
-                            row = run_wrapped(cached, ids, args.reps, device)
+                            try:
+                                row = run_wrapped(cached, ids, args.reps, device)
+                            except Exception as exc:  # noqa: BLE001  (a row says why)
+                                row = {"error": f"{type(exc).__name__}: {exc}"}
                             rows.append({"config": name, "prompt_tokens": n, **row})
                     finally:
                         cached.close()
@@ -145,6 +148,8 @@ def run_daemon(codec: str, names: list[str], model, prompts, args, device) -> li
 
 def summarise(rows: list[dict], plain: dict[int, dict]) -> None:
     for row in rows:
+        if "error" in row:
+            continue
         base = plain[row["prompt_tokens"]]
         token, logits = row.pop("first")
         base_token, base_logits = base["first"]
@@ -159,6 +164,9 @@ def table(rows: list[dict]) -> None:
     print(f"{'prompt':>7}  {'config':<11}{'TTFT ms':>10}{'wall ms':>10}{'vs plain':>10}"
           f"{'reused':>8}{'cold s':>8}  first token")
     for r in rows:
+        if "error" in r:
+            print(f"{r['prompt_tokens']:>7}  {r['config']:<11}failed: {r['error'][-300:]}")
+            continue
         cold = f"{r['cold_s']:8.2f}" if "cold_s" in r else " " * 8
         print(f"{r['prompt_tokens']:>7}  {r['config']:<11}{r['ttft_ms']:>10.1f}"
               f"{r['wall_ms']:>10.1f}{r['speedup']:>9.1f}x{r['reused_tokens']:>8}{cold}  "
