@@ -8,8 +8,9 @@ from the views), block i of a prompt in page i. A load decodes the stored prefix
 fp8 or fp4, from the HBM pool or the pinned DRAM arena) into pages 0..n-1 and the cache's
 layers start as copies of those views; a save copies the finished tokens of the model's cache
 into the buffer on the device and encodes them from there, on a stream of its own. No K/V goes
-through a host tensor on the way in; on the way out only what the DRAM tier itself stores (a
-pool tier's pages never leave the device).
+through a host tensor on the way in (but for pages EngineCache cannot move as device pages:
+zstd-framed ones, or fp4 pages of a shape too small to pack, which come through ``get``); on
+the way out only what the DRAM tier itself stores (a pool tier's pages never leave the device).
 
 One buffer per wrapper, sized to the longest sequence it has seen, rounded up to blocks and
 grown by a quarter at least, so memory stays bounded and a long decode does not reallocate at
