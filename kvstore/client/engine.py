@@ -118,6 +118,17 @@ class EngineCache:
         self.client.flush_releases()  # the late Releases of those leases answered, too
         _unregister(self._pinned)
 
+    def rebind(self, kv_caches, *, layout: str | None = None) -> None:
+        """Point the cache at new engine tensors of the same geometry on the same device (an
+        engine that grew its cache). The arena mappings, their pinned registrations and the
+        staging rings stay: registering them again would cost 0.5 s per GiB. The caller makes
+        sure no save or load still uses the old tensors."""
+        new = EngineLayout.of(kv_caches, self.ns.spec, layout)
+        if new.device != self.layout.device:
+            raise InvalidArgument(f"rebind keeps the cache on {self.layout.device}, got tensors "
+                                  f"on {new.device}")
+        self.layout = new
+
     def __enter__(self) -> Self:
         return self
 
@@ -188,17 +199,24 @@ class EngineCache:
     # --- save -------------------------------------------------------------------------------
 
     def save(self, tokens: Sequence[int], block_ids, stream: torch.cuda.Stream | None = None,
-             *, ns: Namespace | None = None) -> int:
+             *, ns: Namespace | None = None, first_block: int = 0) -> int:
         """Store the blocks of ``tokens`` held in engine pages ``block_ids``; returns the
-        tokens newly published (blocks already stored are skipped)."""
+        tokens newly published (blocks already stored are skipped).
+
+        ``first_block``: the blocks before it are stored already (an earlier save of the same
+        prefix), so a save through host memory gathers and moves only the blocks from it on
+        (NotFound where one before it is not stored); the device pool's reservation skips
+        stored blocks by itself."""
         ns = self._namespace(ns)
         tokens, ids = self._blocks(tokens, block_ids)
-        if not len(ids):
+        if first_block < 0:
+            raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
+        if first_block >= len(ids):
             return 0
         res = self._try_device(lambda: self.client.reserve(ns, tokens, medium=Medium.DEVICE,
                                                            device=self._device_id))
         if res is None:
-            return self._save_host(ns, tokens, ids, stream)
+            return self._save_host(ns, tokens, ids, stream, first_block)
         try:
             grants = res.blocks
             handle = b""
@@ -209,7 +227,7 @@ class EngineCache:
                 except Unavailable as exc:  # a pool on a GPU this engine cannot reach
                     self._unreachable(exc)
                     self.client.abort(res.reservation_id)
-                    return self._save_host(ns, tokens, ids, stream)
+                    return self._save_host(ns, tokens, ids, stream, first_block)
                 from_engine(self.layout, dev, addrs,
                             ids[torch.from_numpy(grants.block_index.astype(np.int64))], stream)
                 if any(pool.keep == "ipc" for pool in pools):  # the daemon is another process
@@ -223,11 +241,12 @@ class EngineCache:
             self.client.abort(res.reservation_id)
             raise
 
-    def _save_host(self, ns: Namespace, tokens: Sequence[int], ids: torch.Tensor, stream) -> int:
-        kv, ready = self.gather(ids, stream)
+    def _save_host(self, ns: Namespace, tokens: Sequence[int], ids: torch.Tensor, stream,
+                   first_block: int = 0) -> int:
+        kv, ready = self.gather(ids[first_block:], stream)
         if ready is not None:
             ready.synchronize()
-        return self.client.put(ns, tokens, kv)
+        return self.client.put(ns, tokens, kv, first_block=first_block)
 
     def gather(self, block_ids, stream: torch.cuda.Stream | None = None
                ) -> tuple[torch.Tensor, object]:
@@ -367,7 +386,10 @@ class EngineCache:
             if not lease.blocks:
                 release()
                 break
-            if dev is None and lease.codec not in DEVICE_CODECS:  # zstd-framed pages
+            # zstd-framed pages, or pages whose sections a small shape pads apart (a blob's
+            # lie back to back, so the ring cannot move them as device pages): through get
+            if dev is None and (lease.codec not in DEVICE_CODECS
+                                or not device_layout(lease.codec, ns.spec).packed):
                 release()
                 return self._load_streamed(ns, tokens, ids, stream, first_block)
             try:

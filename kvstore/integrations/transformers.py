@@ -26,6 +26,11 @@ Why it is built the way it is:
   ``generate`` prefill the rest; decoding saves at every later boundary. A hit whose snapshot
   is gone falls back to the last boundary whose snapshot is stored (the daemon's lookup).
 - At least one prompt token is always prefilled: the first generated token needs its logits.
+- The device path (``transformers_device.py``, chosen on CUDA): a plain cache in bf16 or fp16
+  loads hits through ``EngineCache``, decoding pages on the device into a buffer the cache's
+  layers are built from, and saves encode from that buffer; no K/V passes through a host
+  tensor on the way in. Caches of groups, and other dtypes, keep the host path: the prefix
+  read into host tensors and copied to the model's device, saves copied back to the host.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from kvstore.integrations.transformers_cache import (
     fresh_cache,
     probe_layout,
 )
+from kvstore.integrations.transformers_device import DeviceKV, device_path_reason
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 
@@ -148,12 +154,14 @@ class _StoreHook(LogitsProcessor):
 class CachedModel:
     """A model whose ``generate`` reuses and fills kvstore; see :func:`wrap`."""
 
-    def __init__(self, model: Any, client: Client, ns: Namespace, layout: CacheLayout) -> None:
+    def __init__(self, model: Any, client: Client, ns: Namespace, layout: CacheLayout,
+                 device_path: bool = False) -> None:
         self.model = model
         self.client = client
         self.namespace = ns
         self.layout = layout
         self.groups = GroupCache(client, ns) if ns.is_grouped else None
+        self.device_kv = DeviceKV(client, ns, model.device, model.dtype) if device_path else None
         self.last_stats: GenerateStats | None = None
         self._cache_kwarg = cache_kwarg(model)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
@@ -183,6 +191,8 @@ class CachedModel:
                                          **{self._cache_kwarg: cache}, **kwargs)
         finally:
             num_saved = run.finish()
+            if self.device_kv is not None:
+                self.device_kv.finish_loads()
         self.last_stats = GenerateStats(
             num_prompt_tokens=len(prompt), num_reused_tokens=run.reused,
             reused_tokens_per_tier=per_tier, num_saved_tokens=num_saved,
@@ -233,6 +243,8 @@ class CachedModel:
             return self._empty(), {}, 0
         if self.groups is not None:
             return self._load_groups(prompt, hit)
+        if self.device_kv is not None:
+            return self.device_kv.load(prompt, hit)
         kv = self.client.get(self.namespace, prompt[: hit.tokens_to_fetch])
         if kv is None:  # evicted between the lookup and the get
             return self._empty(), {}, 0
@@ -256,6 +268,8 @@ class CachedModel:
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)
+        if self.device_kv is not None:
+            self.device_kv.close()
 
 
 class _Run:
@@ -272,6 +286,8 @@ class _Run:
 
     def on_step(self, input_ids: torch.LongTensor) -> None:
         if not self.ttft_s:
+            if self._cache_on_cuda():  # the logits are queued, not computed, when this runs
+                torch.cuda.synchronize()
             self.ttft_s = time.perf_counter() - self._start
         bt = self._owner.block_tokens
         held = input_ids.shape[1]  # the cache holds every token generate has seen
@@ -285,7 +301,9 @@ class _Run:
         owner = self._owner
         if len(tokens) <= self._saved_upto:
             return
-        if owner.groups is None:
+        if owner.device_kv is not None:
+            self._save_device(tokens)
+        elif owner.groups is None:
             # The cache's tensors are replaced, not written into, as decoding appends, so the
             # copy taken here stays valid while the saver thread sends it.
             kv = kv_from_cache(self._cache, len(tokens))
@@ -298,13 +316,28 @@ class _Run:
             self._pending.append(owner._saver.submit(owner.groups.save, tokens, n, data))
         self._saved_upto = len(tokens)
 
+    def _save_device(self, tokens: list[int]) -> None:
+        """Stage the new tokens into the device buffer now (decoding replaces the cache's
+        tensors, the buffer keeps them) and encode them from there on the saver thread."""
+        device_kv = self._owner.device_kv
+        if device_kv.needs_room(len(tokens)):  # a grown buffer: no save may still read the old
+            self.finish()
+        first_block = self._saved_upto // self._owner.block_tokens
+        ready = device_kv.stage(self._cache, self._saved_upto, len(tokens))
+        self._pending.append(self._owner._saver.submit(device_kv.save, tokens, first_block,
+                                                       ready))
+
+    def _cache_on_cuda(self) -> bool:
+        return self._owner.model.device.type == "cuda"
+
     def finish(self) -> int:
         """Wait for the saves of this call; returns the tokens they newly wrote."""
         return sum(future.result() for future in self._pending)
 
 
 def wrap(model: Any, client: Client, *, revision: str, tenant: str = "default",
-         block_tokens: int = DEFAULT_BLOCK_TOKENS, adapter_id: str = "") -> CachedModel:
+         block_tokens: int = DEFAULT_BLOCK_TOKENS, adapter_id: str = "",
+         device_path: bool | str = "auto") -> CachedModel:
     """Give ``model`` a ``generate`` that reuses prompt prefixes stored in kvstore.
 
     Args:
@@ -315,6 +348,9 @@ def wrap(model: Any, client: Client, *, revision: str, tenant: str = "default",
         tenant: the kvstore tenant the blocks belong to.
         block_tokens: tokens per stored block.
         adapter_id: the adapter (LoRA) applied and its version; another never matches.
+        device_path: load and save through ``EngineCache`` on the model's device ("auto": when
+            the model is on CUDA and its cache can; True: always, an error where it cannot, e.g.
+            to run it on CPU tensors in Triton's interpreter; False: through host tensors).
 
     Returns:
         A :class:`CachedModel`; its ``last_stats`` describe the latest ``generate`` call.
@@ -322,4 +358,17 @@ def wrap(model: Any, client: Client, *, revision: str, tenant: str = "default",
     layout = probe_layout(model, block_tokens)
     ns = namespace_for(model, revision=revision, tenant=tenant, block_tokens=block_tokens,
                        adapter_id=adapter_id, layout=layout)
-    return CachedModel(model, client, ns, layout)
+    return CachedModel(model, client, ns, layout, _use_device_path(device_path, model, ns))
+
+
+def _use_device_path(asked: bool | str, model: Any, ns: Namespace) -> bool:
+    if asked not in ("auto", True, False):
+        raise InvalidArgument(f'device_path must be "auto", True or False, got {asked!r}')
+    if asked is False:
+        return False
+    spec = None if ns.is_grouped else ns.spec
+    reason = device_path_reason(spec, model.device, model.dtype)
+    if asked is True and reason is not None:
+        raise InvalidArgument(f"device_path=True, but {type(model).__name__} cannot take it: "
+                              f"{reason}")
+    return reason is None and (asked is True or model.device.type == "cuda")
