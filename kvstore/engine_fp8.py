@@ -51,7 +51,9 @@ class Fp8Cache:
     Args:
         dtype: a key of ``FP8_CACHE_DTYPES`` or a float8 torch dtype.
         scales: every per-tensor scale in layer order (K then V of each layer; an MLA
-            latent: one per layer), as the engine applies them.
+            latent: one per layer), as the engine applies them; empty: static scales that
+            the namespace's model and revision fix (read from the checkpoint, or 1.0), for a
+            process that holds no layers (an engine's scheduler) to key alike.
     """
 
     dtype: str | torch.dtype
@@ -66,8 +68,8 @@ class Fp8Cache:
                                   f"(or a float8 torch dtype), got {shown(self.dtype)}")
         object.__setattr__(self, "dtype", name)
         scales = tuple(float(s) for s in self.scales)
-        if not 1 <= len(scales) <= MAX_SCALES:
-            raise InvalidArgument(f"Fp8Cache.scales must hold 1-{MAX_SCALES} floats, got "
+        if len(scales) > MAX_SCALES:
+            raise InvalidArgument(f"Fp8Cache.scales must hold at most {MAX_SCALES} floats, got "
                                   f"{len(scales)}")
         bad = [s for s in scales if not math.isfinite(s) or s <= 0]
         if bad:
@@ -83,6 +85,8 @@ class Fp8Cache:
         """What the namespace's ``extra_salt`` carries: the flavour and a digest of the
         scales as float32 (what engines keep; a float64 that rounds alike is the same cache)."""
         flavour = "e5m2" if self.torch_dtype == torch.float8_e5m2 else "e4m3"
+        if not self.scales:
+            return f"{_SALT_TAG}/{flavour}/static"
         packed = struct.pack(f"<{len(self.scales)}f", *self.scales)
         return f"{_SALT_TAG}/{flavour}/{hashlib.blake2b(packed, digest_size=12).hexdigest()}"
 
