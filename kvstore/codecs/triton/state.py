@@ -52,6 +52,7 @@ class StateLayout:
     layer_bytes: int  # a page's bytes per layer
     page_bytes: int  # the whole page (the group's storage block)
     word: int  # bytes a thread moves at a time
+    aligned: bool  # every address and size a multiple of 16 bytes
     tensors: tuple[torch.Tensor, ...]
 
     @classmethod
@@ -97,12 +98,14 @@ class StateLayout:
             at += part.nbytes
         offsets.append(at)
         sizes.append(layer_bytes - at)  # the padding, zeroed by saves
+        values = (*ptrs, *strides, *offsets, *sizes, layer_bytes)
         word = 8
-        for value in (*ptrs, *strides, *offsets, *sizes, layer_bytes):
+        for value in values:
             word = math.gcd(word, value) if value else word
+        aligned = all(v % 16 == 0 for v in values)
         return cls(group, block_tokens, slots.pop(), devices.pop(), tuple(ptrs), tuple(strides),
                    tuple(offsets), tuple(sizes), layer_bytes, group.num_layers * layer_bytes,
-                   word, tuple(tensors))
+                   word, aligned, tuple(tensors))
 
     def check_slots(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(slots, dtype=torch.int64).cpu()
@@ -116,28 +119,32 @@ class StateLayout:
 
 @triton.jit
 def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.constexpr,
-                  LAYER_WORDS: tl.constexpr, CHUNK: tl.constexpr, WORD: tl.constexpr,
-                  SAVE: tl.constexpr):
-    """Program (i, c): chunk c of segment i = (page, layer, part), the padding a last part."""
+                  LAYER_BYTES: tl.constexpr, CHUNK: tl.constexpr, WORD: tl.constexpr,
+                  SAVE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Program (i, c): chunk c of segment i = (page, layer, part), the padding a last part.
+    Addresses are bytes until the last step; ALIGNED: every one is a multiple of 16, promised
+    on the integers before they become pointers (16-byte loads and stores)."""
     pid = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     part = pid % (NUM_PARTS + 1)
     layer = (pid // (NUM_PARTS + 1)) % NUM_LAYERS
     b = pid // ((NUM_PARTS + 1) * NUM_LAYERS)
     segs = NUM_LAYERS * NUM_PARTS
-    meta = table_ptr + 2 * num_pages  # ptrs, strides [L * P]; offsets, sizes [P + 1] (words)
-    offset = tl.load(meta + 2 * segs + part)
-    size = tl.load(meta + 2 * segs + NUM_PARTS + 1 + part)
+    meta = table_ptr + 2 * num_pages  # ptrs, strides [L * P]; offsets, sizes [P + 1] (bytes)
+    size = tl.load(meta + 2 * segs + NUM_PARTS + 1 + part) // WORD
     words = chunk * CHUNK + tl.arange(0, CHUNK)
     live = words < size
-    page = _words(tl.load(table_ptr + b), WORD) + layer * LAYER_WORDS + offset
+    page = _aligned(tl.load(table_ptr + b) + layer * LAYER_BYTES
+                    + tl.load(meta + 2 * segs + part), ALIGNED)
+    page = _words(page, WORD)
     if part == NUM_PARTS:  # the layer's padding: zeros in the page
         if SAVE:
             tl.store(page + words, tl.zeros((CHUNK,), dtype=page.dtype.element_ty), mask=live)
     else:
         slot = tl.load(table_ptr + num_pages + b)
         seg = layer * NUM_PARTS + part
-        engine = _words(tl.load(meta + seg) + slot * tl.load(meta + segs + seg), WORD)
+        engine = _words(_aligned(tl.load(meta + seg) + slot * tl.load(meta + segs + seg),
+                                 ALIGNED), WORD)
         if SAVE:
             tl.store(page + words, tl.load(engine + words, mask=live), mask=live)
         else:
@@ -145,9 +152,16 @@ def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.
 
 
 @triton.jit
+def _aligned(addr, ALIGNED: tl.constexpr):
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+    return addr
+
+
+@triton.jit
 def _words(addr, WORD: tl.constexpr):
     if WORD == 8:
-        return tl.multiple_of(addr, 8).to(tl.pointer_type(tl.int64))
+        return addr.to(tl.pointer_type(tl.int64))
     elif WORD == 4:
         return addr.to(tl.pointer_type(tl.int32))
     elif WORD == 2:
@@ -171,9 +185,9 @@ def _launch(layout: StateLayout, addrs: torch.Tensor | Sequence[int],
     if n == 0:
         return
     w = layout.word
-    meta = torch.tensor([*layout.ptrs, *layout.slot_strides], dtype=torch.int64)
-    words = torch.tensor([*layout.part_offsets, *layout.part_bytes], dtype=torch.int64) // w
-    table = torch.cat([pages, ids, meta, words])
+    meta = torch.tensor([*layout.ptrs, *layout.slot_strides, *layout.part_offsets,
+                         *layout.part_bytes], dtype=torch.int64)
+    table = torch.cat([pages, ids, meta])
     num_parts = len(layout.group.parts)
     with on_device(layout.device), _on_stream(layout, stream):
         if layout.device.type == "cuda":  # queued behind the stream's work (see engine.py)
@@ -181,8 +195,8 @@ def _launch(layout: StateLayout, addrs: torch.Tensor | Sequence[int],
         chunks = triton.cdiv(max(layout.part_bytes) // w, CHUNK_WORDS)
         grid = (n * layout.group.num_layers * (num_parts + 1), max(chunks, 1))
         _state_kernel[grid](table, n, NUM_LAYERS=layout.group.num_layers, NUM_PARTS=num_parts,
-                            LAYER_WORDS=layout.layer_bytes // w, CHUNK=CHUNK_WORDS, WORD=w,
-                            SAVE=save, num_warps=WARPS)
+                            LAYER_BYTES=layout.layer_bytes, CHUNK=CHUNK_WORDS, WORD=w,
+                            SAVE=save, ALIGNED=layout.aligned, num_warps=WARPS)
 
 
 def _on_stream(layout: StateLayout, stream):
