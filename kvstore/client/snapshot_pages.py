@@ -10,6 +10,7 @@ prefix: each is reserved or acquired alone, and only the pages asked for are tou
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import weakref
@@ -19,7 +20,13 @@ import numpy as np
 import torch
 
 from kvstore.api import Medium
-from kvstore.client.engine import LoadHandle, _release_after, _releaser, _strided
+from kvstore.client.engine import (
+    EVENTS_KEPT,
+    LoadHandle,
+    _release_after,
+    _releaser,
+    _strided,
+)
 from kvstore.client.staging import aligned
 from kvstore.codecs.device import DeviceLayout, device_layout
 from kvstore.errors import NoSlotTier
@@ -49,6 +56,7 @@ class SnapshotPages:
         self.device = device
         self._device_id = device_id(device)
         self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
+        self._events: collections.deque[object] = collections.deque(maxlen=EVENTS_KEPT)
         self._releasing = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvstore-release")
         weakref.finalize(self, self._releasing.shutdown, False)
@@ -66,10 +74,15 @@ class SnapshotPages:
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
 
-    def _addresses(self, regions, index: np.ndarray, offsets: np.ndarray) -> torch.Tensor:
-        pools = [map_region(region, self.device) for region in regions]
-        bases = np.array([pool.base for pool in pools], dtype=np.int64)
-        return torch.from_numpy(bases[index.astype(np.intp)] + offsets.astype(np.int64))
+    def _addresses(self, blocks, pools: list | None = None) -> torch.Tensor:
+        """Each block's address in the pools it names (mapped once each; appended to
+        ``pools``)."""
+        mapped = [map_region(region, self.device) for region in blocks.regions]
+        if pools is not None:
+            pools += mapped
+        bases = np.array([pool.base for pool in mapped], dtype=np.int64)
+        return torch.from_numpy(bases[blocks.region_index.astype(np.intp)]
+                                + blocks.offsets.astype(np.int64))
 
     # --- save -------------------------------------------------------------------------------
 
@@ -96,14 +109,15 @@ class SnapshotPages:
             handle = b""
             if todo:
                 dev = device_layout(held[todo[0]].codec, ns.spec)
-                regions = [held[i].blocks for i in todo]
-                addrs = torch.cat([self._addresses(g.regions, g.region_index, g.offsets)
-                                   for g in regions])
+                pools: list = []
+                addrs = torch.cat([self._addresses(held[i].blocks, pools) for i in todo])
                 write(dev, addrs, todo)
-                if self._cuda():
+                if any(pool.keep == "ipc" for pool in pools):  # the daemon is another process
                     event = self._event(stream, interprocess=True)
                     handle = event.ipc_handle()
-                    event.synchronize()  # a batch of snapshots: the commit waits for it here
+                    self._events.append(event)  # alive until the daemon surely opened it
+                elif self._cuda():  # the daemon is this process: wait here
+                    self._event(stream).synchronize()
             stored = 0
             while held:
                 res = held.pop(0)
@@ -170,8 +184,7 @@ class SnapshotPages:
                     release()
                 return LoadHandle(0, [], None)
             dev = device_layout(leases[0].codec, ns.spec)
-            addrs = torch.cat([self._addresses(lease.blocks.regions, lease.blocks.region_index,
-                                               lease.blocks.offsets) for lease in leases])
+            addrs = torch.cat([self._addresses(lease.blocks) for lease in leases])
             read(dev, addrs, list(range(len(pages))))
         except BaseException:
             for release in releases:

@@ -58,7 +58,7 @@ def namespace(fp8: Fp8Cache, salt: str = "") -> Namespace:
 
 
 def pages_of(cache: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
-    return [t[ids].view(torch.uint8) for t in cache]
+    return [t.view(torch.uint8)[ids] for t in cache]
 
 
 @pytest.mark.parametrize("where", ["hbm", "host", "host zstd"])

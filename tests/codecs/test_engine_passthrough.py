@@ -48,7 +48,7 @@ def pool_of(nbytes: int) -> tuple[torch.Tensor, int]:
 
 def canonical(layout: EngineLayout, page: int) -> torch.Tensor:
     """The [L, 2, bt, H, D] bytes of engine page ``page`` (torch reference)."""
-    return torch.stack([torch.stack(layout.block_view(layer, page)).view(torch.uint8)
+    return torch.stack([torch.stack([x.view(torch.uint8) for x in layout.block_view(layer, page)])
                         for layer in range(layout.num_layers)])
 
 
