@@ -94,10 +94,10 @@ def _rows_kernel(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stri
     if ALIGNED:  # rows start on 16 bytes on both sides: 16-byte loads and stores
         at = tl.multiple_of(at, 16 // WORD)
         eng = tl.multiple_of(eng, 16 // WORD)
-        page = tl.multiple_of(page, 16)
-        layer = tl.multiple_of(layer, 16)
-    page_ptr = _words(page, WORD) + tl.max_contiguous(at[:, None] + cols[None, :], [1, W_PAD])
-    eng_ptr = _words(layer, WORD) + tl.max_contiguous(eng[:, None] + cols[None, :], [1, W_PAD])
+    page_ptr = _words(page, WORD, ALIGNED) + tl.max_contiguous(at[:, None] + cols[None, :],
+                                                                [1, W_PAD])
+    eng_ptr = _words(layer, WORD, ALIGNED) + tl.max_contiguous(eng[:, None] + cols[None, :],
+                                                                [1, W_PAD])
     if TO_ENGINE:
         tl.store(eng_ptr, tl.load(page_ptr, mask=mask), mask=mask)
     else:
@@ -105,16 +105,24 @@ def _rows_kernel(table_ptr, num_blocks, layer0, num_slabs, kv_stride, block_stri
 
 
 @triton.jit
-def _words(addr, WORD: tl.constexpr):
-    """The int64 byte address ``addr`` as a pointer to words of WORD bytes."""
+def _words(addr, WORD: tl.constexpr, ALIGNED: tl.constexpr):
+    """The int64 byte address ``addr`` as a pointer to words of WORD bytes; ALIGNED promises
+    16-byte alignment, on the pointers (promised on the integer it is lost, and every load
+    goes scalar: see ``engine._at``)."""
+    base = addr.to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
     if WORD == 8:
-        return addr.to(tl.pointer_type(tl.int64))
+        ptr = base.to(tl.pointer_type(tl.int64), bitcast=True)
     elif WORD == 4:
-        return addr.to(tl.pointer_type(tl.int32))
+        ptr = base.to(tl.pointer_type(tl.int32), bitcast=True)
     elif WORD == 2:
-        return addr.to(tl.pointer_type(tl.int16))
+        ptr = base.to(tl.pointer_type(tl.int16), bitcast=True)
     else:
-        return addr.to(tl.pointer_type(tl.int8))
+        ptr = base.to(tl.pointer_type(tl.int8), bitcast=True)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 def copy_rows(layout, table: torch.Tensor, num_blocks: int, layers: range, *,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kvstore.codecs.device import SECTION_ALIGN
 from kvstore.codecs.triton.common import kernels_runnable, on_device
+from kvstore.codecs.triton.passthrough import _words
 from kvstore.errors import CodecError
 from kvstore.groups import CacheGroup, GroupKind
 
@@ -122,8 +123,7 @@ def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.
                   LAYER_BYTES: tl.constexpr, CHUNK: tl.constexpr, WORD: tl.constexpr,
                   SAVE: tl.constexpr, ALIGNED: tl.constexpr):
     """Program (i, c): chunk c of segment i = (page, layer, part), the padding a last part.
-    Addresses are bytes until the last step; ALIGNED: every one is a multiple of 16, promised
-    on the integers before they become pointers (16-byte loads and stores)."""
+    ALIGNED: every address is a multiple of 16 bytes (16-byte loads and stores)."""
     pid = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     part = pid % (NUM_PARTS + 1)
@@ -132,42 +132,24 @@ def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.
     segs = NUM_LAYERS * NUM_PARTS
     meta = table_ptr + 2 * num_pages  # ptrs, strides [L * P]; offsets, sizes [P + 1] (bytes)
     size = tl.load(meta + 2 * segs + NUM_PARTS + 1 + part) // WORD
+    if ALIGNED:  # whole 16-byte units: the mask is constant over a vector
+        size = tl.multiple_of(size, 16 // WORD)
     words = chunk * CHUNK + tl.arange(0, CHUNK)
     live = words < size
-    page = _aligned(tl.load(table_ptr + b) + layer * LAYER_BYTES
-                    + tl.load(meta + 2 * segs + part), ALIGNED)
-    page = _words(page, WORD)
+    page = _words(tl.load(table_ptr + b) + layer * LAYER_BYTES
+                  + tl.load(meta + 2 * segs + part), WORD, ALIGNED)
     if part == NUM_PARTS:  # the layer's padding: zeros in the page
         if SAVE:
             tl.store(page + words, tl.zeros((CHUNK,), dtype=page.dtype.element_ty), mask=live)
     else:
         slot = tl.load(table_ptr + num_pages + b)
         seg = layer * NUM_PARTS + part
-        engine = _words(_aligned(tl.load(meta + seg) + slot * tl.load(meta + segs + seg),
-                                 ALIGNED), WORD)
+        engine = _words(tl.load(meta + seg) + slot * tl.load(meta + segs + seg), WORD,
+                        ALIGNED)
         if SAVE:
             tl.store(page + words, tl.load(engine + words, mask=live), mask=live)
         else:
             tl.store(engine + words, tl.load(page + words, mask=live), mask=live)
-
-
-@triton.jit
-def _aligned(addr, ALIGNED: tl.constexpr):
-    if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    return addr
-
-
-@triton.jit
-def _words(addr, WORD: tl.constexpr):
-    if WORD == 8:
-        return addr.to(tl.pointer_type(tl.int64))
-    elif WORD == 4:
-        return addr.to(tl.pointer_type(tl.int32))
-    elif WORD == 2:
-        return addr.to(tl.pointer_type(tl.int16))
-    else:
-        return addr.to(tl.pointer_type(tl.int8))
 
 
 def _launch(layout: StateLayout, addrs: torch.Tensor | Sequence[int],
