@@ -42,6 +42,7 @@ FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 MAX_SCALES = 1 << 16  # two per layer of the deepest model, with room to spare
 _SALT_TAG = "fp8"
+_GROUP_SALT = "group/"  # how keys.Namespace.group salts a group's namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class Fp8Cache:
     def bind(self, ns: Namespace) -> Namespace:
         """``ns`` for this cache's pages: its spec's dtype uint8 (pages are bytes), the flavour
         and scales in its salt. A grouped namespace's spec is left as it is (its groups name
-        their dtypes)."""
+        their dtypes): bind it, then take its groups, whose keys then carry the salt."""
         spec = ns.spec
         if isinstance(spec, KVSpec) and spec.dtype != "uint8":
             spec = dataclasses.replace(spec, dtype="uint8")
@@ -116,7 +117,12 @@ class Fp8Cache:
         return dataclasses.replace(ns, spec=spec, extra_salt=salt)
 
     def check(self, ns: Namespace) -> None:
-        """InvalidArgument unless ``ns`` carries this cache's flavour and scales."""
+        """InvalidArgument unless ``ns`` carries this cache's flavour and scales. A group's
+        namespace (``Namespace.group``) passes: its salt is a hash of its parent's whole
+        namespace, which is where ``bind`` puts them (so a ``GroupCache`` of the bound parent
+        reads the same pages); that it was bound is the caller's to keep."""
+        if ns.extra_salt.startswith(_GROUP_SALT):
+            return
         if not ns.extra_salt.endswith(self.salt):
             raise InvalidArgument(f"namespace {ns.model_id!r} does not carry this fp8 cache's "
                                   f"dtype and scales ({self.salt}); build it with "

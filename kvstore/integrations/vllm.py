@@ -124,8 +124,8 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
         latent = mla_namespace(num_layers=model.get_num_layers(parallel),
                                kv_lora_rank=text.kv_lora_rank, rope_dim=text.qk_rope_head_dim,
                                block_tokens=vllm_config.cache_config.block_size,
-                               dtype=model.dtype, fp8=fp8, **common).group(0)
-        return fp8.bind(latent) if fp8 else latent
+                               dtype=model.dtype, fp8=fp8, **common)
+        return (fp8.bind(latent) if fp8 else latent).group(0)
     spec = KVSpec(num_layers=model.get_num_layers(parallel),
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                   block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)

@@ -57,7 +57,8 @@ def mla_namespace(*, model_id: str, revision: str, tenant: str, num_layers: int,
     """The namespace of an MLA model's cache: one latent group (``kv`` then ``pe``),
     replicated across tensor-parallel ranks, so its pages (``.group(0)``) are keyed without
     the rank and TP=8 stores and moves one copy. ``fp8``: the cache is fp8 bytes, one
-    ``latent`` part of the whole row (bind its scales to ``.group(0)``: ``fp8.bind``)."""
+    ``latent`` part of the whole row (bind its scales before taking ``.group(0)``:
+    ``fp8.bind(ns).group(0)``)."""
     if fp8 is not None:
         parts = [("latent", kv_lora_rank + rope_dim, fp8.torch_dtype)]
     else:

@@ -6,12 +6,14 @@ caches are CPU tensors and the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvstore.client import Client
+from kvstore.client.groups import GroupCache
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.engine_fp8 import Fp8Cache
 from kvstore.errors import InvalidArgument
@@ -100,7 +102,8 @@ def test_mla_fp8_pages_round_trip_bit_exact_as_the_latent_groups_bytes(tmp_path)
                              kv_lora_rank=RANK, rope_dim=ROPE, block_tokens=BLOCK,
                              dtype=torch.bfloat16, tp_rank=rank, tp_size=2,
                              extra_salt="vllm/cuda", fp8=fp8)
-        return full, fp8.bind(full.group(0))
+        full = fp8.bind(full)
+        return full, full.group(0)
 
     with DaemonThread(small_config(tmp_path)) as daemon, Client(daemon.unix_address) as client:
         full, rank0 = namespace(0)
@@ -115,11 +118,13 @@ def test_mla_fp8_pages_round_trip_bit_exact_as_the_latent_groups_bytes(tmp_path)
         for a, b in zip(src, dst):
             assert torch.equal(a[[1, 8, 2]], b[[3, 9, 4]])
             assert bool((b[[0, 1, 2, 5, 6, 7, 8]] == SENTINEL).all())
-        # The pages are the latent group's bytes: the group unpacks its one fp8 part.
-        stored = client.get(rank0, tokens)
-        latent = full.cache.groups[0].unpack(stored, BLOCK)["latent"]
+        # The pages are the latent group's bytes: GroupCache reads its one fp8 part back.
+        latent = GroupCache(client, full).load(tokens, 4)[0].parts["latent"]
         want = torch.stack([torch.cat([t[b] for b in [5, 1, 8, 2]]) for t in src])
         assert latent.dtype == torch.float8_e4m3fn
+        unbound = namespace(0)[0]
+        assert client.lookup(dataclasses.replace(unbound, extra_salt="vllm/cuda"),
+                             tokens).matched_tokens == 0  # without the fp8 salt: no hit
         assert torch.equal(latent.view(torch.uint8), want.cpu())
         saver.close()
         loader.close()
