@@ -23,8 +23,9 @@ import triton.language as tl
 
 from kvstore.errors import CodecError
 
-# (rows, warps) of a launch, from an H100 sweep of 128-byte rows (bench/gpu rows "fp8
-# pass-through"): 64 rows of 16 int64 words is 8 KiB a program.
+# (rows, warps) of a launch: 64 rows of a 128-byte fp8 head row (16 int64 words) is 8 KiB a
+# program, four 16-byte loads a thread in flight. Not swept on a GPU yet: `kvstore bench gpu
+# --groups`' fp8 rows measure it against a device copy (tile= overrides it).
 ROWS = 64
 WARPS = 4
 SLAB_ROW_BYTES = 256  # a contiguous slab is copied as rows of this many bytes

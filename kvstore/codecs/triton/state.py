@@ -29,8 +29,8 @@ from kvstore.codecs.triton.passthrough import _words
 from kvstore.errors import CodecError
 from kvstore.groups import CacheGroup, GroupKind
 
-# Words a program moves: 1024 int64 is 8 KiB, as the engine kernels' raw tiles (H200 sweeps of
-# 2 MiB blocks; bench/gpu's "state copy" rows check it against a device copy).
+# Words a program moves: 1024 int64 words, 8 KiB, eight 16-byte loads a thread in flight. Not
+# swept on a GPU yet: `kvstore bench gpu --groups`' state rows measure it against a device copy.
 CHUNK_WORDS = 1024
 WARPS = 4
 
@@ -119,18 +119,25 @@ class StateLayout:
 
 
 @triton.jit
-def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.constexpr,
-                  LAYER_BYTES: tl.constexpr, CHUNK: tl.constexpr, WORD: tl.constexpr,
-                  SAVE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Program (i, c): chunk c of segment i = (page, layer, part), the padding a last part.
-    ALIGNED: every address is a multiple of 16 bytes (16-byte loads and stores)."""
+def _state_kernel(table_ptr, num_pages, chunks_per_layer, NUM_LAYERS: tl.constexpr,
+                  NUM_PARTS: tl.constexpr, LAYER_BYTES: tl.constexpr, CHUNK: tl.constexpr,
+                  WORD: tl.constexpr, SAVE: tl.constexpr, ALIGNED: tl.constexpr):
+    """One program per chunk of CHUNK words that has bytes to move: the chunks of a (page,
+    layer) are those of its parts in order, then the padding's (saves only), as the table's
+    cumulative chunk counts say. ALIGNED: every address is a multiple of 16 bytes (16-byte
+    loads and stores)."""
     pid = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1).to(tl.int64)
-    part = pid % (NUM_PARTS + 1)
-    layer = (pid // (NUM_PARTS + 1)) % NUM_LAYERS
-    b = pid // ((NUM_PARTS + 1) * NUM_LAYERS)
+    within = pid % chunks_per_layer
+    layer = (pid // chunks_per_layer) % NUM_LAYERS
+    b = pid // (chunks_per_layer * NUM_LAYERS)
     segs = NUM_LAYERS * NUM_PARTS
-    meta = table_ptr + 2 * num_pages  # ptrs, strides [L * P]; offsets, sizes [P + 1] (bytes)
+    # ptrs, strides [L * P]; offsets, sizes [P + 1] (bytes); first chunks [P + 2]
+    meta = table_ptr + 2 * num_pages
+    starts = meta + 2 * segs + 2 * (NUM_PARTS + 1)
+    part = tl.zeros((), dtype=tl.int64)
+    for p in tl.static_range(1, NUM_PARTS + 1):
+        part += (within >= tl.load(starts + p)).to(tl.int64)
+    chunk = within - tl.load(starts + part)
     size = tl.load(meta + 2 * segs + NUM_PARTS + 1 + part) // WORD
     if ALIGNED:  # whole 16-byte units: the mask is constant over a vector
         size = tl.multiple_of(size, 16 // WORD)
@@ -138,9 +145,8 @@ def _state_kernel(table_ptr, num_pages, NUM_LAYERS: tl.constexpr, NUM_PARTS: tl.
     live = words < size
     page = _words(tl.load(table_ptr + b) + layer * LAYER_BYTES
                   + tl.load(meta + 2 * segs + part), WORD, ALIGNED)
-    if part == NUM_PARTS:  # the layer's padding: zeros in the page
-        if SAVE:
-            tl.store(page + words, tl.zeros((CHUNK,), dtype=page.dtype.element_ty), mask=live)
+    if part == NUM_PARTS:  # the layer's padding: zeros in the page (saves only get here)
+        tl.store(page + words, tl.zeros((CHUNK,), dtype=page.dtype.element_ty), mask=live)
     else:
         slot = tl.load(table_ptr + num_pages + b)
         seg = layer * NUM_PARTS + part
@@ -167,18 +173,23 @@ def _launch(layout: StateLayout, addrs: torch.Tensor | Sequence[int],
     if n == 0:
         return
     w = layout.word
+    chunks = [triton.cdiv(size // w, CHUNK_WORDS) for size in layout.part_bytes]
+    if not save:
+        chunks[-1] = 0  # a load leaves the padding alone
+    starts = [0]
+    for count in chunks:
+        starts.append(starts[-1] + count)
     meta = torch.tensor([*layout.ptrs, *layout.slot_strides, *layout.part_offsets,
-                         *layout.part_bytes], dtype=torch.int64)
+                         *layout.part_bytes, *starts], dtype=torch.int64)
     table = torch.cat([pages, ids, meta])
-    num_parts = len(layout.group.parts)
     with on_device(layout.device), _on_stream(layout, stream):
         if layout.device.type == "cuda":  # queued behind the stream's work (see engine.py)
             table = table.pin_memory().to(layout.device, non_blocking=True)
-        chunks = triton.cdiv(max(layout.part_bytes) // w, CHUNK_WORDS)
-        grid = (n * layout.group.num_layers * (num_parts + 1), max(chunks, 1))
-        _state_kernel[grid](table, n, NUM_LAYERS=layout.group.num_layers, NUM_PARTS=num_parts,
-                            LAYER_BYTES=layout.layer_bytes, CHUNK=CHUNK_WORDS, WORD=w,
-                            SAVE=save, ALIGNED=layout.aligned, num_warps=WARPS)
+        grid = (n * layout.group.num_layers * starts[-1],)
+        _state_kernel[grid](table, n, starts[-1], NUM_LAYERS=layout.group.num_layers,
+                            NUM_PARTS=len(layout.group.parts), LAYER_BYTES=layout.layer_bytes,
+                            CHUNK=CHUNK_WORDS, WORD=w, SAVE=save, ALIGNED=layout.aligned,
+                            num_warps=WARPS)
 
 
 def _on_stream(layout: StateLayout, stream):
