@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU run behind BENCHMARKS.md, on a machine with torch + triton + CUDA:
-#   bench/gpu_h200.sh [tests] [codecs] [tiers] [gpu]      (no argument: all four, in this order)
+#   bench/gpu_h200.sh [tests] [codecs] [tiers] [gpu] [kernels]  (no argument: the first four)
 # tests: the GPU cases of the kernel, tier and engine-path tests against their references, and
 #        pytest -m gpu (CUDA IPC across processes); codecs: `kvstore bench codecs --no-real
-#        --gpu`; tiers: `kvstore bench tiers --total-bytes 1GiB`; gpu: `kvstore bench gpu`.
+#        --gpu`; tiers: `kvstore bench tiers --total-bytes 1GiB`; gpu: `kvstore bench gpu`;
+# kernels: the cache-group kernels' tests (fp8 pass-through, MLA fp8, state snapshots, window
+#        loads) and their rows alone, `kvstore bench gpu --groups`.
 # Wheels the image lacks (zstandard, lmdb, pytest-asyncio, redis, hiredis; pytest and
 # its two dependencies, installed only where the image's pytest is older than 8.2) may sit in
 # .whl/. Results go to $OUT (default bench/results). Exit status: any step's failure.
@@ -40,7 +42,15 @@ for step in "${steps[@]}"; do
                    --json "$OUT/tiers-h200.json" 2>&1 | tee "$OUT/bench-tiers.log" ;;
         gpu) python3 -m kvstore bench gpu --json "$OUT/gpu-h200.json" 2>&1 \
                  | tee "$OUT/bench-gpu.log" ;;
-        *) echo "unknown step $step (tests, codecs, tiers, gpu)" >&2; exit 2 ;;
+        kernels) python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+                     tests/codecs/test_engine_passthrough.py tests/codecs/test_state_kernels.py \
+                     tests/client/test_gpu_fp8.py tests/client/test_engine_groups.py \
+                     tests/integrations/test_vllm_fp8.py tests/integrations/test_vllm_mla.py \
+                     tests/integrations/test_vllm_kernels.py tests/bench/test_gpu_groups_bench.py \
+                     2>&1 | tee "$OUT/gpu-kernels-tests.log" | tail -25 \
+                 && python3 -m kvstore bench gpu --groups --json "$OUT/gpu-groups-h200.json" \
+                     2>&1 | tee "$OUT/bench-gpu-groups.log" ;;
+        *) echo "unknown step $step (tests, codecs, tiers, gpu, kernels)" >&2; exit 2 ;;
     esac
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

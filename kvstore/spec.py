@@ -174,6 +174,10 @@ ENGINE_LAYOUTS: dict[str, tuple[str, ...]] = {
     "fused_nhd": ("block", "token", "head", "kvdim"),  # [nb, bs, H, 2D]
 }
 ENGINE_DTYPES = (torch.bfloat16, torch.float16)
+# fp8 engine caches (vLLM's cache_dtype fp8, fp8_e4m3, fp8_e5m2; kept in uint8 tensors on CUDA):
+# stored as their bytes under a uint8 spec, moved bit for bit (kvstore.engine_fp8 binds the
+# fp8 flavour and the scales into the namespace).
+BYTE_ENGINE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -232,10 +236,14 @@ class EngineLayout:
                                       f"{t.stride()}, {t.dtype} on {t.device}; layer 0 has "
                                       f"{tuple(first.shape)}, {first.stride()}, {first.dtype} "
                                       f"on {first.device}: every layer must match")
-        if first.dtype not in ENGINE_DTYPES:
+        if first.dtype in BYTE_ENGINE_DTYPES:
+            if spec.dtype != "uint8":
+                raise InvalidArgument(f"engine cache is {first.dtype}: its pages are bytes, so "
+                                      f"the spec's dtype must be uint8, not {spec.dtype}")
+        elif first.dtype not in ENGINE_DTYPES:
             raise InvalidArgument(f"engine cache dtype {first.dtype} is not supported; expected "
-                                  f"one of {list(ENGINE_DTYPES)}")
-        if first.dtype != spec.torch_dtype:
+                                  f"one of {list(ENGINE_DTYPES + BYTE_ENGINE_DTYPES)}")
+        elif first.dtype != spec.torch_dtype:
             raise InvalidArgument(f"engine cache is {first.dtype}, the spec says {spec.dtype}")
         if layout is None:
             fits = [n for n, roles in ENGINE_LAYOUTS.items() if _fits(roles, first.shape, spec)]
@@ -270,6 +278,11 @@ class EngineLayout:
             block_stride=strides["block"], token_stride=strides["token"],
             head_stride=strides["head"], tensors=tuple(layers),
         )
+
+    @property
+    def is_bytes(self) -> bool:
+        """Whether the cache holds one-byte elements (fp8), moved as bytes."""
+        return self.dtype.itemsize == 1
 
     def check_block_ids(self, block_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """``block_ids`` as a 1-D int64 CPU tensor, every id a page of the cache."""

@@ -141,8 +141,16 @@ def bench_gpu(
     rounds: Annotated[int, typer.Option(
         min=1, help="With --host-overhead: rounds (taking turns with the baseline's).")] = 3,
     json_path: JsonPathOpt = None,
+    groups: Annotated[bool, typer.Option(
+        help="Instead: only the cache-group kernels' rows (MLA latents, fp8 pass-through, "
+             "state copies; runs on the CPU with TRITON_INTERPRET=1, tiny).")] = False,
 ) -> None:
     """The GPU path's kernels against device copy and the PCIe link (kvstore.bench.gpu)."""
+    if groups:
+        run = load_runner("kvstore.bench.gpu.groups", "run_group_bench", "kvstore bench gpu")
+        _publish(run(total_bytes=_size_option(total_bytes, "--total-bytes"), quick=quick),
+                 json_path)
+        return
     if host_overhead:
         run = load_runner("kvstore.bench.gpu.host", "run_host_overhead_bench",
                           "kvstore bench gpu")

@@ -33,6 +33,7 @@ from kvstore.api import BlockLocations, Lease, LookupResult, Medium, SlotGrants
 from kvstore.client.staging import StagingRing, address_of, aligned, host_pages
 from kvstore.codecs.device import DEVICE_CODECS, DeviceLayout, device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
+from kvstore.engine_fp8 import Fp8Cache, check_fp8
 from kvstore.errors import InvalidArgument, KVStoreError, NoSlotTier, Unavailable
 from kvstore.ipc import device_id, map_region
 from kvstore.keys import Namespace
@@ -85,15 +86,19 @@ class EngineCache:
         ns: the namespace the cache's pages belong to (its spec is the cache's geometry).
         kv_caches: the cache as the engine holds it (``EngineLayout.of``).
         layout: a name from ``kvstore.spec.ENGINE_LAYOUTS`` when the shapes are ambiguous.
+        fp8: an fp8 cache's flavour and scales (``kvstore.engine_fp8``); required for a cache
+            of one-byte elements, whose every namespace must carry them (``Fp8Cache.bind``).
     """
 
     # Blocks of the first piece a host load leases (``_load_host``); each next piece doubles.
     FIRST_PIECE_BLOCKS = 32
 
-    def __init__(self, client, ns: Namespace, kv_caches, *, layout: str | None = None) -> None:
+    def __init__(self, client, ns: Namespace, kv_caches, *, layout: str | None = None,
+                 fp8: Fp8Cache | None = None) -> None:
         self.client = client
         self.ns = ns
         self.layout = EngineLayout.of(kv_caches, ns.spec, layout)
+        self.fp8 = check_fp8(self.layout, ns, fp8)
         self._device_id = device_id(self.layout.device)  # sent with device slots' requests
         self._device_ok: bool | None = None  # does the daemon lend device slots? (asked once)
         self._warned_unreachable = False
@@ -145,6 +150,8 @@ class EngineCache:
         if ns.spec != self.ns.spec:
             raise InvalidArgument(f"namespace spec {ns.spec} is not the engine cache's "
                                   f"{self.ns.spec}")
+        if self.fp8 is not None:
+            self.fp8.check(ns)
         return ns
 
     def _blocks(self, tokens: Sequence[int], block_ids) -> tuple[Sequence[int], torch.Tensor]:

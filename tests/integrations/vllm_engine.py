@@ -13,6 +13,7 @@ other blocks whole and from its second block; it exits non-zero naming the first
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path,
                                     **ours)
     llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=1024,
               dtype="float32", enable_prefix_caching=False, max_num_seqs=4, seed=0,
+              kv_cache_dtype=os.environ.get("KVSTORE_TEST_CACHE_DTYPE", "auto"),
               disable_log_stats=False,  # the connector's stats go through vLLM's logger
               kv_transfer_config=transfer)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)

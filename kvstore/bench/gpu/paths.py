@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.bench.gpu.groups import group_rows
 from kvstore.bench.gpu.ready import ready_rows
 from kvstore.bench.gpu.rig import CODECS, SPEC, Rig, aligned, bench_ms, copy_ms, staged_load
 from kvstore.bench.report import BenchReport, Column
@@ -161,6 +162,9 @@ def run_gpu_bench(*, total_bytes: int = 2 << 30, quick: bool = False,
                          "D2H", d2h, ""))
 
     rows += ready_rows(rig, best, chunk_blocks, quick, ssd_dir, notes)
+    rig.pools.clear()  # room for the group rows' own buffers: MLA, fp8 pass-through, states
+    rig.hosts.clear()
+    rows += group_rows(device, min(total_bytes, 64 << 20 if quick else 1 << 30))
     notes.append(f"{n} blocks of {SPEC.block_bytes >> 20} MiB (32 layers, 8 KV heads, head dim "
                  "128, bf16, 16 tokens) scattered over an engine cache of twice as many pages")
     return BenchReport(name="gpu", title=f"GPU path ({torch.cuda.get_device_name(device)})",

@@ -23,6 +23,7 @@ from kvstore.codecs.device import ENCODABLE, SECTION_ALIGN, DeviceLayout
 from kvstore.codecs.triton.common import interpreter_enabled, kernels_runnable, on_device
 from kvstore.codecs.triton.fp4 import _e2m1_code, _e4m3_value, _mx_scales, _nv_scales
 from kvstore.codecs.triton.fp8 import _quantise_rows
+from kvstore.codecs.triton.passthrough import copy_rows
 from kvstore.errors import CodecError
 from kvstore.spec import EngineLayout
 
@@ -440,8 +441,9 @@ def _table(layout: EngineLayout, dev: DeviceLayout, addrs: torch.Tensor | list[i
            block_ids: torch.Tensor | list[int], layers: range) -> torch.Tensor:
     """The launch's table on the cache's device, checked on the host first: page addresses,
     engine block ids, then the layers' base addresses, one int64 tensor, one async copy."""
+    stored = torch.uint8 if layout.is_bytes else layout.dtype
     if dev.shape != (layout.num_layers, 2, layout.block_tokens, layout.num_kv_heads,
-                     layout.head_dim) or dev.dtype != layout.dtype:
+                     layout.head_dim) or dev.dtype != stored:
         raise CodecError(f"device pages of shape {dev.shape} {dev.dtype} do not fit an engine "
                          f"cache of {layout.num_layers} layers, {layout.block_tokens}-token "
                          f"pages, {layout.num_kv_heads} heads of {layout.head_dim}, "
@@ -506,7 +508,11 @@ def to_engine(layout: EngineLayout, dev: DeviceLayout, src: torch.Tensor | list[
     """Decode the device pages at addresses ``src`` into engine pages ``block_ids``: every
     layer (or the run ``layers``), K and V, in one launch on ``stream`` (None: current).
     ``host``: the pages lie in pinned host memory, read over the link (other tiles, wider
-    loads); ``tile`` (rows, warps) overrides the tile of either."""
+    loads); ``tile`` (rows, warps) overrides the tile of either. A one-byte (fp8) cache
+    takes raw pages only, copied as bytes (``passthrough``)."""
+    if layout.is_bytes:
+        _copy_bytes(layout, dev, src, block_ids, stream, layers, tile, to_engine=True)
+        return
     extra = {"WIDE": host}
     if dev.engine_codec >= INT4:
         k_codes, _, _, _, _ = dev.sections
@@ -527,7 +533,11 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
                 hw_round: bool | None = None, tile: tuple[int, int] | None = None) -> None:
     """Encode engine pages ``block_ids`` into device pages at ``dst``, one launch; fp8 pages
     are bit-identical to ``encode_fp8_reference`` (``hw_round``: see ``encode_fp8``), nvfp4
-    and mxfp4 pages to ``kvstore.codecs.fp4``'s references of each block."""
+    and mxfp4 pages to ``kvstore.codecs.fp4``'s references of each block. A one-byte (fp8)
+    cache gives raw pages only, its bytes as they are (``passthrough``)."""
+    if layout.is_bytes:
+        _copy_bytes(layout, dev, dst, block_ids, stream, None, tile, to_engine=False)
+        return
     if dev.codec not in ENCODABLE:
         raise CodecError(f"the engine kernels decode {dev.codec} pages but do not encode them; "
                          f"saves take {list(ENCODABLE)}")
@@ -540,6 +550,23 @@ def from_engine(layout: EngineLayout, dev: DeviceLayout, dst: torch.Tensor | lis
         hw_round = not interpreter_enabled()
     _launch(_from_engine_kernel, layout, dev, dst, block_ids, stream, None, tile, HW_ROUND=hw_round,
             enable_fp_fusion=False)
+
+
+def _copy_bytes(layout: EngineLayout, dev: DeviceLayout, addrs, block_ids,
+                stream: torch.cuda.Stream | None, layers: range | None,
+                tile: tuple[int, ...] | None, *, to_engine: bool) -> None:
+    """A one-byte cache's pages: raw only (a lossy codec would re-quantise fp8 bytes, and
+    their scales are the engine's), moved bit for bit."""
+    if dev.codec != "raw":
+        raise CodecError(f"codec {dev.codec} cannot {'decode into' if to_engine else 'encode'} "
+                         f"an engine cache of {layout.dtype}: fp8 engine pages are stored raw "
+                         "(or zstd on the host), bit for bit")
+    layers = range(layout.num_layers) if layers is None else layers
+    with on_device(layout.device), _on_stream(layout, stream):
+        table = _table(layout, dev, addrs, block_ids, layers)
+        n = (table.numel() - len(layers)) // 2
+        copy_rows(layout, table, n, layers, to_engine=to_engine,
+                  tile=tuple(tile[:2]) if tile else None)
 
 
 def _launch_fp4_save(layout: EngineLayout, dev: DeviceLayout, dst, block_ids,
