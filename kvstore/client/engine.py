@@ -269,12 +269,12 @@ class EngineCache:
         shape = spec.shape(n * spec.block_tokens)
         if not self._cuda():
             staging = aligned(n * dev.nbytes, self.layout.device)
-            from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids)
+            from_engine(self.layout, dev, strided_rows(staging.data_ptr(), dev.nbytes, n), ids)
             return _canonical(staging, dev, n).permute(1, 2, 0, 3, 4, 5).reshape(shape), None
         stream = stream or torch.cuda.current_stream(self.layout.device)
         with torch.cuda.stream(stream):  # the buffers belong to the stream that uses them
             staging = aligned(n * dev.nbytes, self.layout.device)
-            from_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, n), ids,
+            from_engine(self.layout, dev, strided_rows(staging.data_ptr(), dev.nbytes, n), ids,
                         stream)
             kv = _canonical(staging, dev, n).permute(1, 2, 0, 3, 4, 5).reshape(shape)
             host = torch.empty(shape, dtype=kv.dtype, pin_memory=True)
@@ -316,7 +316,7 @@ class EngineCache:
                                                              device=self._device_id))
         if lease is None:
             return self._load_host(ns, tokens, ids, stream, hit, first_block)
-        release = _releaser(self.client, lease)
+        release = releaser(self.client, lease)
         if not lease.blocks:
             release()
             return LoadHandle(0, [], None)
@@ -341,7 +341,7 @@ class EngineCache:
     def _handle(self, lease: Lease, events: list[object], release, source: str) -> LoadHandle:
         """The handle of a launched load; its lease goes back on the cache's worker once the
         last event passed (the pages are read by then)."""
-        self._releasing.submit(_release_after, events[-1] if events else None, release)
+        self._releasing.submit(release_after, events[-1] if events else None, release)
         return LoadHandle(lease.matched_tokens, events, None, source)
 
     def _decode(self, dev: DeviceLayout, addrs: torch.Tensor, ids: torch.Tensor, stream,
@@ -383,13 +383,13 @@ class EngineCache:
             end = min(total, loaded + piece)
             lease = self.client.acquire(ns, tokens[:end * bt], first_block=loaded)
             if not lease.tier and loaded:  # a daemon that ignores first_block: its pages
-                _releaser(self.client, lease)()  # would start at block 0
+                releaser(self.client, lease)()  # would start at block 0
                 return self._load_streamed(ns, tokens, ids, stream, first_block)
             if not lease.tier and end < total:  # such a daemon ignores first_block: lease all
-                _releaser(self.client, lease)()
+                releaser(self.client, lease)()
                 end = total
                 lease = self.client.acquire(ns, tokens)
-            release = _releaser(self.client, lease)
+            release = releaser(self.client, lease)
             if not lease.blocks:
                 release()
                 break
@@ -410,7 +410,7 @@ class EngineCache:
             except BaseException:  # pieces launched before give their leases back as they land
                 release()
                 raise
-            self._releasing.submit(_release_after, events[-1], release)
+            self._releasing.submit(release_after, events[-1], release)
             last = events[-1]
             loaded += got
             self._arena_tier = lease.tier
@@ -469,13 +469,13 @@ class EngineCache:
         staging = aligned(m * dev.nbytes, self.layout.device)
         blocks = kv.reshape(*kv.shape[:2], m, bt, *kv.shape[3:]).permute(2, 0, 1, 3, 4, 5)
         _canonical(staging, dev, m).copy_(blocks, non_blocking=True)
-        to_engine(self.layout, dev, _strided(staging.data_ptr(), dev.nbytes, m),
+        to_engine(self.layout, dev, strided_rows(staging.data_ptr(), dev.nbytes, m),
                   ids[first_block:n], stream)
         event = self._event(stream)
         return LoadHandle(n * bt, [event], lambda: staging, "stream")  # staging kept till waited
 
 
-def _strided(base: int, stride: int, n: int) -> torch.Tensor:
+def strided_rows(base: int, stride: int, n: int) -> torch.Tensor:
     """``n`` addresses from ``base``, ``stride`` bytes apart (an int64 CPU tensor)."""
     return torch.arange(n, dtype=torch.int64) * stride + base
 
@@ -508,7 +508,7 @@ def _canonical(staging: torch.Tensor, dev: DeviceLayout, n: int) -> torch.Tensor
     return pages.view(dev.dtype).view(n, *section.shape)
 
 
-def _release_after(event, release) -> None:
+def release_after(event, release) -> None:
     """``release()`` once ``event`` passed; a failure is logged (the lease then ends with
     the client's session, or at its deadline)."""
     try:
@@ -519,7 +519,7 @@ def _release_after(event, release) -> None:
         log.warning("kvstore: giving a load's lease back failed: %s", exc)
 
 
-def _releaser(client, lease: Lease):
+def releaser(client, lease: Lease):
     """Gives ``lease`` back once, through the client's late Releases (the next load's Acquire
     carries it)."""
     done = False

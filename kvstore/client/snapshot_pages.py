@@ -23,9 +23,9 @@ from kvstore.api import Medium
 from kvstore.client.engine import (
     EVENTS_KEPT,
     LoadHandle,
-    _release_after,
-    _releaser,
-    _strided,
+    release_after,
+    releaser,
+    strided_rows,
 )
 from kvstore.client.staging import aligned
 from kvstore.codecs.device import DeviceLayout, device_layout
@@ -139,7 +139,7 @@ class SnapshotPages:
         dev = device_layout("raw", ns.spec)
         with self._on(stream):
             staging = aligned(len(pages) * dev.nbytes, self.device)
-            write(dev, _strided(staging.data_ptr(), dev.nbytes, len(pages)),
+            write(dev, strided_rows(staging.data_ptr(), dev.nbytes, len(pages)),
                   list(range(len(pages))))
             event = self._event(stream)
         if event is not None:
@@ -175,7 +175,7 @@ class SnapshotPages:
                 lease = self.client.acquire(ns, toks, medium=Medium.DEVICE,
                                             device=self._device_id)
                 self._device_ok = True
-                releases.append(_releaser(self.client, lease))
+                releases.append(releaser(self.client, lease))
                 if not len(lease.blocks):
                     break  # one page missing: the batch is no hit
                 leases.append(lease)
@@ -196,7 +196,7 @@ class SnapshotPages:
             for release in releases:
                 release()
 
-        self._releasing.submit(_release_after, event, release_all)
+        self._releasing.submit(release_after, event, release_all)
         return LoadHandle(matched_tokens, [event], None, "device pool")
 
     def _load_host(self, ns: Namespace, pages: list[np.ndarray], read: Move, stream,
@@ -214,7 +214,7 @@ class SnapshotPages:
             view = staging.view(len(pages), dev.nbytes)[:, :section.nbytes]
             view.copy_(torch.stack([kv.reshape(-1).view(torch.uint8) for kv in got]),
                        non_blocking=True)
-            read(dev, _strided(staging.data_ptr(), dev.nbytes, len(pages)),
+            read(dev, strided_rows(staging.data_ptr(), dev.nbytes, len(pages)),
                  list(range(len(pages))))
             event = self._event(stream)
         return LoadHandle(matched_tokens, [event], lambda: staging, "stream")
