@@ -29,9 +29,13 @@ An MLA host pool (``MLATokenToKVPoolHost``, ``page_first`` or ``page_first_direc
 as one replicated ``latent`` cache group (``kvstore.integrations.sglang_mla``): keyed without
 the tensor-parallel rank, written by SGLang's storage writer only (``is_storage_writer``: rank
 0, as SGLang's own cache controller skips the backup on the other ranks) and loaded by every
-rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused,
-and so are other host pools (a hybrid model's Mamba, SWA, draft or indexer pools, which SGLang
-moves through its v2 batch calls; DeepSeek V4's compressed pools). The pipeline stage and the
+rank. Decode context parallelism (``dcp_size > 1``, each rank a slice of every page) is refused.
+
+A hybrid model's Mamba and SWA host pools (``register_mem_host_pool_v2``, moved by SGLang's v2
+batch calls) are cache groups behind the anchor pool's (``kvstore.integrations.sglang_hybrid``):
+a ``state`` group and a ``window`` group (``"swa_window_tokens"`` in the extra config names the
+window), the namespace binding every pool's geometry; ``batch_exists_v2`` is one grouped Lookup.
+Draft, indexer and DeepSeek V4's compressed pools are refused. The pipeline stage and the
 attention context-parallel rank are part of the key where there are several.
 """
 
@@ -44,10 +48,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.groups import CacheGroup, CacheSpec
+from kvstore.integrations.sglang_hybrid import KV as KV_POOL
+from kvstore.integrations.sglang_hybrid import MAMBA, SWA, HybridPools
 from kvstore.integrations.sglang_mla import MLAPages, is_mla_pool, latent_cache
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
@@ -55,6 +67,7 @@ from kvstore.spec import KVSpec
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
+HYBRID_POOLS = (MAMBA, SWA)  # the v2 pools kvstore stores as cache groups
 
 
 def page_tokens(key: str, page_size: int) -> np.ndarray:
@@ -84,6 +97,9 @@ class KVStoreHiCache(HiCacheStorage):
         self._client = Client(extra.get("address"), token=extra.get("token"))
         self.namespace: Namespace | None = None
         self._mla: MLAPages | None = None  # set for an MLA host pool
+        self._anchor: CacheGroup | None = None  # the anchor pool's group
+        self._salt = ""  # the anchor's part of the namespace salt
+        self._hybrid: HybridPools | None = None  # set once a Mamba or SWA pool registers
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host pool's geometry for the namespace; refuse layouts this cannot read."""
@@ -101,20 +117,43 @@ class KVStoreHiCache(HiCacheStorage):
         spec = KVSpec(num_layers=mem_pool_host.layer_num, num_kv_heads=mem_pool_host.head_num,
                       head_dim=mem_pool_host.head_dim, block_tokens=mem_pool_host.page_size,
                       dtype=mem_pool_host.dtype)
-        self.namespace = Namespace(
+        self._anchor = CacheGroup.attention(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                            spec.dtype, name="kv")
+        self._salt = f"sglang/{layout}"
+        self.namespace = self._namespace(spec)
+
+    def _namespace(self, spec: KVSpec | CacheSpec) -> Namespace:
+        return Namespace(
             model_id=self._config.model_name or "sglang", spec=spec,
             revision=str(self._extra.get("revision", "main")),
             tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size, extra_salt=f"sglang/{layout}{_stage(self._config)}")
+            tp_size=self._config.tp_size, extra_salt=f"{self._salt}{_stage(self._config)}")
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Refuse a hybrid model's further host pools (Mamba state, SWA, draft, indexer): they
-        move through SGLang's v2 batch calls, which this backend does not serve, so serving
-        would fail at the first prefetch instead of here."""
-        raise InvalidArgument(
-            f"SGLang host pool {str(host_pool_name)!r} ({type(host_pool).__name__}): kvstore's "
-            "HiCache backend stores one MHA or MLA KV pool; hybrid models' extra pools "
-            "(mamba, swa, draft, indexer) are not supported yet")
+        """Take a hybrid model's Mamba or SWA host pool as a cache group behind the anchor's
+        (``kvstore.integrations.sglang_hybrid``): the namespace then binds every pool's
+        geometry. The anchor's own entry (``kv``) changes nothing; other pools (draft,
+        indexer, DeepSeek V4's compressed pools) are refused here, so serving does not fail
+        at the first prefetch instead."""
+        name = str(host_pool_name)
+        if name == KV_POOL:
+            if host_pool is not getattr(self, "mem_pool_host", None):
+                raise InvalidArgument("SGLang's kv host pool must be the one registered "
+                                      "with register_mem_pool_host")
+            return
+        if name not in HYBRID_POOLS:
+            raise InvalidArgument(
+                f"SGLang host pool {name!r} ({type(host_pool).__name__}): kvstore's HiCache "
+                f"backend stores the KV pool and the hybrid pools {HYBRID_POOLS}; draft, "
+                "indexer and DeepSeek V4 pools are not supported yet")
+        if self._anchor is None:
+            raise InvalidArgument("register_mem_pool_host must be called before "
+                                  "register_mem_host_pool_v2")
+        if self._hybrid is None:
+            self._hybrid = HybridPools(self._anchor, self._ns().spec.block_tokens)
+        self._hybrid.add(name, host_pool, self._extra)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self.namespace = self._namespace(self._hybrid.cache())
 
     def _register_mla(self, pool: Any) -> None:
         if getattr(self._config, "dcp_size", 1) > 1:
@@ -125,12 +164,10 @@ class KVStoreHiCache(HiCacheStorage):
         cache = latent_cache(pool)
         super().register_mem_pool_host(pool)
         self._mla = MLAPages(pool, cache)
+        self._anchor = cache.groups[0]
         # The layout is not in the key: pages are stored in the group's own layout.
-        self.namespace = Namespace(
-            model_id=self._config.model_name or "sglang", spec=cache,
-            revision=str(self._extra.get("revision", "main")),
-            tenant=str(self._extra.get("tenant", "default")), tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size, extra_salt=f"sglang/mla{_stage(self._config)}")
+        self._salt = "sglang/mla"
+        self.namespace = self._namespace(cache)
 
     def _ns(self) -> Namespace:
         if self.namespace is None:
@@ -141,8 +178,9 @@ class KVStoreHiCache(HiCacheStorage):
         return page_tokens(key, self._ns().spec.block_tokens)
 
     def _pages_ns(self) -> Namespace:
-        """The namespace pages are put and read in: an MLA pool's latent group's own."""
-        return self._ns().group(0) if self._mla is not None else self._ns()
+        """The namespace the anchor pool's pages are put and read in: group 0's own where
+        the cache is made of groups (an MLA pool's latent group, a hybrid model's KV)."""
+        return self._ns().group(0) if self._ns().is_grouped else self._ns()
 
     def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
         """The token ids of the chain ``prefix_keys + keys`` and the number of pages before
@@ -161,10 +199,12 @@ class KVStoreHiCache(HiCacheStorage):
     # ------------------------------------------------------------------------- probes
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, are stored: one Lookup of the chain."""
+        """How many of ``keys``, from the first, are stored: one Lookup of the chain (of the
+        anchor's group alone where hybrid pools are registered: the KV pages this asks for)."""
         tokens, first = self._chain(keys, extra_info)
+        ns = self._ns() if self._hybrid is None else self._pages_ns()
         try:
-            matched = self._client.lookup(self._ns(), tokens).matched_tokens
+            matched = self._client.lookup(ns, tokens).matched_tokens
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed: %s", exc)
             return 0
@@ -178,7 +218,7 @@ class KVStoreHiCache(HiCacheStorage):
     def _pages(self, host_indices: torch.Tensor) -> tuple[list[int], int]:
         """The pointers of each host page (K, V, K, V, ...) and the bytes behind each."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        spec = self._ns().spec
+        spec = self._pages_ns().spec
         page_bytes = (spec.block_tokens * spec.num_layers * spec.num_kv_heads * spec.head_dim
                       * spec.torch_dtype.itemsize)
         if any(size != page_bytes for size in sizes):
@@ -189,7 +229,7 @@ class KVStoreHiCache(HiCacheStorage):
     def _host_views(self, ptrs: list[int], page_bytes: int
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) views of each host page, ``[page_size, num_layers, heads, head_dim]``."""
-        spec = self._ns().spec
+        spec = self._pages_ns().spec
         shape = (spec.block_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         views = [_host_view(p, page_bytes, spec.torch_dtype, shape) for p in ptrs]
         return list(zip(views[0::2], views[1::2], strict=True))
@@ -198,7 +238,7 @@ class KVStoreHiCache(HiCacheStorage):
         """The pages as one canonical ``[L, 2, pages * page_size, H, D]`` tensor: a strided
         view of the host pool when the pages lie one after another with V a fixed distance
         behind K (no copy), else a copy of each page."""
-        spec = self._ns().spec
+        spec = self._pages_ns().spec
         item = spec.torch_dtype.itemsize
         k0, v0, num_pages = ptrs[0], ptrs[1], len(ptrs) // 2
         in_order = v0 > k0 and (v0 - k0) % item == 0 and all(
@@ -235,7 +275,7 @@ class KVStoreHiCache(HiCacheStorage):
             loaded += 1
 
         try:
-            self._client.read_blocks(self._ns(), tokens, copy_in, first_block=first)
+            self._client.read_blocks(self._pages_ns(), tokens, copy_in, first_block=first)
         except KVStoreError as exc:
             logger.warning("kvstore get failed after %d of %d pages: %s", loaded, len(keys),
                            exc)
@@ -252,11 +292,58 @@ class KVStoreHiCache(HiCacheStorage):
             return self._mla_set(keys, tokens, first, host_indices, extra_info)
         kv = self._canonical(*self._pages(host_indices))
         try:
-            self._client.put(self._ns(), tokens, kv, first_block=first)
+            self._client.put(self._pages_ns(), tokens, kv, first_block=first)
         except KVStoreError as exc:
             logger.warning("kvstore put failed: %s", exc)
             return [False] * len(keys)
         return [True] * len(keys)
+
+    # ------------------------------------------------- hybrid pools: the v2 calls
+
+    def _hybrid_pools(self) -> HybridPools:
+        if self._hybrid is None:
+            raise InvalidArgument("SGLang's v2 batch calls move hybrid pools; none was "
+                                  "registered with register_mem_host_pool_v2")
+        return self._hybrid
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """How many of ``keys`` lead a prefix at whose end every pool has what its hit
+        policy needs: one grouped Lookup (``HybridPools.exists``)."""
+        tokens, first = self._chain(keys, extra_info)
+        if self._hybrid is None:
+            hit = self.batch_exists(keys, extra_info)
+            return PoolTransferResult(hit, {KV_POOL: hit} if hit else {},
+                                      list(range(1, hit + 1)))
+        return self._hybrid.exists(lambda t: self._client.lookup(self._ns(), t), tokens, first,
+                                   len(keys), list(pool_transfers or []))
+
+    def _batch_v2(self, transfers: list[PoolTransfer], extra_info: Any, is_set: bool
+                  ) -> dict[Any, list[bool]]:
+        """Each transfer's per-key results: the anchor's through the v1 path, a hybrid
+        pool's through its group; ``prefix_keys + keys`` is each transfer's chain."""
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == KV_POOL:
+                move = self.batch_set_v1 if is_set else self.batch_get_v1
+                results[transfer.name] = move(keys, transfer.host_indices, extra_info)
+                continue
+            tokens, first = self._chain(keys, extra_info)
+            results[transfer.name] = self._hybrid_pools().move(
+                self._client, self._ns(), transfer, tokens, first, is_set=is_set)
+        return results
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Load each transfer's pages into its host pool; per pool, a success per key."""
+        return self._batch_v2(transfers, extra_info, is_set=False)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Store each transfer's host pages; per pool, a success per key. Every TP rank
+        stores its own Mamba and SWA shards (they are sharded, not replicated)."""
+        return self._batch_v2(transfers, extra_info, is_set=True)
 
     # ------------------------------------------------------------- MLA host pools
 
