@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from kvstore.errors import InvalidArgument
 from kvstore.integrations.sglang import KVStoreHiCache
 from tests.integrations.test_sglang import PAGE_SIZE, HostPool, pages
+from tests.integrations.test_sglang_mla import MLAHostPool, same_bits
 from tests.server.helpers import DaemonThread, rpc_calls, short_tmpdir, small_config
 
 WINDOW_PAGES = 2
@@ -100,19 +101,23 @@ def daemon():
 
 
 class Pools:
-    def __init__(self, seed: int | None = None) -> None:
-        self.kv = HostPool(seed=seed)
+    """A hybrid model's host pools: full-attention KV (the anchor), Mamba, SWA."""
+
+    def __init__(self, seed: int | None = None, kv: object | None = None,
+                 swa: bool = True) -> None:
+        self.kv = kv if kv is not None else HostPool(seed=seed)
         self.mamba = MambaHostPool(seed=None if seed is None else seed + 100)
-        self.swa = SWAHostPool(seed=None if seed is None else seed + 200)
+        self.swa = SWAHostPool(seed=None if seed is None else seed + 200) if swa else None
 
 
-def backend(address: str, pools: Pools, **extra: object) -> KVStoreHiCache:
+def backend(address: str, pools: Pools, *, tp_rank: int = 0, tp_size: int = 1,
+            **extra: object) -> KVStoreHiCache:
     """The backend as SGLang's hybrid controller attaches it: the factory, the anchor pool,
     then every pool entry through ``register_mem_host_pool_v2``."""
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="tiny/hybrid",
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=isinstance(pools.kv, MLAHostPool),
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny/hybrid",
         extra_config={"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
                       "class_name": "KVStoreHiCache", "interface_v1": 1, "address": address,
                       "swa_window_tokens": WINDOW_PAGES * PAGE_SIZE, **extra})
@@ -120,7 +125,8 @@ def backend(address: str, pools: Pools, **extra: object) -> KVStoreHiCache:
     storage.register_mem_pool_host(pools.kv)
     for name, pool in ((PoolName.KV, pools.kv), (PoolName.MAMBA, pools.mamba),
                        (PoolName.SWA, pools.swa)):
-        storage.register_mem_host_pool_v2(pool, name)
+        if pool is not None:
+            storage.register_mem_host_pool_v2(pool, name)
     storage.on_host_pools_registered()
     assert isinstance(storage, KVStoreHiCache)
     return storage
@@ -281,3 +287,35 @@ def test_unsupported_pools_are_refused_at_registration(daemon):
     pools.mamba.slot_state_buffers = [torch.zeros(8, 4)]
     with pytest.raises(InvalidArgument, match="side states"):
         backend(address, pools)
+
+
+def test_mla_with_mamba_state_one_latent_copy_and_a_state_per_rank(daemon):
+    """An MLA model with Mamba-style state (Kimi Linear's shape) at TP=2: the latent is one
+    copy written by SGLang's storage writer (rank 0) and loaded by both ranks; each rank's
+    state shard is its own, so a rank whose shard is not stored has no hit."""
+    address = daemon.unix_address
+    ranks = [Pools(seed=10 + r, kv=MLAHostPool(seed=10 + r), swa=False) for r in range(2)]
+    storage = [backend(address, ranks[r], tp_rank=r, tp_size=2) for r in range(2)]
+    mamba_only = [PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING)]
+
+    def state(r: int) -> None:
+        transfer = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([r]), keys=[KEYS[2]],
+                                hit_policy=TRAILING)
+        assert storage[r].batch_set_v2([transfer], after(*KEYS[:2])) == {PoolName.MAMBA: [True]}
+
+    state(0)
+    assert storage[0].batch_set_v1(KEYS[:3], pages(0, 1, 2), after()) == [True] * 3
+    assert storage[0].batch_exists_v2(KEYS[:3], mamba_only, after()).kv_hit_pages == 3
+    assert storage[1].batch_exists_v2(KEYS[:3], mamba_only, after()).kv_hit_pages == 0
+    state(1)
+    assert storage[1].batch_set_v1(KEYS[:3], pages(0, 1, 2), after()) == [True] * 3  # stored
+    assert storage[1].batch_exists_v2(KEYS[:3], mamba_only, after()).kv_hit_pages == 3
+    target = Pools(kv=MLAHostPool(), swa=False)
+    reader = backend(address, target, tp_rank=1, tp_size=2)
+    assert reader.batch_get_v1(KEYS[:3], pages(5, 6, 7), after()) == [True] * 3
+    assert reader.batch_get_v2(
+        [PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([4]), keys=[KEYS[2]],
+                      hit_policy=TRAILING)], after(*KEYS[:2])) == {PoolName.MAMBA: [True]}
+    for host, stored in ((5, 0), (6, 1), (7, 2)):
+        assert same_bits(target.kv.page(host), ranks[0].kv.page(stored))  # rank 0's latent
+    assert torch.equal(target.mamba.get_data_page(4), ranks[1].mamba.get_data_page(1))

@@ -251,13 +251,15 @@ def test_pages_are_the_latent_groups_format(daemon, dtype):
     assert same_bits(rows, torch.cat([source.page(3), source.page(5)], dim=1))
 
 
-def test_a_hybrid_models_extra_pools_are_refused_at_attach(daemon):
-    """SGLang registers a hybrid model's Mamba (or SWA, draft) host pool after the KV pool and
-    then calls the v2 batch methods this backend does not serve: the registration is refused
-    with the pool's name, instead of a NotImplementedError at the first prefetch."""
+def test_a_hybrid_models_unsupported_pools_are_refused_at_attach(daemon):
+    """SGLang registers a hybrid model's further host pools after the KV pool: a draft pool
+    (which this backend does not store), or a "mamba" pool that is no Mamba host pool, is
+    refused with the pool's name at registration, not at the first prefetch."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     storage = backend(daemon.unix_address, MLAHostPool())
+    with pytest.raises(InvalidArgument, match="'draft'"):
+        storage.register_mem_host_pool_v2(object(), PoolName.DRAFT)
     with pytest.raises(InvalidArgument, match="'mamba'"):
         storage.register_mem_host_pool_v2(object(), PoolName.MAMBA)
 
