@@ -312,6 +312,10 @@ class KVStoreHiCache(HiCacheStorage):
         policy needs: one grouped Lookup (``HybridPools.exists``)."""
         tokens, first = self._chain(keys, extra_info)
         if self._hybrid is None:
+            others = [str(t.name) for t in pool_transfers or () if str(t.name) != KV_POOL]
+            if others:  # pools never registered here: their pages were never stored
+                logger.error("kvstore holds no pages of SGLang pools %s", others)
+                return PoolTransferResult(0, {}, [])
             hit = self.batch_exists(keys, extra_info)
             return PoolTransferResult(hit, {KV_POOL: hit} if hit else {},
                                       list(range(1, hit + 1)))

@@ -319,3 +319,25 @@ def test_mla_with_mamba_state_one_latent_copy_and_a_state_per_rank(daemon):
     for host, stored in ((5, 0), (6, 1), (7, 2)):
         assert same_bits(target.kv.page(host), ranks[0].kv.page(stored))  # rank 0's latent
     assert torch.equal(target.mamba.get_data_page(4), ranks[1].mamba.get_data_page(1))
+
+
+def test_clear_drops_every_pools_pages(daemon):
+    """SGLang's cache flush (``clear``) drops the model's KV, window and state pages alike."""
+    storage = backend(daemon.unix_address, Pools(seed=11))
+    back_up(storage, 3, slot=0, swa_pages=[1, 2])
+    assert query(storage, 3).kv_hit_pages == 3
+    storage.clear()
+    assert query(storage, 3).kv_hit_pages == 0
+    assert load(storage, 3, slot=1, swa_pages=[4, 5], kv_pages=[5, 6, 7]) == {
+        PoolName.KV: [False] * 3, PoolName.MAMBA: [False], PoolName.SWA: [False] * 2}
+
+
+def test_an_mha_backend_without_hybrid_pools_reports_no_pool_it_never_stored(daemon):
+    """The v2 hit query on a backend that registered no hybrid pool: a KV-only query is the
+    v1 answer; a query that needs another pool's pages is no hit."""
+    storage = backend(daemon.unix_address, Pools(seed=12))
+    plain = StorageBackendFactory.create_backend("dynamic", storage._config, HostPool())
+    plain.register_mem_pool_host(storage.mem_pool_host)
+    assert plain.batch_set_v1(KEYS[:2], pages(0, 1), after()) == [True, True]
+    assert plain.batch_exists_v2(KEYS[:2], [], after()).kv_hit_pages == 2
+    assert query(plain, 2).kv_hit_pages == 0
