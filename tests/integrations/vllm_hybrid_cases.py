@@ -1,0 +1,96 @@
+"""Runs in the vLLM venv: a tiny random-weight Gemma3 text model (sliding-window and full
+attention layers) under vLLM's hybrid allocator, through the kvstore connector.
+
+    python vllm_hybrid_cases.py build MODEL_DIR
+    python vllm_hybrid_cases.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON PREFIX_CACHING
+
+``generate`` runs each prompt list in order (one request at a time) and writes the outputs,
+the engine's kv-cache groups as vLLM built them, whether its hybrid allocator was on, the
+connector's namespace and its worker stats.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB = 512
+BLOCK_SIZE = 32
+WINDOW_TOKENS = 64
+
+
+def build(out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": "t1",
+        "eos_token": "t2", "model_max_length": 2048}))
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        sliding_window=WINDOW_TOKENS,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(config)
+    # Weights at the usual init scale and small embeddings (Gemma multiplies them by
+    # sqrt(hidden)), so the layers' attention weighs in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.normal_(0, 0.05)
+            elif p.dim() > 1:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+
+
+def generate(model: str, address: str, prompts: list[list[int]], out: Path,
+             prefix_caching: bool) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kvstore.integrations.vllm_groups import cache_spec
+
+    transfer = KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"address": address, "revision": "r1"})
+    llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=1024,
+              dtype="float32", enable_prefix_caching=prefix_caching, max_num_seqs=4, seed=0,
+              disable_log_stats=False, kv_transfer_config=transfer)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+    results = []
+    for ids in prompts:
+        first = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        sample = first.outputs[0]
+        results.append({
+            "tokens": list(sample.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)],
+            "num_cached_tokens": first.num_cached_tokens})
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core if hasattr(engine.engine_core, "engine_core") \
+        else None
+    vllm_config = engine.vllm_config
+    kv_cache_config = core.scheduler.kv_cache_config if core is not None else None
+    connector = core.scheduler.connector if core is not None else None
+    cache = cache_spec(kv_cache_config, BLOCK_SIZE) if kv_cache_config is not None else None
+    namespace = connector._namespace(None).to_dict() if connector is not None else None
+    out.write_text(json.dumps({
+        "results": results, "namespace": namespace,
+        "hybrid_allocator": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "groups": None if cache is None else cache.to_dict()["groups"]}))
+
+
+if __name__ == "__main__":  # the engine starts its workers by spawn
+    if sys.argv[1] == "build":
+        build(Path(sys.argv[2]))
+    else:
+        generate(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text()),
+                 Path(sys.argv[5]), sys.argv[6] == "1")
