@@ -224,7 +224,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # kvstore groups (``vllm_groups``); None: one group, as before. Its loads follow
         # vLLM's asynchronous protocol (block-level load errors are taken from a model of one
         # group only); a load reported failed is recomputed whole.
-        self._cache = cache_spec(kv_cache_config, self._block_size)
+        self._cache = cache_spec(kv_cache_config)
+        if self._cache is not None:
+            self._block_size = self._cache.block_tokens
         self._async_loads: list[str] = []  # allocated, their load not planned yet
         self._groups: GroupedTransfers | None = None  # worker: a hybrid model's transfers
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.

