@@ -126,3 +126,62 @@ def test_cpu_groups_vllm_cannot_lay_out_there_are_refused_by_name(client):
     wrong = [torch.zeros(24, HEADS, BT, HEAD_DIM) for _ in range(2)]
     with pytest.raises(InvalidArgument, match="window group 'sliding' layer 0"):
         GroupedTransfers(client, NS, [wrong, wrong])
+
+
+GPU_DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_cache(seed: int | None) -> list[torch.Tensor]:
+    """Two layers as vLLM 0.26 registers them on CUDA: logical ``[B, H, N, 2D]`` over NHD
+    memory ``[B, N, H, 2D]``, bf16 (CPU tensors through Triton's interpreter without CUDA)."""
+    memory = (24, BT, HEADS, 2 * HEAD_DIM)
+    layers = []
+    for i in range(2):
+        if seed is None:
+            t = torch.zeros(memory, dtype=torch.bfloat16, device=GPU_DEVICE)
+        else:
+            g = torch.Generator().manual_seed(seed + i)
+            t = torch.randn(memory, generator=g).to(torch.bfloat16).to(GPU_DEVICE)
+        layers.append(t.permute(0, 2, 1, 3))
+    return layers
+
+
+def test_the_gpu_path_moves_a_window_group_by_block_subsets(client):
+    """The same hybrid cache through kvstore's kernels (``KernelTransfers`` per group, each
+    with its group's namespace): the window's blocks move one page each, the full group's as
+    a prefix, and the null block is never written."""
+    from kvstore.codecs.triton.common import kernels_runnable
+    from kvstore.integrations.vllm_kernels import KernelTransfers
+
+    if not kernels_runnable(torch.device(GPU_DEVICE)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    bf16 = Namespace(model_id="hybrid-gpu", revision="r1", extra_salt="vllm/cuda", spec=CacheSpec((
+        CacheGroup.attention(2, HEADS, HEAD_DIM, "bfloat16", window_tokens=WINDOW,
+                             name="sliding"),
+        CacheGroup.attention(2, HEADS, HEAD_DIM, "bfloat16", name="full")), BT))
+
+    def kernels(gns, tensors):
+        return KernelTransfers(client, gns, tensors)
+
+    src = gpu_cache(0)
+    moved = GroupedTransfers(client, bf16, [src, src], kernels)
+    for _, gather in moved.gathers("r", bf16, TOKENS, [[0, 0, 0, 0, 11, 12],
+                                                       [1, 2, 3, 4, 5, 6]], 0):
+        job = gather()
+        client.put(job.ns, job.token_ids, job.kv, first_block=job.first_block)
+    assert client.lookup(bf16, TOKENS).matched_tokens == 6 * BT
+    assert client.stats().tiers["dram"].num_blocks == 8
+
+    dst = gpu_cache(None)
+    loader = GroupedTransfers(client, bf16, [dst, dst], kernels)
+    loader.start()
+    assert loader.load(bf16, TOKENS, [[0, 0, 0, 0, 20, 21], [13, 14, 15, 16, 17, 18]], 0)
+    loader.finish()
+    if GPU_DEVICE != "cpu":
+        torch.cuda.synchronize()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[20, 21]].cpu(), s[[11, 12]].cpu())
+        assert torch.equal(d[[13, 14, 15, 16, 17, 18]].cpu(), s[[1, 2, 3, 4, 5, 6]].cpu())
+        assert not d[NULL_BLOCK_ID].any()
+    moved.close()
+    loader.close()

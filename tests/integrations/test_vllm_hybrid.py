@@ -189,3 +189,37 @@ def test_a_fresh_engine_loads_the_states_and_generates_what_the_prefix_cache_did
     assert first_b["logprobs"] == pytest.approx(warm_a["logprobs"], rel=1e-3, abs=1e-3)
     assert longer_b["tokens"] == longer_a["tokens"]
     assert longer_b["logprobs"] == pytest.approx(longer_a["logprobs"], rel=1e-3, abs=1e-3)
+
+
+def test_vllm_group_specs_map_one_to_one_or_are_refused_by_name():
+    """``cache_spec`` on kv-cache configs built from vLLM 0.32's own spec classes: full ->
+    attention (K and V dims may differ), sliding -> window of its width, MLA -> latent
+    (replicated across TP), Mamba -> state (its shapes and dtypes, one part each); one group
+    keeps the single-group path; fp8, chunked local attention, Mamba without per-block
+    states and mixed block sizes are refused with what was found."""
+    root = short_tmpdir()
+    try:
+        out = root / "mapping.json"
+        run_cases(root, "mapping", str(out), timeout_s=120)
+        got = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def kinds(case):
+        return [(g["kind"], g.get("window_tokens"), g.get("is_replicated", False),
+                 [(p["name"], p["shape"], p["dtype"]) for p in g["parts"]])
+                for g in got[case]["groups"]]
+
+    kv = [("k", [2, 64], "bfloat16"), ("v", [2, 64], "bfloat16")]
+    assert kinds("sliding_full") == [("window", 128, False, kv), ("attention", None, False, kv)]
+    assert kinds("dims_differ")[0] == ("attention", None, False, [
+        ("k", [2, 192], "bfloat16"), ("v", [2, 128], "bfloat16")])
+    assert kinds("mla_sliding")[0] == ("latent", None, True, [("kv", [576], "bfloat16")])
+    assert kinds("mamba_full")[0] == ("state", None, False, [
+        ("state0", [3, 64], "bfloat16"), ("state1", [4, 16, 16], "float32")])
+    assert got["sliding_full"]["block_tokens"] == 16
+    assert got["one_group"] is None
+    assert "kv_quant_mode" in got["fp8"]["error"]
+    assert "chunked" in got["chunked"]["error"].lower()
+    assert "mamba_cache_mode='none'" in got["mamba_none"]["error"]
+    assert "block sizes [16, 32]" in got["block_sizes"]["error"]

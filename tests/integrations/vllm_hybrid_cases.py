@@ -4,6 +4,7 @@ and a Qwen3-Next model (gated delta net layers, Mamba-style state groups, and fu
 
     python vllm_hybrid_cases.py build MODEL_DIR gemma3|qwen3_next
     python vllm_hybrid_cases.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON PREFIX_CACHING DTYPE
+    python vllm_hybrid_cases.py mapping OUT_JSON
 
 ``generate`` runs each prompt list in order (one request at a time) and writes the outputs,
 the engine's kv-cache groups as vLLM built them, whether its hybrid allocator was on, the
@@ -103,8 +104,57 @@ def generate(model: str, address: str, prompts: list[list[int]], out: Path,
         "groups": None if cache is None else cache.to_dict()["groups"]}))
 
 
+def mapping(out: Path) -> None:
+    """``vllm_groups.cache_spec`` of kv-cache configs built from vLLM's own spec classes: each
+    case's groups, or the error it raised."""
+    import torch
+    from vllm.v1 import kv_cache_interface as kci
+
+    from kvstore.errors import KVStoreError
+    from kvstore.integrations.vllm_groups import cache_spec
+
+    bf16 = torch.bfloat16
+    full = kci.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=bf16)
+    mla_dims = kci.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=192,
+                                     head_size_v=128, dtype=bf16)
+    sliding = kci.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=bf16,
+                                    sliding_window=128)
+    mla = kci.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf16)
+    mamba = kci.MambaSpec(block_size=16, shapes=((3, 64), (4, 16, 16)),
+                          dtypes=(bf16, torch.float32), mamba_cache_mode="align")
+    cases = {
+        "sliding_full": [sliding, full],
+        "dims_differ": [mla_dims, sliding],
+        "mla_sliding": [mla, sliding],
+        "mamba_full": [mamba, full],
+        "one_group": [full],
+        "fp8": [kci.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                      dtype=torch.uint8,
+                                      kv_quant_mode=kci.KVQuantMode.FP8_PER_TENSOR), sliding],
+        "chunked": [kci.ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                                  dtype=bf16, attention_chunk_size=64), full],
+        "mamba_none": [kci.MambaSpec(block_size=16, shapes=((3, 64),), dtypes=(bf16,),
+                                     mamba_cache_mode="none"), full],
+        "block_sizes": [sliding, kci.FullAttentionSpec(block_size=32, num_kv_heads=2,
+                                                       head_size=64, dtype=bf16)],
+    }
+    results = {}
+    for name, specs in cases.items():
+        config = kci.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            kci.KVCacheGroupSpec([f"model.layers.{g}.{i}" for i in range(2)], spec)
+            for g, spec in enumerate(specs)])
+        try:
+            cache = cache_spec(config)
+            results[name] = None if cache is None else cache.to_dict()
+        except KVStoreError as exc:
+            results[name] = {"error": str(exc)}
+    out.write_text(json.dumps(results))
+
+
 if __name__ == "__main__":  # the engine starts its workers by spawn
-    if sys.argv[1] == "build":
+    if sys.argv[1] == "mapping":
+        mapping(Path(sys.argv[2]))
+    elif sys.argv[1] == "build":
         build(Path(sys.argv[2]), sys.argv[3])
     else:
         generate(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text()),
