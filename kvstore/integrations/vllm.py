@@ -228,6 +228,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._cache is not None:
             self._block_size = self._cache.block_tokens
         self._async_loads: list[str] = []  # allocated, their load not planned yet
+        self._failed_loads: set[str] = set()  # requests whose load failed: never loaded again
         self._groups: GroupedTransfers | None = None  # worker: a hybrid model's transfers
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
         self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
@@ -323,7 +324,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         asks again next step, and the scheduler never waits on a slow tier."""
         usable = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
         tracked = self._track(request)
-        if usable <= num_computed_tokens or not self._loads_enabled:
+        if usable <= num_computed_tokens or not self._loads_enabled \
+                or request.request_id in self._failed_loads:
             return 0, False
         ids = self._key_ids(tracked, usable)
         if ids is None:
@@ -434,6 +436,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """True (vLLM keeps the blocks until ``get_finished`` names the request) where a
         save was planned for it: its puts may still be running on the workers."""
         tracked = self._tracked.pop(request.request_id, None)
+        self._failed_loads.discard(request.request_id)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         return tracked is not None and tracked.has_saves, None
@@ -644,7 +647,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return report
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Scheduler side: keep the workers' reports of stored blocks for ``take_events``."""
+        """Scheduler side: keep the workers' reports of stored blocks for ``take_events``, and
+        the requests whose hybrid load failed: those are computed from now on (a lookup may
+        still find a page the load could not use, and would send them back to it)."""
+        self._failed_loads |= set(getattr(connector_output, "failed_recving", None) or ())
         report = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(report, KVStoreKVEvents):
             return

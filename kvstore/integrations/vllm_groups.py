@@ -14,6 +14,15 @@ same tensor, a block id is owned by one group at a time. The groups map one to o
 - ``MLAAttentionSpec`` -> ``latent`` (one row of ``head_size`` elements, replicated across TP);
 - ``MambaSpec`` -> ``state`` (its ``shapes`` and ``dtypes``, one part each; ``tp_replicated``).
 
+A hit is the daemon's grouped lookup (every group whole at n). Its load follows vLLM's
+asynchronous protocol (``get_num_new_matched_tokens`` answers True): vLLM 0.32's scheduler
+takes block-level load errors from a model of one group only and raises for several, so the
+worker does the load in ``start_load_kv`` and names the request received (``get_finished``),
+and failed where a group was not whole (``get_transfer_results``' ``failed_recving``): vLLM
+recomputes it, and the scheduler side never offers that request a hit again. A state group
+(vLLM's ``mamba_cache_mode="align"``, prefix caching on) keeps the state at block boundary n in
+block n - 1 of its table: that block is the snapshot saved, and the one a load writes.
+
 A model of one group keeps the connector's single-group path (its namespace, keys and pages
 are exactly what they were). Refused with the spec that was found: quantized caches
 (``kv_quant_mode``), chunked local attention (a chunk needs the blocks from its start, not a

@@ -223,3 +223,31 @@ def test_vllm_group_specs_map_one_to_one_or_are_refused_by_name():
     assert "chunked" in got["chunked"]["error"].lower()
     assert "mamba_cache_mode='none'" in got["mamba_none"]["error"]
     assert "block sizes [16, 32]" in got["block_sizes"]["error"]
+
+
+def test_a_failed_hybrid_load_is_recomputed_and_never_offered_again():
+    """Regression: vLLM 0.32 takes block-level load errors from a model of one kv-cache group
+    only (it raises for several), so a hybrid load that failed could not be reported. Now a
+    hybrid hit is an asynchronous load: one run while the daemon is stopped is reported
+    received and failed within ``load_timeout_ms`` (vLLM recomputes the request), the same
+    request is not offered the hit again, and another request loads the blocks whole."""
+    root = short_tmpdir()
+    daemon = DaemonProcess(small_config(root, dram_bytes=64 * MiB), root)
+    try:
+        daemon.wait_ready()
+        model = root / "model"
+        run_cases(root, "build", str(model), "gemma3")
+        out = root / "failed.json"
+        run_cases(root, "failed_load", str(model), daemon.address, str(daemon.proc.pid),
+                  str(out))
+        got = json.loads(out.read_text())
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    assert got["first_hit"] == [6 * BLOCK_SIZE, True]  # an asynchronous load
+    assert got["stopped"] == {"received": ["b"], "failed": ["b"]}
+    assert got["elapsed_s"] < 20  # a liveness bound: the load gave up after 300 ms
+    assert got["asked_again"] == [0, False]
+    assert got["second_hit"] == [6 * BLOCK_SIZE, True]
+    assert got["loaded"] == {"received": ["c"], "failed": []}
+    assert got["same"] is True and got["null_untouched"] is True

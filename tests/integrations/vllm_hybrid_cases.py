@@ -5,6 +5,7 @@ and a Qwen3-Next model (gated delta net layers, Mamba-style state groups, and fu
     python vllm_hybrid_cases.py build MODEL_DIR gemma3|qwen3_next
     python vllm_hybrid_cases.py generate MODEL_DIR ADDRESS PROMPTS_JSON OUT_JSON PREFIX_CACHING DTYPE
     python vllm_hybrid_cases.py mapping OUT_JSON
+    python vllm_hybrid_cases.py failed_load MODEL_DIR ADDRESS DAEMON_PID OUT_JSON
 
 ``generate`` runs each prompt list in order (one request at a time) and writes the outputs,
 the engine's kv-cache groups as vLLM built them, whether its hybrid allocator was on, the
@@ -151,9 +152,129 @@ def mapping(out: Path) -> None:
     out.write_text(json.dumps(results))
 
 
+def failed_load(model: str, address: str, pid: int, out: Path) -> None:
+    """The Gemma3 model's two groups driven through both connector halves (no engine): a
+    request is saved; a second one is told a hit of 6 blocks (vLLM's asynchronous load), and
+    its load runs while the daemon is stopped (``load_timeout_ms`` 300). The worker must
+    report it received and failed (vLLM recomputes it), the scheduler must not offer it a hit
+    again; a third request then loads the same blocks whole, byte for byte."""
+    import os
+    import signal
+    import time
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1 import kv_cache_interface as kci
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvstore.integrations.vllm import KVStoreConnector
+
+    config = EngineArgs(
+        model=model, block_size=BLOCK_SIZE, dtype="float32", max_model_len=1024,
+        enforce_eager=True, kv_transfer_config=KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_module_path="kvstore.integrations.vllm",
+            kv_connector_extra_config={"address": address, "revision": "r1",
+                                       "load_timeout_ms": 300})).create_engine_config()
+    spec = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32,
+            "dtype": torch.float32}
+    names = [[f"model.layers.{i}.self_attn.attn" for i in (0, 2)],
+             [f"model.layers.{i}.self_attn.attn" for i in (1, 3)]]
+    kv_cache_config = kci.KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
+        kci.KVCacheGroupSpec(names[0], kci.SlidingWindowSpec(**spec,
+                                                             sliding_window=WINDOW_TOKENS)),
+        kci.KVCacheGroupSpec(names[1], kci.FullAttentionSpec(**spec))])
+    scheduler = KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    parallel_state.get_tensor_model_parallel_rank = lambda: 0
+    worker = KVStoreConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    g = torch.Generator().manual_seed(0)
+    shared = [torch.randn(32, 2, BLOCK_SIZE, 64, generator=g) for _ in range(2)]
+    for t in shared:
+        t[0].zero_()  # vLLM's null block
+    worker.register_kv_caches({n: shared[i] for group in names for i, n in enumerate(group)})
+    tokens = list(range(3, 203))  # 200: 6 full blocks
+
+    def request(req_id: str):
+        return Request(req_id, tokens, SamplingParams(max_tokens=1), None)
+
+    class Blocks:  # what update_state_after_alloc reads of vLLM's KVCacheBlocks
+        def __init__(self, ids):
+            self.ids = ids
+
+        def get_block_ids(self):
+            return self.ids
+
+    saved = request("a")
+    scheduler.get_num_new_matched_tokens(saved, 0)
+    scheduler.update_state_after_alloc(saved, Blocks(([], [])), 0)
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData.from_request(
+        saved, ([0, 0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]))]
+    step.num_scheduled_tokens = {"a": len(tokens)}
+    worker.bind_connector_metadata(scheduler.build_connector_meta(step))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    scheduler.request_finished_all_groups(saved, ([], []))
+    while "a" not in (worker.get_finished({"a"})[0] or set()):
+        time.sleep(0.01)
+
+    def ask(req) -> tuple:
+        for _ in range(1000):
+            hit = scheduler.get_num_new_matched_tokens(req, 0)
+            if hit[0] is not None:
+                return hit
+            time.sleep(0.01)
+        return hit
+
+    def load(req, ids) -> tuple:
+        scheduler.update_state_after_alloc(req, Blocks(ids), 6 * BLOCK_SIZE)
+        worker.bind_connector_metadata(scheduler.build_connector_meta(
+            SchedulerOutput.make_empty()))
+        worker.start_load_kv(None)
+        results = worker.get_transfer_results(set())
+        worker.clear_connector_metadata()
+        scheduler.update_connector_output(KVConnectorOutput(
+            finished_recving=results.finished_recving, failed_recving=results.failed_recving))
+        return results
+
+    failing = request("b")
+    first_hit = ask(failing)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        stopped = load(failing, ([0, 0, 0, 0, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24]))
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    asked_again = ask(failing)
+    whole = request("c")
+    second_hit = ask(whole)
+    loaded = load(whole, ([0, 0, 0, 0, 25, 26, 27], [1, 2, 3, 4, 28, 29, 30]))
+    same = all(torch.equal(t[dst], t[src]) for t in shared
+               for src, dst in ((5, 25), (6, 26), (8, 1), (9, 2), (10, 3), (11, 4), (12, 28),
+                                (13, 29)))
+    out.write_text(json.dumps({
+        "first_hit": list(first_hit), "elapsed_s": elapsed,
+        "stopped": {"received": sorted(stopped.finished_recving),
+                    "failed": sorted(stopped.failed_recving)},
+        "asked_again": list(asked_again), "second_hit": list(second_hit),
+        "loaded": {"received": sorted(loaded.finished_recving),
+                   "failed": sorted(loaded.failed_recving)},
+        "same": same, "null_untouched": all(not t[0].any() for t in shared)}))
+
+
 if __name__ == "__main__":  # the engine starts its workers by spawn
     if sys.argv[1] == "mapping":
         mapping(Path(sys.argv[2]))
+    elif sys.argv[1] == "failed_load":
+        failed_load(sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
     elif sys.argv[1] == "build":
         build(Path(sys.argv[2]), sys.argv[3])
     else:
