@@ -27,8 +27,10 @@ A model of one group keeps the connector's single-group path (its namespace, key
 are exactly what they were). Refused with the spec that was found: quantized caches
 (``kv_quant_mode``), chunked local attention (a chunk needs the blocks from its start, not a
 window's), sinks, sliding MLA, DeepSeek's sparse and indexer roles. The CPU copies move
-``attention`` and ``window`` groups (vLLM's CPU backend lays every attention layer out alike);
-``latent`` and ``state`` groups move through the GPU kernels only (``vllm_kernels``).
+``attention``, ``window`` and ``state`` groups (``vllm_copies``); vLLM's CPU backend runs no
+MLA. On a GPU, kvstore's kernels (``vllm_kernels``) move ``attention``, ``window`` and
+``latent`` groups; a ``state`` group on a GPU is refused (EngineCache has no layout for
+vLLM's state pages yet).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ logger = logging.getLogger(__name__)
 # every version this follows (0.26, 0.32, 0.34); a sliding group's block table holds it for the
 # blocks outside the window. It is shared by every request: never written, never saved.
 NULL_BLOCK_ID = 0
+
+# Builds one group's GPU mover (``vllm_kernels.KernelTransfers``): (group, its namespace, layers).
+Kernels = Callable[[CacheGroup, Namespace, list[torch.Tensor]], Any]
 
 # A gather of one group's blocks: ``(bytes it will hold, the gather)``; the gather returns the
 # put to queue (``vllm_saves.AsyncSaves.submit``).
@@ -181,15 +186,14 @@ class GroupedTransfers:
         client: the worker's sync client.
         ns: a grouped namespace of the engine (requests bring their own, same cache).
         layers: each group's per-layer tensors, in the group's layer order.
-        kernels: builds a ``KernelTransfers`` for ``(group namespace, layers)`` on a GPU
-            cache; None on the CPU.
+        kernels: builds a ``KernelTransfers`` for ``(group, its namespace, layers)`` on a
+            GPU cache; None on the CPU.
         tp_rank: this worker's tensor-parallel rank: a replicated group (an MLA latent, a
             replicated state) is saved by rank 0 alone, the one copy every rank loads.
     """
 
     def __init__(self, client: Any, ns: Namespace, layers: list[list[torch.Tensor]],
-                 kernels: Callable[[Namespace, list[torch.Tensor]], Any] | None = None,
-                 tp_rank: int = 0) -> None:
+                 kernels: Kernels | None = None, tp_rank: int = 0) -> None:
         cache = ns.cache
         self._client = client
         self._cache = cache
@@ -207,7 +211,7 @@ class GroupedTransfers:
                                       "attention, sliding-window and Mamba groups only")
             elif kernels is None:
                 _check_cpu_layers(group, tensors, self._bt)
-            moved = kernels(ns.group(g), tensors) if kernels is not None else None
+            moved = kernels(group, ns.group(g), tensors) if kernels is not None else None
             self._groups.append(_Group(group, tensors, moved))
 
     @classmethod
@@ -223,9 +227,16 @@ class GroupedTransfers:
             raise InvalidArgument(f"kv-cache group layers {missing[:4]} were not registered")
         layers = [[kv_caches[n] for n in group] for group in names]
         on_gpu = layers[0][0].device.type == "cuda"
-        out = cls(client, ns, layers,
-                  (lambda gns, tensors: KernelTransfers(client, gns, tensors)) if on_gpu
-                  else None, tp_rank)
+
+        def kernels(group: CacheGroup, gns: Namespace, tensors: list[torch.Tensor]
+                    ) -> KernelTransfers:
+            if group.kind is GroupKind.STATE:
+                raise InvalidArgument(f"{group.label}: kvstore moves vLLM's state pages on "
+                                      "the CPU only")
+            layout = "mla" if group.kind is GroupKind.LATENT else "attention"
+            return KernelTransfers(client, gns, tensors, layout=layout)
+
+        out = cls(client, ns, layers, kernels if on_gpu else None, tp_rank)
         out._layer_index = {n: (g, i) for g, group in enumerate(names)
                             for i, n in enumerate(group)}
         return out

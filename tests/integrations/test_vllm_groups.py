@@ -160,7 +160,7 @@ def test_the_gpu_path_moves_a_window_group_by_block_subsets(client):
                              name="sliding"),
         CacheGroup.attention(2, HEADS, HEAD_DIM, "bfloat16", name="full")), BT))
 
-    def kernels(gns, tensors):
+    def kernels(group, gns, tensors):
         return KernelTransfers(client, gns, tensors)
 
     src = gpu_cache(0)
@@ -168,6 +168,8 @@ def test_the_gpu_path_moves_a_window_group_by_block_subsets(client):
     for _, gather in moved.gathers("r", bf16, TOKENS, [[0, 0, 0, 0, 11, 12],
                                                        [1, 2, 3, 4, 5, 6]], 0):
         job = gather()
+        if job.ready is not None:  # CUDA: the copy into host memory landed
+            job.ready.synchronize()
         client.put(job.ns, job.token_ids, job.kv, first_block=job.first_block)
     assert client.lookup(bf16, TOKENS).matched_tokens == 6 * BT
     assert client.stats().tiers["dram"].num_blocks == 8
