@@ -13,8 +13,9 @@ with its FlashAttention, Triton or FlashInfer backend and a full-attention model
 (``vllm_kernels``: loads and saves are kvstore's kernels on streams of the connector's own), or
 an MLA model's latent cache. ``cache_dtype`` fp8, fp8_e4m3 and fp8_e5m2 caches are stored as
 their bytes under a namespace naming the flavour and the (static) scales (``vllm_fp8``).
-Other layouts (hybrid models, other quantised caches) are refused at ``register_kv_caches``
-with the layout that was found.
+Under vLLM's hybrid allocator (``SupportsHMA``) each kv-cache group is a kvstore cache group
+(``vllm_groups``: full, sliding window, MLA, Mamba; model-dtype caches). Other layouts (other
+quantised caches) are refused at ``register_kv_caches`` with the layout that was found.
 
 What vLLM 0.32's CPU backend registers (read from a run of a 2-layer Llama, 2 KV heads of
 head dim 32, ``block_size=32``, bf16): one tensor per attention layer, named
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +65,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
+from kvstore.groups import CacheSpec
 from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
 from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
 from kvstore.integrations.vllm_fp8 import check_fp8_layers, fp8_cache_of
+from kvstore.integrations.vllm_groups import GroupedTransfers, block_bytes, cache_spec
 from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
 from kvstore.integrations.vllm_kernels import (
     KernelTransfers,
@@ -104,10 +109,11 @@ MAX_NAMESPACES = 1024  # (salt, adapter) namespaces kept built; salts are per us
 
 
 def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
-                  tp_rank: int = 0, adapter_id: str = "") -> Namespace:
+                  tp_rank: int = 0, adapter_id: str = "", cache: CacheSpec | None = None
+                  ) -> Namespace:
     """The namespace of an engine's blocks: model, revision, dtype, KV geometry, block size,
     backend layout, tensor-parallel shard, and the request's cache salt and LoRA adapter
-    (``vllm_identity.adapter_id``)."""
+    (``vllm_identity.adapter_id``); ``cache``: the kv-cache groups (``vllm_groups``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -118,6 +124,8 @@ def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
               "adapter_id": adapter_id, "tenant": str(extra.get("tenant", "default")),
               "tp_rank": tp_rank, "tp_size": parallel.tensor_parallel_size,
               "extra_salt": f"vllm/{layout}" + salt_suffix(cache_salt)}
+    if cache is not None:
+        return Namespace(spec=cache, **common)
     if is_mla(vllm_config):
         # the latent group's pages: one copy whatever the TP rank and size
         text = model.hf_text_config
@@ -179,6 +187,7 @@ class BlockTransfer:
     cache_salt: str | None = None
     adapter_id: str = ""
     stored: StoredBlocks | None = None  # vLLM's hashes of a save's blocks, for its events
+    groups: list[list[int]] | None = None  # every kv-cache group's block ids (hybrid models)
 
 
 @dataclass(slots=True)
@@ -195,13 +204,13 @@ class _Tracked:
 
     request: Request
     identity: BlockIdentity | None  # None: its identity cannot be expressed, never cached
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # per kv-cache group
     saved_tokens: int = 0  # tokens of blocks already in kvstore (loaded or saved)
     has_saves: bool = False  # a save was planned: its blocks are freed once workers report it
     load: tuple[int, int] | None = None  # (local tokens, tokens to load), until planned
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore as vLLM's external prefix cache; see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -214,6 +223,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads_enabled = role_name in ("kv_consumer", "kv_both")
         self._saves_enabled = role_name in ("kv_producer", "kv_both")
         self._namespaces: dict[tuple[str | None, str], Namespace] = {}
+        # vLLM's hybrid allocator: a model of several kv-cache groups is a cache of as many
+        # kvstore groups (``vllm_groups``); None: one group, as before. Its loads follow
+        # vLLM's asynchronous protocol (block-level load errors are taken from a model of one
+        # group only); a load reported failed is recomputed whole.
+        self._cache = cache_spec(kv_cache_config)
+        if self._cache is not None:
+            self._block_size = self._cache.block_tokens
+        self._async_loads: list[str] = []  # allocated, their load not planned yet
+        self._failed_loads: set[str] = set()  # requests whose load failed: never loaded again
+        self._groups: GroupedTransfers | None = None  # worker: a hybrid model's transfers
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
         self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         # A worker's loads run inside the engine's step: a daemon that stops answering costs a
@@ -245,9 +264,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._load_counts = {"loaded_blocks": 0, "load_error_blocks": 0}
         self._saves: AsyncSaves | None = None
         if role == KVConnectorRole.WORKER:
-            spec = self._namespace(None).spec
+            ns = self._namespace(None)
             step_bytes = vllm_config.scheduler_config.max_num_batched_tokens \
-                * spec.block_bytes // spec.block_tokens
+                * block_bytes(ns) // self._block_size
             limits = SaveLimits.from_extra_config(
                 self._kv_transfer_config.kv_connector_extra_config or {}, step_bytes)
             # Its own client: puts run on the save thread while loads use the worker's.
@@ -261,7 +280,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if ns is None:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 self._namespaces.pop(next(iter(self._namespaces)))  # the oldest built
-            ns = namespace_for(self._vllm_config, cache_salt, self._tp_rank, adapter_id)
+            ns = namespace_for(self._vllm_config, cache_salt, self._tp_rank, adapter_id,
+                               self._cache)
             self._namespaces[(cache_salt, adapter_id)] = ns
         return ns
 
@@ -307,7 +327,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         asks again next step, and the scheduler never waits on a slow tier."""
         usable = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
         tracked = self._track(request)
-        if usable <= num_computed_tokens or not self._loads_enabled:
+        if usable <= num_computed_tokens or not self._loads_enabled \
+                or request.request_id in self._failed_loads:
             return 0, False
         ids = self._key_ids(tracked, usable)
         if ids is None:
@@ -324,7 +345,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         num_new = max(0, hit.tokens_to_fetch - num_computed_tokens)
         tracked.load = (num_computed_tokens, num_new) if num_new else None
-        return num_new, False
+        return num_new, bool(num_new) and self._cache is not None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -333,15 +354,23 @@ class KVStoreConnector(KVConnectorBase_V1):
             tracked.load = None
         elif tracked.load is not None:
             tracked.load = (tracked.load[0], num_external_tokens)
+            if self._cache is not None:  # an asynchronous load: planned in the next meta
+                tracked.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+                self._async_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata()
         computed: dict[str, int] = {}
+        for req_id in self._async_loads:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None and tracked.load is not None:
+                meta.loads.append(self._plan_load(req_id, tracked))
+        self._async_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:  # never asked about (not a prompt this connector serves)
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.block_ids = [list(ids) for ids in new.block_ids]
             computed[new.req_id] = new.num_computed_tokens
             if tracked.load is not None:
                 meta.loads.append(self._plan_load(new.req_id, tracked))
@@ -352,9 +381,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted: its blocks were freed
-                tracked.block_ids, tracked.saved_tokens = [], 0
+                tracked.block_ids, tracked.saved_tokens = [[] for _ in tracked.block_ids], 0
             if new_blocks is not None:
-                tracked.block_ids.extend(new_blocks[0])
+                # A sliding group's ids of blocks that left its window stay listed here
+                # (vLLM reuses them); only a window's blocks are ever read (``vllm_groups``).
+                for ids, added in zip(tracked.block_ids, new_blocks, strict=True):
+                    ids.extend(added)
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, num_computed in computed.items():
             num_done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -374,8 +406,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         ids = self._key_ids(tracked, end)
         if ids is None:
             ids = np.empty(0, dtype=np.uint32)
-        return BlockTransfer(req_id, ids, tracked.block_ids[: end // self._block_size],
-                             local // self._block_size, *self._identity(tracked))
+        num_blocks = end // self._block_size
+        return BlockTransfer(req_id, ids, tracked.block_ids[0][:num_blocks],
+                             local // self._block_size, *self._identity(tracked),
+                             groups=self._group_ids(tracked, num_blocks))
+
+    def _group_ids(self, tracked: _Tracked, num_blocks: int) -> list[list[int]] | None:
+        return None if self._cache is None else [ids[:num_blocks] for ids in tracked.block_ids]
 
     def _plan_save(self, req_id: str, tracked: _Tracked, num_done: int) -> BlockTransfer | None:
         """The blocks this step completes; their K/V is in vLLM's cache after the forward.
@@ -392,24 +429,38 @@ class KVStoreConnector(KVConnectorBase_V1):
         tracked.has_saves = True
         stored = StoredBlocks.of(tracked.request, first, full // self._block_size,
                                  self._block_size)
-        return BlockTransfer(req_id, ids, tracked.block_ids[: full // self._block_size], first,
-                             *self._identity(tracked), stored=stored)
+        num_blocks = full // self._block_size
+        return BlockTransfer(req_id, ids, tracked.block_ids[0][:num_blocks], first,
+                             *self._identity(tracked), stored=stored,
+                             groups=self._group_ids(tracked, num_blocks))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """True (vLLM keeps the blocks until ``get_finished`` names the request) where a
         save was planned for it: its puts may still be running on the workers."""
         tracked = self._tracked.pop(request.request_id, None)
+        self._failed_loads.discard(request.request_id)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         return tracked is not None and tracked.has_saves, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under vLLM's hybrid allocator (``SupportsHMA``): the
+        request's blocks of every group stay until ``get_finished`` names it."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ------------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the per-layer cache tensors in layer order, after checking their layout; a
-        GPU cache is handed to kvstore's kernels (``vllm_kernels``)."""
+        GPU cache is handed to kvstore's kernels (``vllm_kernels``); a model of several
+        kv-cache groups to ``vllm_groups``."""
         ns = self._namespace(None)
+        if self._cache is not None:
+            self._groups = GroupedTransfers.of(self._client, ns, kv_caches, self._kv_cache_config,
+                                               self._tp_rank)
+            return
         spec = ns.spec
         expected = (spec.num_kv_heads, self._block_size, 2 * spec.head_dim)
         ordered = sorted(kv_caches.items(), key=lambda item: int(
@@ -449,6 +500,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if self._groups is not None:  # a hybrid model's loads: received, or failed
+            self._groups.load_all(meta.loads, lambda load: self._namespace(  # type: ignore[attr-defined]
+                load.cache_salt, load.adapter_id), self._load_counts, self._load_errors)
+            return
         if self._kernels is not None and meta.loads:  # type: ignore[attr-defined]
             self._kernels.start()
         for load in meta.loads:  # type: ignore[attr-defined]
@@ -488,6 +543,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         layers may still be landing); CPU loads complete in ``start_load_kv``."""
         if self._kernels is not None:
             self._kernels.wait_for_layer(self._layer_index[layer_name])
+        elif self._groups is not None:
+            self._groups.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -499,6 +556,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         waiting for any put (``vllm_saves``)."""
         if self._kernels is not None:
             self._kernels.finish()  # every load of the step landed before the next step
+        if self._groups is not None:
+            self._groups.finish()
         if not self.has_connector_metadata():
             return
         for save in self._get_connector_metadata().saves:  # type: ignore[attr-defined]
@@ -516,7 +575,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             return  # rank 0 saves the one copy every rank loads
         ns = self._namespace(save.cache_salt, save.adapter_id)
         first = 0 if saves.restarts(save.req_id) else save.first_block  # type: ignore[union-attr]
-        bt = ns.spec.block_tokens
+        jobs = self._groups.gathers(save.req_id, ns, save.token_ids, save.groups or [], first,
+                                    save.stored) if self._groups is not None \
+            else self._gathers(save, ns, first)
+        for num_bytes, gather in jobs:
+            if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
+                logger.info("kvstore save of %s dropped: %d bytes of saves queued",
+                            save.req_id, saves.queued_bytes)  # type: ignore[union-attr]
+                return  # the pieces after it would leave a gap: the next save restarts
+
+    def _gathers(self, save: BlockTransfer, ns: Namespace, first: int
+                 ) -> list[tuple[int, Callable[[], SaveJob]]]:
+        """The pieces of a save from block ``first`` on: ``(bytes, gather)`` each."""
+        bt, out = ns.spec.block_tokens, []
         for start, end in pieces(len(save.block_ids) - first, ns.spec.block_bytes):
             lo, hi = first + start, first + end
 
@@ -528,18 +599,26 @@ class KVStoreConnector(KVConnectorBase_V1):
                 kv = gather_blocks(self._block_views(), ns.spec, block_ids[lo:])
                 return SaveJob(save.req_id, ns, token_ids, kv, lo, event=event)
 
-            num_bytes = (hi - lo) * ns.spec.block_bytes
-            if not saves.submit(save.req_id, num_bytes, gather):  # type: ignore[union-attr]
-                logger.info("kvstore save of %s dropped: %d bytes of saves queued",
-                            save.req_id, saves.queued_bytes)  # type: ignore[union-attr]
-                return  # the pieces after it would leave a gap: the next save restarts
+            out.append(((hi - lo) * ns.spec.block_bytes, gather))
+        return out
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
         """Requests vLLM finished whose puts are all done (landed, failed or dropped):
-        vLLM frees their blocks now."""
+        vLLM frees their blocks now; and a hybrid model's requests whose loads this step
+        did (failed ones too: ``get_transfer_results`` names those)."""
+        recving = self._groups.take_received() if self._groups is not None else None
         if self._saves is None:
-            return None, None
-        return self._saves.finished(finished_req_ids) or None, None
+            return None, recving or None
+        return self._saves.finished(finished_req_ids) or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32 and later: ``get_finished`` with the failed loads, which vLLM
+        recomputes (``kv_load_failure_policy="recompute"``) or fails."""
+        results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+        results.failed_recving = self._groups.take_failed() if self._groups is not None \
+            else set()
+        return results
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
         """Since the last call: tokens promised from kvstore (scheduler side); blocks loaded
@@ -574,7 +653,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return report
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Scheduler side: keep the workers' reports of stored blocks for ``take_events``."""
+        """Scheduler side: keep the workers' reports of stored blocks for ``take_events``, and
+        the requests whose hybrid load failed: those are computed from now on (a lookup may
+        still find a page the load could not use, and would send them back to it)."""
+        self._failed_loads |= set(getattr(connector_output, "failed_recving", None) or ())
         report = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(report, KVStoreKVEvents):
             return
@@ -617,4 +699,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._save_client.close()
         if self._kernels is not None:
             self._kernels.close()
+        if self._groups is not None:
+            self._groups.close()
         self._client.close()

@@ -1,7 +1,8 @@
 """The vLLM connector's copies on a CPU cache: vLLM 0.32's CPU attention backend keeps each
 layer as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` read as ``[H, 2N, D]`` per
 block (K in the first ``block_size`` rows, V in the rest); these copy blocks between it and
-kvstore's canonical ``[L, 2, T, H, D]``, a run of consecutive block ids at a time."""
+kvstore's canonical ``[L, 2, T, H, D]``, a run of consecutive block ids at a time; and the
+snapshots of a hybrid model's state groups between its state pages and kvstore's pages."""
 
 from __future__ import annotations
 
@@ -60,3 +61,31 @@ def load_blocks(client: Client, ns: Namespace, views: list[torch.Tensor], token_
     num_stored = client.read_blocks(ns, token_ids, copy_in, first_block=first_block,
                                     zero_copy=zero_copy)
     return min(num_stored, len(block_ids))
+
+
+def state_rows(layers: list[torch.Tensor], num_bytes: int) -> list[torch.Tensor]:
+    """Each layer of a Mamba-style group as ``[num_blocks, num_bytes]`` uint8: vLLM 0.32 registers
+    a state layer as int8 ``[num_blocks, 1, 1, num_bytes]`` whose blocks lie a padded page apart,
+    the block's states (conv, then the recurrent state) in its first ``num_bytes``."""
+    return [t.view(torch.uint8).reshape(t.shape[0], -1)[:, :num_bytes] for t in layers]
+
+
+def gather_state(rows: list[torch.Tensor], spec: KVSpec, block_id: int) -> torch.Tensor:
+    """The snapshot in block ``block_id`` as one page of ``spec`` (uint8 ``[L, 2, T, H, D]``):
+    each layer's state bytes from the start of its page, the rest zeros."""
+    out = torch.zeros(spec.shape(spec.block_tokens), dtype=torch.uint8)
+    for layer_out, row in zip(out, rows, strict=True):
+        layer_out.view(-1)[: row.shape[1]].copy_(row[block_id])
+    return out
+
+
+def load_state(client: Client, ns: Namespace, rows: list[torch.Tensor], token_ids,
+               block_id: int) -> int:
+    """Copy the stored snapshot page of ``token_ids`` (one block) into block ``block_id``;
+    returns 1 if the store held it, else 0."""
+
+    def copy_in(i: int, kv: torch.Tensor) -> None:
+        for layer, row in zip(kv, rows, strict=True):
+            row[block_id].copy_(layer.reshape(-1)[: row.shape[1]])
+
+    return min(client.read_blocks(ns, token_ids, copy_in), 1)
