@@ -70,23 +70,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import Client
 from kvstore.errors import CorruptPage, InvalidArgument, KVStoreError
-from kvstore.groups import CacheSpec
 from kvstore.integrations.vllm_block_events import KVStoreKVEvents, StoredBlocks
 from kvstore.integrations.vllm_copies import block_views, gather_blocks, load_blocks
 from kvstore.integrations.vllm_fp8 import check_fp8_layers, fp8_cache_of
 from kvstore.integrations.vllm_groups import GroupedTransfers, block_bytes, cache_spec
-from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible, salt_suffix
+from kvstore.integrations.vllm_identity import BlockIdentity, Unexpressible
 from kvstore.integrations.vllm_kernels import (
     KernelTransfers,
     check_gpu_layers,
     check_mla_layers,
-    mla_namespace,
 )
 from kvstore.integrations.vllm_lookups import DeadlineLookups, LookupDeadlines, Pending
+from kvstore.integrations.vllm_namespace import (
+    CPU_LAYOUT,
+    is_mla,
+    namespace_for,
+    tp_rank_now,
+)
 from kvstore.integrations.vllm_saves import AsyncSaves, SaveJob, SaveLimits, pieces
 from kvstore.integrations.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.keys import Namespace
-from kvstore.spec import KVSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,61 +102,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.26", "0.32")  # minor versions whose connector API and layouts this follows
-_LAYOUT = "cpu/LBHNC"  # the CPU backend's layout, whose per-layer tensors this module copies
-# Pages are canonical whatever the engine's layout; the device is in the namespace all the same,
-# so K/V computed by a CPU backend and by a GPU one (different kernels, different rounding)
-# are never mixed in one prompt.
-_GPU_SALT = "cuda"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 MAX_NAMESPACES = 1024  # (salt, adapter) namespaces kept built; salts are per user, unbounded
-
-
-def namespace_for(vllm_config: VllmConfig, cache_salt: str | None = None,
-                  tp_rank: int = 0, adapter_id: str = "", cache: CacheSpec | None = None
-                  ) -> Namespace:
-    """The namespace of an engine's blocks: model, revision, dtype, KV geometry, block size,
-    backend layout, tensor-parallel shard, and the request's cache salt and LoRA adapter
-    (``vllm_identity.adapter_id``); ``cache``: the kv-cache groups (``vllm_groups``)."""
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    fp8 = fp8_cache_of(vllm_config)  # None for a model-dtype cache
-    layout = _GPU_SALT if _device_type(vllm_config) == "cuda" else _LAYOUT
-    common = {"model_id": model.model,
-              "revision": str(extra.get("revision") or model.revision or "main"),
-              "adapter_id": adapter_id, "tenant": str(extra.get("tenant", "default")),
-              "tp_rank": tp_rank, "tp_size": parallel.tensor_parallel_size,
-              "extra_salt": f"vllm/{layout}" + salt_suffix(cache_salt)}
-    if cache is not None:
-        return Namespace(spec=cache, **common)
-    if is_mla(vllm_config):
-        # the latent group's pages: one copy whatever the TP rank and size
-        text = model.hf_text_config
-        latent = mla_namespace(num_layers=model.get_num_layers(parallel),
-                               kv_lora_rank=text.kv_lora_rank, rope_dim=text.qk_rope_head_dim,
-                               block_tokens=vllm_config.cache_config.block_size,
-                               dtype=model.dtype, fp8=fp8, **common)
-        return (fp8.bind(latent) if fp8 else latent).group(0)
-    spec = KVSpec(num_layers=model.get_num_layers(parallel),
-                  num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
-                  block_tokens=vllm_config.cache_config.block_size, dtype=model.dtype)
-    ns = Namespace(spec=spec, **common)
-    return fp8.bind(ns) if fp8 else ns  # fp8: the cache's bytes, flavour and scales
-
-
-def is_mla(vllm_config: VllmConfig) -> bool:
-    """Whether the model keeps MLA's latent cache (DeepSeek V2/V3 and the like)."""
-    return bool(getattr(vllm_config.model_config, "use_mla", False))
-
-
-def _device_type(vllm_config: VllmConfig) -> str:
-    return str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
-
-
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
 
 
 DEFAULT_LOAD_TIMEOUT_MS = 5_000.0  # 4 GiB (32k tokens of an 8B model) from an SSD fits
@@ -213,6 +163,13 @@ class _Tracked:
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore as vLLM's external prefix cache; see the module docstring."""
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save lost to a preemption is a later miss, so vLLM need
+        not drop a preempted request's output to keep it (its default for a producer role,
+        ``kv_both`` included)."""
+        return False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -234,7 +191,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: set[str] = set()  # requests whose load failed: never loaded again
         self._groups: GroupedTransfers | None = None  # worker: a hybrid model's transfers
         # The scheduler asks for rank 0's blocks: every rank saves its shard of the same ones.
-        self._tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self._tp_rank = tp_rank_now() if role == KVConnectorRole.WORKER else 0
         # A worker's loads run inside the engine's step: a daemon that stops answering costs a
         # step at most ``load_timeout_ms`` (extra config), then the blocks are recomputed.
         self._client = _client(vllm_config, **(
@@ -491,7 +448,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise InvalidArgument(
                     f"layer {name}: cache {tuple(tensor.shape)} strides {tensor.stride()} on "
-                    f"{tensor.device}; kvstore reads vLLM's {_LAYOUT} layout [num_blocks, "
+                    f"{tensor.device}; kvstore reads vLLM's {CPU_LAYOUT} layout [num_blocks, "
                     f"{expected[0]}, {expected[1]}, {expected[2]}] (vLLM {SUPPORTED_VLLM})")
         self._layers = [tensor for _, tensor in ordered]
 
