@@ -57,7 +57,7 @@ class EngineStates:
         if ns is None or ns is self.ns:
             return self.ns
         if ns.spec != self.ns.spec:
-            raise InvalidArgument(f"namespace spec {ns.spec} is not the pages' of state group "
+            raise InvalidArgument(f"namespace spec {ns.spec} is not the pages' of "
                                   f"{self.layout.group.label} ({self.ns.spec})")
         return ns
 
