@@ -162,13 +162,13 @@ class StateTransfers:
         """Queue the copy-out of the snapshot at block ``n`` of ``token_ids`` from block
         ``block_id`` behind the step's forward pass; the job's put waits for its ``ready``
         event, the engine's next work for the block's read."""
-        stream = self._save_stream
+        stream, engine = self._save_stream, self._engine_stream()  # (current: the engine's)
         with torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext():
             if self._cuda:
-                stream.wait_stream(self._engine_stream())
+                stream.wait_stream(engine)  # the forward pass that wrote the state
             pages, got = self.states.gather([(token_ids, n, block_id)], stream, ns=ns)
         if got.taken is not None:
-            self._engine_stream().wait_event(got.taken)
+            engine.wait_event(got.taken)
         return SaveJob(req_id, ns, pages[0], got.kv[0], 0, got.ready)
 
     def close(self) -> None:

@@ -251,3 +251,30 @@ def test_grouped_transfers_of_takes_vllm_0_26_state_lists_and_refuses_them_on_th
             GroupedTransfers.of(client, ENGINE, kv_caches, config)
     else:
         GroupedTransfers.of(client, ENGINE, kv_caches, config).close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream order needs CUDA")
+def test_a_gpu_save_reads_the_blocks_after_the_step_and_before_the_next_one(client):
+    """Regression (not reproducible without CUDA): a GPU save made its stream wait on the
+    current stream while the save stream was current, which orders nothing, so the copy out
+    could read the blocks before the step's forward pass wrote them. Now a save's copy runs
+    after what the engine queued before ``wait_for_save``, and the engine's next step waits
+    for the read of a state block (vLLM may hand it to another request): both groups' pages
+    hold the step's bytes, not the sentinel and not the next step's."""
+    raw = raw_cache(None, "0.32")
+    moved = transfers(client, raw, "0.32")
+    torch.cuda._sleep(200_000_000)  # the step's forward pass, still running when saved ...
+    for layer in range(LAYERS):
+        layer_page(raw, "0.32", layer)[1:5].fill_(1)  # ... writes the attention blocks
+        layer_page(raw, "0.32", layer)[11, :STATE_BYTES].fill_(2)  # ... and the state
+    jobs = [gather() for _, gather in moved.gathers("r", REQUEST, TOKENS,
+                                                    [[8, 9, 10, 11], [1, 2, 3, 4]], 0)]
+    for layer in range(LAYERS):  # the next step: the state block is another request's
+        layer_page(raw, "0.32", layer)[11, :STATE_BYTES].fill_(3)
+    for job in jobs:
+        job.ready.synchronize()
+    state = next(job for job in jobs if job.ns == REQUEST.group(0))
+    attention = next(job for job in jobs if job.ns == REQUEST.group(1))
+    assert bool((state.kv.view(torch.uint8).reshape(LAYERS, -1)[:, :STATE_BYTES] == 2).all())
+    assert bool((attention.kv.view(torch.uint8) == 1).all())
+    moved.close()
