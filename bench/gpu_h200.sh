@@ -6,7 +6,8 @@
 #        pytest -m gpu (CUDA IPC across processes); codecs: `kvstore bench codecs --no-real
 #        --gpu`; tiers: `kvstore bench tiers --total-bytes 1GiB`; gpu: `kvstore bench gpu`;
 # kernels: the cache-group kernels' tests (fp8 pass-through, MLA fp8, state snapshots, window
-#        loads) and their rows alone, `kvstore bench gpu --groups`;
+#        loads, the vLLM connector's state groups) and their rows alone, `kvstore bench gpu
+#        --groups`;
 # transformers: the adapter's device-path tests and bench/gpu_transformers.py (8B shape, 8k and
 #        32k prompts); vllm: bench/gpu_vllm.py at the 8B shape and a 32k prefix (prefix cache,
 #        kvstore raw/fp8/HBM pool, vLLM's offloading, LMCache), with the CUDA vLLM of
@@ -53,6 +54,7 @@ for step in "${steps[@]}"; do
                      tests/client/test_gpu_fp8.py tests/client/test_engine_groups.py \
                      tests/integrations/test_vllm_fp8.py tests/integrations/test_vllm_mla.py \
                      tests/integrations/test_vllm_kernels.py tests/bench/test_gpu_groups_bench.py \
+                     tests/integrations/test_vllm_states.py \
                      2>&1 | tee "$OUT/gpu-kernels-tests.log" | tail -25 \
                  && python3 -m kvstore bench gpu --groups --json "$OUT/gpu-groups-h200.json" \
                      2>&1 | tee "$OUT/bench-gpu-groups.log" ;;

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +36,15 @@ from kvstore.keys import Namespace, block_keys, snapshot_tokens, token_array
 
 # (device page layout, page addresses, which of the batch each address is for)
 Move = Callable[[DeviceLayout, torch.Tensor, list[int]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Pages copied out of device memory into host memory of their own (``gather``)."""
+
+    kv: torch.Tensor  # [num_pages, *page shape] in the pages' dtype
+    ready: object  # CUDA event: ``kv`` holds the pages once it passed (None: it does now)
+    taken: object  # CUDA event: the device memory was read once it passed (None: it was)
 
 
 def snapshot_ids(ns: Namespace, tokens, blocks: Sequence[int]) -> list[np.ndarray]:
@@ -136,21 +146,33 @@ class SnapshotPages:
         return contextlib.nullcontext()
 
     def _save_host(self, ns: Namespace, pages: list[np.ndarray], write: Move, stream) -> int:
-        dev = device_layout("raw", ns.spec)
-        with self._on(stream):
-            staging = aligned(len(pages) * dev.nbytes, self.device)
-            write(dev, strided_rows(staging.data_ptr(), dev.nbytes, len(pages)),
-                  list(range(len(pages))))
-            event = self._event(stream)
-        if event is not None:
-            event.synchronize()
-        section = dev.sections[0]
-        blocks = staging.view(len(pages), dev.nbytes)[:, :section.nbytes].cpu()
+        got = self.gather(ns, len(pages), write, stream)
+        if got.ready is not None:
+            got.ready.synchronize()
         stored = 0
-        for toks, raw in zip(pages, blocks):
-            kv = raw.view(dev.dtype).view(section.shape)
+        for toks, kv in zip(pages, got.kv):
             stored += bool(self.client.put(ns, toks, kv))
         return stored
+
+    def gather(self, ns: Namespace, num_pages: int, write: Move, stream=None) -> Gathered:
+        """``num_pages`` raw pages of ``ns``, ``write`` filling them on ``stream``, copied into
+        host memory of their own (pinned, for a CUDA device). Launched without waiting, so a
+        put of each can go on later, on another thread."""
+        dev = device_layout("raw", ns.spec)
+        section = dev.sections[0]
+        with self._on(stream):  # the staging buffer belongs to the stream that fills it
+            staging = aligned(num_pages * dev.nbytes, self.device)
+            write(dev, strided_rows(staging.data_ptr(), dev.nbytes, num_pages),
+                  list(range(num_pages)))
+            taken = self._event(stream)
+            rows = staging.view(num_pages, dev.nbytes)[:, :section.nbytes]
+            if self._cuda():
+                host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+            else:
+                host = rows.clone()
+            ready = self._event(stream)
+        return Gathered(host.view(dev.dtype).view(num_pages, *section.shape), ready, taken)
 
     # --- load -------------------------------------------------------------------------------
 

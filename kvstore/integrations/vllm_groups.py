@@ -29,8 +29,14 @@ are exactly what they were). Refused with the spec that was found: quantized cac
 window's), sinks, sliding MLA, DeepSeek's sparse and indexer roles. The CPU copies move
 ``attention``, ``window`` and ``state`` groups (``vllm_copies``); vLLM's CPU backend runs no
 MLA. On a GPU, kvstore's kernels (``vllm_kernels``) move ``attention``, ``window`` and
-``latent`` groups; a ``state`` group on a GPU is refused (EngineCache has no layout for
-vLLM's state pages yet).
+``latent`` groups, and ``EngineStates`` a ``state`` group's snapshots (``vllm_states``: the
+layouts vLLM 0.26 and 0.32 register on CUDA, any other refused by name), with the CPU path's
+semantics: the snapshot at n out of and into block n - 1, a missing one fails the load and
+writes nothing. A GPU load of any group has landed before the step's first layer runs (the
+engine's stream waits for it at the end of ``load_all``: vLLM's Mamba layers call no
+``wait_for_layer_load``); a GPU save is read out of the engine's blocks on a stream of its own
+behind the step, and the engine's next work waits for that read of a state block (vLLM may
+free it and hand it to another request from the next step on).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from kvstore.integrations.vllm_copies import (
     state_rows,
 )
 from kvstore.integrations.vllm_saves import SaveJob, pieces
+from kvstore.integrations.vllm_states import StateTransfers
 from kvstore.keys import Namespace, block_keys, snapshot_tokens
 
 if TYPE_CHECKING:
@@ -175,7 +182,9 @@ class _Group:
 
     group: CacheGroup
     layers: list[torch.Tensor]
-    kernels: Any = None  # vllm_kernels.KernelTransfers on a GPU cache; None on the CPU
+    # vllm_kernels.KernelTransfers (vllm_states.StateTransfers for a state group) on a GPU
+    # cache; None on the CPU
+    kernels: Any = None
 
 
 class GroupedTransfers:
@@ -187,7 +196,8 @@ class GroupedTransfers:
         ns: a grouped namespace of the engine (requests bring their own, same cache).
         layers: each group's per-layer tensors, in the group's layer order.
         kernels: builds a ``KernelTransfers`` for ``(group, its namespace, layers)`` on a
-            GPU cache; None on the CPU.
+            GPU cache (a state group's snapshots move through ``vllm_states.StateTransfers``
+            there); None on the CPU.
         tp_rank: this worker's tensor-parallel rank: a replicated group (an MLA latent, a
             replicated state) is saved by rank 0 alone, the one copy every rank loads.
     """
@@ -211,7 +221,12 @@ class GroupedTransfers:
                                       "attention, sliding-window and Mamba groups only")
             elif kernels is None:
                 _check_cpu_layers(group, tensors, self._bt)
-            moved = kernels(group, ns.group(g), tensors) if kernels is not None else None
+            if kernels is None:
+                moved = None
+            elif group.kind is GroupKind.STATE:  # snapshots through EngineStates
+                moved = StateTransfers(client, ns, g, tensors)
+            else:
+                moved = kernels(group, ns.group(g), tensors)
             self._groups.append(_Group(group, tensors, moved))
 
     @classmethod
@@ -226,13 +241,11 @@ class GroupedTransfers:
         if missing:
             raise InvalidArgument(f"kv-cache group layers {missing[:4]} were not registered")
         layers = [[kv_caches[n] for n in group] for group in names]
-        on_gpu = layers[0][0].device.type == "cuda"
+        first = layers[0][0]  # vLLM 0.26 registers a state layer as a list of its parts
+        on_gpu = (first[0] if isinstance(first, (list, tuple)) else first).device.type == "cuda"
 
         def kernels(group: CacheGroup, gns: Namespace, tensors: list[torch.Tensor]
                     ) -> KernelTransfers:
-            if group.kind is GroupKind.STATE:
-                raise InvalidArgument(f"{group.label}: kvstore moves vLLM's state pages on "
-                                      "the CPU only")
             layout = "mla" if group.kind is GroupKind.LATENT else "attention"
             return KernelTransfers(client, gns, tensors, layout=layout)
 
@@ -306,6 +319,11 @@ class GroupedTransfers:
                 continue
             if len(blocks) != len(self._needed(entry.group, n, first_block)):
                 return False  # the engine holds no block for one the prefix needs
+            if isinstance(entry.kernels, StateTransfers):
+                if blocks and not entry.kernels.load(gns, token_ids[:n * self._bt], n,
+                                                     ids[n - 1]):
+                    return False
+                continue
             chain = self._snapshot(gns, token_ids, n)
             for b in blocks:
                 tokens = snapshot_tokens(chain[b], self._bt)
@@ -365,6 +383,12 @@ class GroupedTransfers:
                     out.append(((hi - lo) * block_bytes, gather))
                 stored = None
                 continue
+            if isinstance(entry.kernels, StateTransfers):  # blocks is [n - 1]
+                def gather_state(moved=entry.kernels, gns=gns, block_id=ids[n - 1]) -> SaveJob:
+                    return moved.gather(req_id, gns, token_ids[:n * self._bt], n, block_id)
+
+                out.append((block_bytes, gather_state))
+                continue
             chain = self._snapshot(gns, token_ids, n)
             for b in blocks:
                 tokens = snapshot_tokens(chain[b], self._bt)
@@ -413,6 +437,10 @@ def _state_rows(group: CacheGroup, tensors: list[torch.Tensor]) -> list[torch.Te
     InvalidArgument names the first layer whose page is not the group's states."""
     num_bytes = group.block_bytes_per_layer(1)
     for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"{group.label} layer {i}: registered a {type(t).__name__}; "
+                                  f"kvstore reads vLLM's CPU state pages [num_blocks, 1, 1, "
+                                  f"{num_bytes} bytes]")
         if t.dim() != 4 or t.shape[1:3] != (1, 1) or t.shape[3] * t.element_size() != num_bytes \
                 or t.stride(-1) != 1 or t.device.type != "cpu":
             raise InvalidArgument(

@@ -164,10 +164,12 @@ class KernelTransfers:
                first_block: int, event: object = None) -> SaveJob:
         """Queue the copy-out of blocks ``first_block ..`` behind the step's forward pass;
         the job's put waits for its ``ready`` event."""
-        stream = self._save_stream
+        # The engine's stream is taken before the save stream becomes current: inside the
+        # block, current_stream() is the save stream, and waiting on it would order nothing.
+        stream, engine = self._save_stream, self._engine_stream()
         with torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext():
             if self._cuda:
-                stream.wait_stream(self._engine_stream())
+                stream.wait_stream(engine)
             kv, ready = self.cache.gather(block_ids[first_block:], stream)
         return SaveJob(req_id, ns, token_ids, kv, first_block, ready, event)
 

@@ -18,10 +18,11 @@ from kvstore.client.groups import GroupCache
 from kvstore.client.snapshot_pages import snapshot_ids
 from kvstore.codecs.triton.common import kernels_runnable
 from kvstore.config import DramConfig, HbmConfig, TierConfig
+from kvstore.errors import InvalidArgument
 from kvstore.groups import CacheGroup, CacheSpec
 from kvstore.keys import Namespace
 
-from ..server.helpers import DaemonThread, rpc_calls, small_config
+from ..server.helpers import DaemonThread, rpc_calls, small_config, wait_for
 
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not kernels_runnable(torch.device(DEVICE)),
@@ -154,3 +155,31 @@ def test_a_window_load_writes_and_acquires_only_the_windows_blocks(tmp_path, tie
         saver.close()
         loader.close()
         assert client.stats().active_leases == 0
+
+
+@pytest.mark.parametrize("tiers", ["hbm", "host"])
+def test_a_gathered_snapshot_is_put_under_a_request_namespace_and_loads_back(tmp_path, tiers):
+    """``EngineStates.gather`` copies a slot's snapshot into host memory for a put on
+    another thread; keyed under a request's own namespace of the group (``ns=``), it is that
+    namespace's page alone, loads back bit-exact through it, and a namespace of another
+    geometry is refused."""
+    with DaemonThread(config_for(tmp_path, tiers)) as daemon, \
+            Client(daemon.unix_address) as client:
+        src = state_slots()
+        states = EngineStates(client, HYBRID, 1, src)
+        salted = dataclasses.replace(HYBRID, extra_salt="request").group(1)
+        pages, got = states.gather([(TOKENS, 3, 2)], ns=salted)
+        if got.ready is not None:
+            got.ready.synchronize()
+        assert client.put(salted, pages[0], got.kv[0])
+        assert states.load(TOKENS, 3, slot=0).wait() == 0  # not the engine's own page
+        dst = state_slots(fill=0x5A)
+        loader = EngineStates(client, HYBRID, 1, dst)
+        assert loader.load(TOKENS, 3, slot=1, ns=salted).wait() == 3 * BLOCK
+        assert torch.equal(slot_bytes(dst, 1), slot_bytes(src, 2))
+        with pytest.raises(InvalidArgument, match="not the pages' of state group 'mamba'"):
+            loader.load(TOKENS, 3, slot=1, ns=HYBRID.group(0))
+        for cache in (states, loader):
+            cache.close()
+        # the get's lease goes back on its own within RELEASE_LINGER_S
+        assert wait_for(lambda: client.stats().active_leases == 0)
