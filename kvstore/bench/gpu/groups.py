@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.bench.gpu.rig import aligned
+from kvstore.bench.gpu.rig import COLUMNS, aligned
 from kvstore.bench.report import BenchReport
 from kvstore.codecs.device import device_layout
 from kvstore.codecs.triton.engine import from_engine, to_engine
@@ -198,7 +198,6 @@ def _state_rows(shapes: Shapes, device: torch.device, total_bytes: int, ms,
 def run_group_bench(*, total_bytes: int = 1 << 30, quick: bool = False) -> BenchReport:
     """The group rows alone: on CUDA, or on the CPU through Triton's interpreter (tiny
     sizes; ``total_bytes`` is capped at 64 KiB there)."""
-    from kvstore.bench.gpu.paths import COLUMNS
     from kvstore.codecs.triton.common import kernels_runnable
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

@@ -18,21 +18,18 @@ import torch
 
 from kvstore.bench.gpu.groups import group_rows
 from kvstore.bench.gpu.ready import ready_rows
-from kvstore.bench.gpu.rig import CODECS, SPEC, Rig, aligned, bench_ms, copy_ms, staged_load
-from kvstore.bench.report import BenchReport, Column
-from kvstore.errors import KVStoreError
-
-COLUMNS = (
-    Column("path", "path", justify="left"),
-    Column("codec", "codec", justify="left"),
-    Column("ms", "ms", 3),
-    Column("gbps", "GB/s", 1),
-    Column("ceiling", "ceiling", justify="left"),
-    Column("ceiling_gbps", "ceiling GB/s", 1),
-    Column("ratio", "ratio", 3),
-    Column("aim", "aim", justify="left"),
+from kvstore.bench.gpu.rig import (
+    CODECS,
+    COLUMNS,
+    SPEC,
+    Rig,
+    aligned,
+    bench_ms,
+    copy_ms,
+    staged_load,
 )
-
+from kvstore.bench.report import BenchReport
+from kvstore.errors import KVStoreError
 
 
 def _row(path: str, codec: str, ms: float, nbytes: float, ceiling: str, ceiling_gbps: float,

@@ -8,9 +8,24 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvstore.bench.report import Column
 from kvstore.codecs.device import SECTION_ALIGN, DeviceLayout, device_layout
 from kvstore.errors import KVStoreError
 from kvstore.spec import EngineLayout, KVSpec
+
+# The columns of a path or kernel row: its time, its rate, and that rate against a ceiling
+# measured in the same run.
+COLUMNS = (
+    Column("path", "path", justify="left"),
+    Column("codec", "codec", justify="left"),
+    Column("ms", "ms", 3),
+    Column("gbps", "GB/s", 1),
+    Column("ceiling", "ceiling", justify="left"),
+    Column("ceiling_gbps", "ceiling GB/s", 1),
+    Column("ratio", "ratio", 3),
+    Column("aim", "aim", justify="left"),
+)
+
 
 SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)  # 2 MiB a block
 CODECS = ("raw", "fp8_e4m3", "nvfp4", "mxfp4", "int4", "int2")
