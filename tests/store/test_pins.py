@@ -74,9 +74,11 @@ async def test_pinned_prefix_outlives_pressure_and_restart_then_expires(tmp_path
             return not store.list_pins()
 
         await wait_for(expired)
-        await fill(store, NS, 12 * MiB, seed=900)
-        # Ordinary again: pressure takes its blocks (a much-used first one may stay longer).
-        assert (await store.lookup(NS, prompt)).matched_tokens < 128
+        # Ordinary again: an ordinary evict, which leaves pinned blocks, takes them. (Not
+        # pressure: whether a fill pushes them off the SSD depends on background demotion and
+        # compaction keeping up, which a loaded box does not promise.)
+        assert await store.evict(tenant="acme") > 0
+        assert (await store.lookup(NS, prompt)).matched_tokens == 0
 
 
 async def test_pin_over_budget_is_refused_with_the_numbers(tmp_path):
