@@ -417,11 +417,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         if ns.is_grouped:  # every page the grouped hit needs, whatever its group
-            async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
-                _, needed, _, _ = await match_groups(self._dir, self.share, ns, arr,
-                                                     lambda keys: None)
-            mine = [e for e in pin_order(ns, needed) if e.meta.tenant == ns.tenant]
-            return self._pins.pin_entries(ns, mine, ttl_s)
+            return self._pins.pin_entries(ns, await self._hit_pages(ns, arr), ttl_s)
         return self._pins.pin(ns, await self._keys(ns, arr), ttl_s)
 
     async def unpin(self, ns: Namespace, tokens: Tokens) -> int:
@@ -528,10 +524,7 @@ class Store:
         self._check_open()
         arr = token_array(tokens)
         if ns.is_grouped:  # every page the grouped hit needs, named as its pin would be
-            async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
-                _, needed, _, _ = await match_groups(self._dir, self.share, ns, arr,
-                                                     lambda keys: None)
-            keys = [e.meta.key for e in pin_order(ns, needed)]
+            keys = [e.meta.key for e in await self._hit_pages(ns, arr)]
             if not keys:
                 return 0
         else:
@@ -543,6 +536,14 @@ class Store:
         prefix (what had not landed counts as cancelled). Returns how many hints ended."""
         self._check_open()
         return self._hints.arrived(ns.tenant, await self._hint_keys(ns, token_array(tokens)))
+
+    async def _hit_pages(self, ns: Namespace, arr: np.ndarray) -> list[BlockEntry]:
+        """The pages held here that grouped ``ns``'s hit on ``arr`` needs, ``ns``'s tenant's
+        only, in ``pin_order`` (the page that names a pin or hint last)."""
+        async with self.share.turn(ns.tenant, arr.size // ns.spec.block_tokens):
+            _, needed, _, _ = await match_groups(self._dir, self.share, ns, arr,
+                                                 lambda keys: None)
+        return [e for e in pin_order(ns, needed) if e.meta.tenant == ns.tenant]
 
     async def _hint_keys(self, ns: Namespace, arr: np.ndarray) -> list[BlockKey]:
         """The keys that may name a hint (or pin) of a prefix of ``arr``."""
